@@ -1,0 +1,1 @@
+"""Bundled model definitions (*.dsl), shipped as package data."""
