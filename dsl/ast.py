@@ -1,0 +1,208 @@
+"""AST of the kiln DSL: `model` and `recipe` declarations. Plain frozen dataclasses, every node located."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from kiln.dsl.errors import Loc
+
+# ---------------------------------------------------------------- expressions
+
+
+@dataclass(frozen=True, slots=True)
+class Num:
+    value: int | float
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Str:
+    value: str
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Bool:
+    value: bool
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Size:
+    """A byte size literal such as `16GiB` or `512MB`; `value` is in bytes."""
+
+    value: int
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    id: str
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class BinOp:
+    op: str  # + - * / // % ** == != < <= > >= && ||
+    left: "Expr"
+    right: "Expr"
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class UnaryOp:
+    op: str  # - !
+    operand: "Expr"
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Ternary:
+    cond: "Expr"
+    then: "Expr"
+    else_: "Expr"
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """`f(a, b, k=v)`. The pipe `a |> f(b)` is desugared by the parser into `f(a, b)`."""
+
+    func: str
+    args: tuple["Expr", ...]
+    kwargs: tuple[tuple[str, "Expr"], ...]
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class List:
+    items: tuple["Expr", ...]
+    loc: Loc
+
+
+Expr = Union[Num, Str, Bool, Size, Name, BinOp, UnaryOp, Ternary, Call, List]
+
+# ---------------------------------------------------------------- forward bodies
+
+
+@dataclass(frozen=True, slots=True)
+class Assign:
+    targets: tuple[str, ...]  # `q, k = rope(q, k, ...)` has two targets
+    value: Expr
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Return:
+    value: Expr
+    loc: Loc
+
+
+Stmt = Union[Assign, Return]
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    args: tuple[str, ...]
+    body: tuple[Stmt, ...]
+    loc: Loc
+
+
+# ---------------------------------------------------------------- model declarations
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigParam:
+    name: str
+    type: str  # int | float | bool | str
+    default: Expr | None
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class ParamDecl:
+    """`param wq: [heads * head_dim, hidden] from "model.layers.{i}.self_attn.q_proj.weight" if cond`."""
+
+    name: str
+    shape: tuple[Expr, ...]
+    source: Str | None  # checkpoint tensor name template; `{i}` is the layer index inside a block
+    cond: Expr | None  # the param exists only when this config expression is true
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDecl:
+    """`block decoder[layers] { params...; forward(h) {...} }`: one graph run `count` times."""
+
+    name: str
+    count: Expr
+    params: tuple[ParamDecl, ...]
+    forward: Forward
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDecl:
+    name: str
+    config: tuple[ConfigParam, ...]
+    params: tuple[ParamDecl, ...]  # top-level (non-block) params
+    blocks: tuple[BlockDecl, ...]
+    forward: Forward
+    loc: Loc
+
+
+# ---------------------------------------------------------------- recipe declarations
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """`key = value` at recipe top level or inside a section."""
+
+    key: str
+    value: Expr
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class PassHook:
+    """`after fuse_qkv: "mypkg.mod:MyPass"` inside `passes { ... }`."""
+
+    position: str  # after | before
+    anchor: str
+    spec: Str
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """`quantize { weights = fp8(block=128); kv_cache = fp8 }`."""
+
+    name: str
+    entries: tuple[Setting | PassHook, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class RecipeDecl:
+    name: str
+    settings: tuple[Setting, ...]
+    sections: tuple[Section, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class UseDecl:
+    """`use llama` (bundled model) or `use "path/to/file.dsl"` (relative to the using file)."""
+
+    target: str
+    is_path: bool
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class Module:
+    file: str
+    uses: tuple[UseDecl, ...] = ()
+    models: tuple[ModelDecl, ...] = ()
+    recipes: tuple[RecipeDecl, ...] = ()
+    loc: Loc | None = field(default=None)

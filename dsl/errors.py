@@ -1,0 +1,70 @@
+"""Source-located errors: every user-facing compile error prints `file:line:col`, the line, and a caret."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Loc:
+    """A position in a source file (1-based line and column)."""
+
+    file: str
+    line: int
+    col: int
+    end_col: int | None = None  # exclusive; the caret underlines [col, end_col) when known
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+_SOURCES: dict[str, str] = {}
+
+
+def register_source(file: str, text: str) -> None:
+    """Remembers a file's text so errors can quote the offending line (also for in-memory sources)."""
+    _SOURCES[file] = text
+
+
+def source_line(loc: Loc) -> str | None:
+    text = _SOURCES.get(loc.file)
+    if text is None:
+        try:
+            with open(loc.file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            return None
+    lines = text.splitlines()
+    return lines[loc.line - 1] if 0 < loc.line <= len(lines) else None
+
+
+class KilnError(Exception):
+    """Base of every error kiln reports to a user without a traceback (the CLI exits with status 2)."""
+
+    def format(self) -> str:
+        return f"error: {self}"
+
+
+class SourceError(KilnError):
+    """An error at a place in a recipe or model file."""
+
+    def __init__(self, message: str, loc: Loc | None, notes: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.message = message
+        self.loc = loc
+        self.notes = notes
+
+    def format(self) -> str:
+        if self.loc is None:
+            head = f"error: {self.message}"
+            return "\n".join([head, *(f"  note: {n}" for n in self.notes)])
+        out = [f"{self.loc}: error: {self.message}"]
+        line = source_line(self.loc)
+        if line is not None:
+            width = max(1, (self.loc.end_col or self.loc.col + 1) - self.loc.col)
+            out.append(f"  {line}")
+            out.append("  " + " " * (self.loc.col - 1) + "^" + "~" * (width - 1))
+        out.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.message if self.loc is None else f"{self.loc}: {self.message}"

@@ -1,0 +1,1 @@
+"""kiln: a compiler-driven LLM serving framework."""
