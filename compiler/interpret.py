@@ -1,0 +1,57 @@
+"""Reference interpreter: runs a Program on one dense sequence with the op table's torch references.
+
+It defines what a Program *means*. Pass numerics tests run it before and after a pass; kernel and
+artifact tests compare against it; it is slow and simple on purpose.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kiln.compiler.ir import Graph, Program
+from kiln.compiler.ops import OPS, REQUIRED, RefContext
+
+
+def reference_attrs(op: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The attributes an op's reference takes: declared ones, defaults filled, annotations dropped."""
+    out = {}
+    for key, default in OPS[op].attrs.items():
+        if key in attrs:
+            out[key] = list(attrs[key]) if isinstance(attrs[key], tuple) else attrs[key]
+        elif default is not REQUIRED:
+            out[key] = default
+    return out
+
+
+def run_graph(program: Program, graph: Graph, args: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
+              ctx: RefContext, layer: int | None = None) -> list[Any]:
+    env: dict[str, Any] = {}
+    for vid, node in graph.items():
+        if node.op == "input":
+            env[vid] = args[node.attrs["name"]]
+        elif node.op == "param":
+            env[vid] = weights[program.params[node.attrs["name"]].layer_name(layer)]
+        elif node.op == "block":
+            spec = program.blocks[node.attrs["block"]]
+            block_graph = program.graphs[spec.graph]
+            (arg_name,) = [block_graph.node(i).attrs["name"] for i in block_graph.inputs]
+            h = env[node.inputs[0]]
+            for i in range(spec.count):
+                (h,) = run_graph(program, block_graph, {arg_name: h}, weights, ctx, layer=i)
+            env[vid] = h
+        else:
+            ref = OPS[node.op].reference
+            assert ref is not None, f"op {node.op!r} has no reference implementation"
+            env[vid] = ref(ctx, *(env[i] for i in node.inputs), **reference_attrs(node.op, node.attrs))
+    return [env[o] for o in graph.outputs]
+
+
+@torch.no_grad()
+def interpret(program: Program, weights: Mapping[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [T, vocab] of a single sequence `tokens` (prefill from position 0)."""
+    ctx = RefContext(positions=torch.arange(tokens.shape[0]))
+    (logits,) = run_graph(program, program.entry, {program.entry.node(program.entry.inputs[0]).attrs["name"]: tokens},
+                          weights, ctx)
+    return logits

@@ -1,0 +1,346 @@
+"""The op table: every IR op's signature, shape rule, torch reference implementation and cost.
+
+Reference implementations give an op's *meaning* on one dense sequence (no KV cache, no batch): the
+interpreter (`kiln.compiler.interpret`) runs them to check passes and kernels. Generated kernels
+implement the same meaning over the runtime's paged, batched layout.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.compiler.ir import DTYPE_BYTES, Attrs, Dim, TensorType, TupleType, ValueType
+
+
+class ShapeError(Exception):
+    """An op's inputs or attributes do not fit its shape rule."""
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    flops: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RefContext:
+    """What reference ops may read besides their inputs: one dense sequence."""
+
+    positions: torch.Tensor  # [T] int64
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    min_inputs: int
+    max_inputs: int
+    infer: Callable[[list[TensorType], Attrs], ValueType]
+    reference: Callable[..., Any] | None = None  # reference(ctx, *inputs, **attrs)
+    cost: Callable[[list[TensorType], ValueType, Attrs], Cost] | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)  # allowed attributes -> default (REQUIRED = must be given)
+    per_tensor: bool = False  # `a, b = op(a, b, ...)` applies the op to each tensor argument separately
+    varargs_attr: str | None = None  # positional constants collect into this attribute: view(x, 4, 16)
+    doc: str = ""
+
+
+REQUIRED = object()
+OPS: dict[str, OpDef] = {}
+
+
+def register_op(op: OpDef) -> OpDef:
+    assert op.name not in OPS, f"op {op.name!r} registered twice"
+    OPS[op.name] = op
+    return op
+
+
+def get_op(name: str) -> OpDef:
+    return OPS[name]
+
+
+# ---------------------------------------------------------------- shape helpers
+
+
+def _same(a: Dim, b: Dim) -> bool:
+    return a == b
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ShapeError(msg)
+
+
+def _nbytes(t: ValueType, symbols: dict[str, int] | None = None) -> int:
+    if isinstance(t, TupleType):
+        return sum(_nbytes(x, symbols) for x in t.items)
+    return t.numel(symbols) * DTYPE_BYTES.get(t.dtype, 4)
+
+
+def _io_bytes(ins: list[TensorType], out: ValueType, attrs: Attrs) -> Cost:
+    return Cost(flops=0, bytes=sum(_nbytes(t) for t in ins) + _nbytes(out))
+
+
+def _elementwise_cost(flops_per_elem: int) -> Callable[[list[TensorType], ValueType, Attrs], Cost]:
+    def cost(ins: list[TensorType], out: ValueType, attrs: Attrs) -> Cost:
+        o = out.items[0] if isinstance(out, TupleType) else out
+        return Cost(flops=flops_per_elem * o.numel(), bytes=sum(_nbytes(t) for t in ins) + _nbytes(out))
+
+    return cost
+
+
+# ---------------------------------------------------------------- graph plumbing ops
+
+
+register_op(OpDef("input", 0, 0, infer=lambda ins, a: a["type"], attrs={"name": REQUIRED, "type": REQUIRED},
+                  doc="A graph input (the entry graph's token ids, a block's hidden state)."))
+register_op(OpDef("param", 0, 0, infer=lambda ins, a: a["type"], attrs={"name": REQUIRED, "type": REQUIRED},
+                  doc="A weight: `name` is a ParamSpec name of the program."))
+
+
+def _infer_block(ins: list[TensorType], a: Attrs) -> ValueType:
+    return ins[0]
+
+
+register_op(OpDef("block", 1, 1, infer=_infer_block, attrs={"block": REQUIRED},
+                  doc="Runs every layer of a repeated block, in order, on a hidden state."))
+
+
+def _infer_getitem(ins: list[Any], a: Attrs) -> ValueType:
+    (t,) = ins
+    _check(isinstance(t, TupleType), "getitem reads a tuple-valued op")
+    _check(0 <= a["index"] < len(t.items), f"getitem index {a['index']} out of range")
+    return t.items[a["index"]]
+
+
+register_op(OpDef("getitem", 1, 1, infer=_infer_getitem, reference=lambda ctx, t, index: t[index],
+                  attrs={"index": REQUIRED}, doc="Element `index` of a tuple-valued op."))
+
+# ---------------------------------------------------------------- model ops
+
+
+def _infer_embedding(ins: list[TensorType], a: Attrs) -> TensorType:
+    ids, table = ins
+    _check(ids.rank == 1 and ids.dtype in ("i32", "i64"), f"embedding ids must be an int vector, got {ids}")
+    _check(table.rank == 2, f"embedding table must be 2-D, got {table}")
+    return TensorType((ids.shape[0], table.shape[1]), table.dtype)
+
+
+register_op(OpDef(
+    "embedding", 2, 2, infer=_infer_embedding,
+    reference=lambda ctx, ids, table: F.embedding(ids.long(), table),
+    cost=lambda ins, out, a: Cost(0, _nbytes(out) * 2 + _nbytes(ins[0])),
+))
+
+
+def _ref_rms_norm(ctx: RefContext, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _infer_rms_norm(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, w = ins
+    _check(w.rank == 1 and _same(w.shape[0], x.shape[-1]), f"rms_norm weight {w} does not match input {x}")
+    return x
+
+
+register_op(OpDef("rms_norm", 2, 2, infer=_infer_rms_norm, reference=_ref_rms_norm,
+                  cost=_elementwise_cost(4), attrs={"eps": 1e-6}))
+
+
+def _infer_add_rms_norm(ins: list[TensorType], a: Attrs) -> TupleType:
+    x, res, w = ins
+    _check(x.shape == res.shape, f"add_rms_norm operands differ: {x} vs {res}")
+    return TupleType((_infer_rms_norm([x, w], a), x))
+
+
+def _ref_add_rms_norm(ctx: RefContext, x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float):
+    s = x + res
+    return (_ref_rms_norm(ctx, s, w, eps), s)
+
+
+register_op(OpDef("add_rms_norm", 3, 3, infer=_infer_add_rms_norm, reference=_ref_add_rms_norm,
+                  cost=_elementwise_cost(5), attrs={"eps": 1e-6},
+                  doc="(rms_norm(x + residual), x + residual) in one pass over memory."))
+
+
+def _infer_linear(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, w = ins[0], ins[1]
+    _check(w.rank == 2, f"linear weight must be 2-D, got {w}")
+    _check(_same(x.shape[-1], w.shape[1]), f"linear input {x} does not match weight {w} (in_features {w.shape[1]})")
+    if len(ins) == 3:
+        _check(ins[2].rank == 1 and _same(ins[2].shape[0], w.shape[0]), f"linear bias {ins[2]} vs weight {w}")
+    return TensorType((*x.shape[:-1], w.shape[0]), x.dtype)
+
+
+def _linear_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    x, w = ins[0], ins[1]
+    rows = x.numel() // max(1, x.shape[-1]) if isinstance(x.shape[-1], int) else 1
+    return Cost(2 * rows * w.numel(), sum(_nbytes(t) for t in ins) + _nbytes(out))
+
+
+register_op(OpDef("linear", 2, 3, infer=_infer_linear,
+                  reference=lambda ctx, x, w, b=None: F.linear(x, w, b), cost=_linear_cost,
+                  doc="x @ w.T (+ b)."))
+
+
+def _infer_view(ins: list[TensorType], a: Attrs) -> TensorType:
+    (x,) = ins
+    shape = tuple(a["shape"])
+    prod = math.prod(shape)
+    _check(isinstance(x.shape[-1], int) and x.shape[-1] == prod,
+           f"view{list(shape)} needs a last dim of {prod}, got {x}")
+    return TensorType((*x.shape[:-1], *shape), x.dtype)
+
+
+register_op(OpDef("view", 1, 1, infer=_infer_view, attrs={"shape": REQUIRED}, varargs_attr="shape",
+                  reference=lambda ctx, x, shape: x.reshape(*x.shape[:-1], *shape),
+                  cost=lambda ins, out, a: Cost(0, 0), doc="Splits the last dim into `shape`."))
+
+
+def _infer_slice(ins: list[TensorType], a: Attrs) -> TensorType:
+    (x,) = ins
+    start, stop = a["start"], a["stop"]
+    _check(isinstance(x.shape[-1], int) and 0 <= start < stop <= x.shape[-1],
+           f"slice [{start}:{stop}] out of range for {x}")
+    return TensorType((*x.shape[:-1], stop - start), x.dtype)
+
+
+register_op(OpDef("slice", 1, 1, infer=_infer_slice, attrs={"start": REQUIRED, "stop": REQUIRED},
+                  reference=lambda ctx, x, start, stop: x[..., start:stop],
+                  cost=lambda ins, out, a: Cost(0, 0), doc="x[..., start:stop] (a view of a fused output)."))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: str, factor: float, low_freq_factor: float,
+                  high_freq_factor: float, original_max_position: int) -> torch.Tensor:
+    """Inverse frequencies of RoPE, including Llama-3.1 frequency-dependent scaling ("llama3")."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling == "llama3":
+        low_wavelen = original_max_position / low_freq_factor
+        high_wavelen = original_max_position / high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    elif scaling == "linear":
+        inv = inv / factor
+    elif scaling != "none":
+        raise ValueError(f"unknown rope scaling {scaling!r} (known: none, linear, llama3)")
+    return inv
+
+
+ROPE_ATTRS = {"theta": 10000.0, "scaling": "none", "factor": 1.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position": 8192}
+
+
+def _ref_rope(ctx: RefContext, x: torch.Tensor, **a: Any) -> torch.Tensor:
+    d = x.shape[-1]
+    inv = rope_inv_freq(d, a["theta"], a["scaling"], a["factor"], a["low_freq_factor"],
+                        a["high_freq_factor"], a["original_max_position"])
+    ang = ctx.positions.float()[:, None] * inv[None, :]  # [T, D/2]
+    emb = torch.cat([ang, ang], dim=-1)
+    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return x * cos + rot * sin
+
+
+def _infer_rope(ins: list[TensorType], a: Attrs) -> TensorType:
+    (x,) = ins
+    _check(x.rank == 3 and isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0,
+           f"rope expects [T, heads, head_dim] with an even head_dim, got {x}")
+    return x
+
+
+register_op(OpDef("rope", 1, 1, infer=_infer_rope, reference=_ref_rope, cost=_elementwise_cost(6),
+                  attrs=dict(ROPE_ATTRS), per_tensor=True,
+                  doc="Rotary position embedding (rotate-half convention) at the step's positions."))
+
+
+def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
+    q, k, v = ins
+    _check(q.rank == 3 and k.rank == 3 and v.rank == 3, f"attention expects [T, heads, head_dim], got {q}, {k}, {v}")
+    _check(k.shape == v.shape, f"attention k {k} and v {v} differ")
+    _check(_same(q.shape[2], k.shape[2]), f"attention head_dim differs: q {q}, k {k}")
+    hq, hk = q.shape[1], k.shape[1]
+    _check(isinstance(hq, int) and isinstance(hk, int) and hq % hk == 0,
+           f"attention query heads {hq} must be a multiple of kv heads {hk}")
+    return TensorType((q.shape[0], hq * q.shape[2]), q.dtype)
+
+
+def _ref_attention(ctx: RefContext, q, k, v, sliding_window: int = 0, scale: float | None = None):
+    t, hq, d = q.shape
+    rep = hq // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = d ** -0.5 if scale is None else scale
+    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    pos = ctx.positions.long()
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window:
+        mask &= pos[None, :] > pos[:, None] - sliding_window
+    s = s.masked_fill(~mask[None], float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.float()).to(q.dtype)
+    return o.reshape(t, hq * d)
+
+
+def _attention_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    q, k, _ = ins
+    return Cost(4 * q.numel(), sum(_nbytes(t) for t in ins) + _nbytes(out))  # per token of context; see report
+
+
+register_op(OpDef("attention", 3, 3, infer=_infer_attention, reference=_ref_attention, cost=_attention_cost,
+                  attrs={"sliding_window": 0, "scale": None},
+                  doc="Causal attention over this step's tokens and the sequence's cached K/V (GQA)."))
+
+
+def _infer_unary(ins: list[TensorType], a: Attrs) -> TensorType:
+    return ins[0]
+
+
+register_op(OpDef("silu", 1, 1, infer=_infer_unary, reference=lambda ctx, x: F.silu(x), cost=_elementwise_cost(4)))
+
+
+def _infer_silu_mul(ins: list[TensorType], a: Attrs) -> TensorType:
+    (x,) = ins
+    _check(isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0, f"silu_mul needs an even last dim, got {x}")
+    return TensorType((*x.shape[:-1], x.shape[-1] // 2), x.dtype)
+
+
+def _ref_silu_mul(ctx: RefContext, x: torch.Tensor) -> torch.Tensor:
+    f = x.shape[-1] // 2
+    return F.silu(x[..., :f]) * x[..., f:]
+
+
+register_op(OpDef("silu_mul", 1, 1, infer=_infer_silu_mul, reference=_ref_silu_mul, cost=_elementwise_cost(5),
+                  doc="silu(x[..., :F]) * x[..., F:] for a fused gate/up output."))
+
+
+def _infer_binary(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, y = ins
+    _check(x.shape == y.shape, f"operands differ in shape: {x} vs {y}")
+    _check(x.dtype == y.dtype, f"operands differ in dtype: {x} vs {y}")
+    return x
+
+
+register_op(OpDef("add", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: x + y, cost=_elementwise_cost(1)))
+register_op(OpDef("mul", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: x * y, cost=_elementwise_cost(1)))
+
+
+def _infer_logits(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, w = ins
+    _check(w.rank == 2 and _same(x.shape[-1], w.shape[1]), f"logits weight {w} does not match hidden {x}")
+    return TensorType((x.shape[0], w.shape[0]), "f32")
+
+
+register_op(OpDef("logits", 2, 2, infer=_infer_logits,
+                  reference=lambda ctx, x, w: F.linear(x, w).float(), cost=_linear_cost,
+                  doc="fp32 logits of the rows the runtime asks for (all rows in the reference)."))
+
+
+def infer(op: str, ins: Sequence[ValueType], attrs: Attrs) -> ValueType:
+    return OPS[op].infer(list(ins), attrs)

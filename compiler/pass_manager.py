@@ -1,0 +1,168 @@
+"""The pass API: `Pass`, `register_pass`, and the `PassManager` that runs, verifies and logs them.
+
+This is kiln's public extension point. A custom pass is a `Pass` subclass with a `run(program, ctx)` that
+returns a new `Program` (or the same object when nothing changed) and never mutates its input:
+
+    @register_pass("my_pass", requires=("shape_inference",))
+    class MyPass(Pass):
+        '''Requires: typed IR. Guarantees: ...'''
+        def run(self, program, ctx):
+            ...
+
+    pm = PassManager.for_target("cpu")          # via kiln.passes.pipeline
+    pm.insert_after("fuse_qkv", MyPass())
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kiln.compiler.ir import Program
+from kiln.compiler.text import print_program
+from kiln.compiler.verifier import verify_program
+
+
+class PassError(Exception):
+    """A pass could not be found, ordered, or produced invalid IR."""
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the program, and where the manager records what passes did."""
+
+    target: str = "cpu"
+    options: dict[str, Any] = field(default_factory=dict)  # recipe sections (quantize, parallel, …)
+    dump_dir: Path | None = None
+    verify: bool = True
+    log: list[PassRecord] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)  # a pass's own counters for this run, e.g. {"matches": 3}
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    changed: bool
+    nodes_before: int
+    nodes_after: int
+    params_before: int
+    params_after: int
+    seconds: float
+    stats: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "changed": self.changed, "nodes": [self.nodes_before, self.nodes_after],
+                "params": [self.params_before, self.params_after], "stats": self.stats}
+
+
+class Pass:
+    """A program-to-program transformation. Subclasses set `name`/`requires` through `register_pass`."""
+
+    name: str = "<unnamed>"
+    requires: tuple[str, ...] = ()
+
+    def run(self, program: Program, ctx: PassContext) -> Program:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+_REGISTRY: dict[str, type[Pass]] = {}
+P = TypeVar("P", bound=type[Pass])
+
+
+def register_pass(name: str, requires: Iterable[str] = ()) -> Callable[[P], P]:
+    def deco(cls: P) -> P:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise PassError(f"pass name {name!r} is already registered by {_REGISTRY[name].__qualname__}")
+        cls.name = name
+        cls.requires = tuple(requires)
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def registered_passes() -> dict[str, type[Pass]]:
+    return dict(_REGISTRY)
+
+
+def load_pass(spec: str) -> Pass:
+    """Instantiates a pass from `"pkg.module:ClassName"` (recipe `passes { after X: "..." }`)."""
+    mod_name, _, attr = spec.partition(":")
+    if not attr:
+        raise PassError(f"pass spec {spec!r} must read 'package.module:ClassName'")
+    try:
+        cls = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise PassError(f"cannot load pass {spec!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Pass)):
+        raise PassError(f"{spec!r} is not a kiln Pass subclass")
+    return cls()
+
+
+class PassManager:
+    """An ordered list of passes. Runs each, verifies the IR after it, logs and optionally dumps it."""
+
+    def __init__(self, passes: Iterable[Pass]):
+        self.passes: list[Pass] = list(passes)
+
+    @classmethod
+    def for_target(cls, target: str) -> PassManager:
+        from kiln.passes.pipeline import build_pipeline  # noqa: PLC0415 - passes register on import
+
+        return cls(build_pipeline(target))
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def _index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise PassError(f"no pass named {name!r} in the pipeline (have: {', '.join(self.names)})") from None
+
+    def insert_after(self, anchor: str, p: Pass) -> None:
+        self.passes.insert(self._index(anchor) + 1, p)
+
+    def insert_before(self, anchor: str, p: Pass) -> None:
+        self.passes.insert(self._index(anchor), p)
+
+    def remove(self, name: str) -> None:
+        del self.passes[self._index(name)]
+
+    def run(self, program: Program, ctx: PassContext | None = None) -> Program:
+        ctx = ctx or PassContext()
+        done: set[str] = set()
+        if ctx.verify:
+            verify_program(program)
+        if ctx.dump_dir is not None:
+            ctx.dump_dir.mkdir(parents=True, exist_ok=True)
+            (ctx.dump_dir / "00_input.ir").write_text(print_program(program))
+        for k, p in enumerate(self.passes, start=1):
+            missing = [r for r in p.requires if r not in done]
+            if missing:
+                raise PassError(f"pass {p.name!r} requires {missing} to run before it")
+            ctx.stats = {}
+            t0 = time.perf_counter()
+            out = p.run(program, ctx)
+            dt = time.perf_counter() - t0
+            if not isinstance(out, Program):
+                raise PassError(f"pass {p.name!r} returned {type(out).__name__}, not a Program")
+            if ctx.verify:
+                try:
+                    verify_program(out, require_types="shape_inference" in done or p.name == "shape_inference")
+                except Exception as e:
+                    raise PassError(f"IR is invalid after pass {p.name!r}: {e}") from None
+            ctx.log.append(PassRecord(p.name, out is not program, program.num_nodes(), out.num_nodes(),
+                                      len(program.params), len(out.params), dt, dict(ctx.stats)))
+            if ctx.dump_dir is not None:
+                (ctx.dump_dir / f"{k:02d}_{p.name}.ir").write_text(print_program(out))
+            done.add(p.name)
+            program = out
+        return program
