@@ -1,0 +1,143 @@
+"""`kiln compile --report`: per-pass changes, per-kernel cost, and the capacity planner.
+
+The planner is the roofline arithmetic every serving engineer does by hand:
+  * parameter bytes — what one decode step must stream from memory at least once;
+  * KV bytes per token = layers · kv_heads · head_dim · 2 (K and V) · bytes per element;
+  * KV tokens that fit = (memory · memory_fraction − parameter bytes) / KV bytes per token;
+  * TPOT floor at batch 1 = (parameter bytes + KV bytes of the context) / memory bandwidth;
+  * decode turns compute-bound at the batch where 2 · params · B FLOPs take as long as streaming the
+    weights: B* = peak FLOP/s · parameter bytes / (2 · params · bandwidth).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.compiler.ir import DTYPE_BYTES, Program, TensorType
+from kiln.compiler.ops import OPS
+from kiln.compiler.targets import Target
+
+
+@dataclass(frozen=True)
+class Capacity:
+    target: str
+    num_params: int
+    param_bytes: int
+    kv_bytes_per_token: int
+    kv_layers: int
+    memory_bytes: int
+    memory_fraction: float
+    kv_pool_bytes: int
+    kv_tokens: int
+    tpot_floor_s: float  # batch 1, empty context
+    tpot_floor_ctx_s: float  # batch 1 at `context` tokens
+    context: int
+    compute_bound_batch: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _param_count(program: Program) -> tuple[int, int]:
+    count = nbytes = 0
+    for spec in program.params.values():
+        layers = program.blocks[spec.block].count if spec.block else 1
+        n = 1
+        for d in spec.shape:
+            n *= d
+        count += n * layers
+        nbytes += n * layers * DTYPE_BYTES[spec.dtype]
+    return count, nbytes
+
+
+def kv_geometry(program: Program) -> tuple[int, int, int]:
+    """(attention layers, kv_heads, head_dim) over the whole layer schedule."""
+    layers, kv_heads, head_dim = 0, 0, 0
+    for spec in program.blocks.values():
+        g = program.graphs[spec.graph]
+        for _, n in g.items():
+            if n.op == "attention":
+                k = g.node(n.inputs[1]).out
+                assert isinstance(k, TensorType)
+                layers += spec.count
+                kv_heads, head_dim = int(k.shape[1]), int(k.shape[2])
+    return layers, kv_heads, head_dim
+
+
+def capacity(program: Program, target: Target, *, memory_fraction: float = 0.9, kv_dtype: str | None = None,
+             context: int = 1024) -> Capacity:
+    num_params, param_bytes = _param_count(program)
+    layers, kv_heads, head_dim = kv_geometry(program)
+    kv_elem = DTYPE_BYTES[kv_dtype or program.dtype]
+    kv_per_token = layers * kv_heads * head_dim * 2 * kv_elem
+    pool = max(0, int(target.memory_bytes * memory_fraction) - param_bytes)
+    # Embedding rows are gathered, not streamed, in a decode step; the planner still counts all weights,
+    # the conservative (and customary) floor.
+    tpot = param_bytes / target.bandwidth
+    tpot_ctx = (param_bytes + kv_per_token * context) / target.bandwidth
+    peak = target.fp8_flops if program.dtype == "fp8e4m3" else target.bf16_flops
+    b_star = peak * param_bytes / (2 * num_params * target.bandwidth)
+    return Capacity(target.name, num_params, param_bytes, kv_per_token, layers, target.memory_bytes,
+                    memory_fraction, pool, pool // kv_per_token if kv_per_token else 0, tpot, tpot_ctx, context,
+                    b_star)
+
+
+def kernel_costs(program: Program, tokens: int = 1) -> list[tuple[str, int, int, int]]:
+    """(kernel id, calls per step, FLOPs, bytes) summed over the layer schedule, with T = `tokens`."""
+    calls: Counter[str] = Counter()
+    flops: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    reps = {"entry": 1, **{b.graph: b.count for b in program.blocks.values()}}
+    for gname, g in program.graphs.items():
+        for _, n in g.items():
+            kernel = n.attrs.get("kernel", n.op)
+            if kernel == "inline" or n.op in ("input", "param", "block", "getitem"):
+                continue
+            cost_fn = OPS[n.op].cost
+            calls[kernel] += reps[gname]
+            if cost_fn is None or n.out is None:
+                continue
+            ins = [_bind(g.node(i).out, tokens) for i in n.inputs]
+            c = cost_fn(ins, _bind(n.out, tokens), n.attrs)
+            flops[kernel] += c.flops * reps[gname]
+            nbytes[kernel] += c.bytes * reps[gname]
+    return sorted(((k, calls[k], flops[k], nbytes[k]) for k in calls), key=lambda r: -r[3])
+
+
+def _bind(t: Any, tokens: int) -> Any:
+    if isinstance(t, TensorType):
+        return TensorType(tuple(tokens if isinstance(d, str) else d for d in t.shape), t.dtype)
+    return type(t)(tuple(_bind(x, tokens) for x in t.items))
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def format_report(program: Program, target: Target, pass_log: list[dict[str, Any]], *, memory_fraction: float,
+                  kv_dtype: str | None = None) -> str:
+    cap = capacity(program, target, memory_fraction=memory_fraction, kv_dtype=kv_dtype)
+    out = [f"kiln compile report — {program.name} for {target.name} ({target.description})", "", "passes:"]
+    for rec in pass_log:
+        nb, na = rec["nodes"]
+        stats = " ".join(f"{k}={v}" for k, v in rec.get("stats", {}).items())
+        out.append(f"  {rec['name']:<24} {'changed' if rec['changed'] else 'unchanged':<9} nodes {nb:>5} -> {na:<5} {stats}")
+    out += ["", "kernels (one decode token, batch 1):", f"  {'kernel':<24} {'calls':>6} {'MFLOP':>12} {'MB':>12}"]
+    for kernel, calls, fl, by in kernel_costs(program, tokens=1):
+        out.append(f"  {kernel:<24} {calls:>6} {fl / 1e6:>12,.2f} {by / 1e6:>12,.2f}")
+    out += [
+        "",
+        "capacity plan:",
+        f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {program.dtype})",
+        f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {cap.kv_layers} layers x kv_heads x head_dim x 2"
+        f" x {DTYPE_BYTES[kv_dtype or program.dtype]} B)",
+        f"  device memory          {_gb(cap.memory_bytes)} x {cap.memory_fraction} = "
+        f"{_gb(cap.memory_bytes * cap.memory_fraction)}; minus weights -> KV pool {_gb(cap.kv_pool_bytes)}",
+        f"  KV tokens that fit     {cap.kv_tokens:,}",
+        f"  TPOT floor, batch 1    {cap.tpot_floor_s * 1e3:.3f} ms  (weights / {target.bandwidth / 1e12:.2f} TB/s);"
+        f" {cap.tpot_floor_ctx_s * 1e3:.3f} ms at {cap.context} tokens of context",
+        f"  decode compute-bound   from batch ~{cap.compute_bound_batch:.0f} "
+        f"(peak {target.bf16_flops / 1e12:.0f} TFLOP/s / {target.bandwidth / 1e12:.2f} TB/s x bytes per param / 2)",
+    ]
+    return "\n".join(out) + "\n"
