@@ -1,1 +1,15 @@
-"""kiln.dsl."""
+"""kiln.dsl: the recipe and model language — grammar, parser, located AST, semantic checks, loader.
+
+    loaded = load_recipe("examples/llama3_8b.dsl")   # checked: every error is a SourceError with file:line:col
+    loaded.model, loaded.config                      # the ModelDecl and its instantiated config
+"""
+from kiln.dsl.check import check_model, check_module, check_recipe
+from kiln.dsl.errors import KilnError, Loc, SourceError
+from kiln.dsl.evaluate import eval_config, eval_expr
+from kiln.dsl.loader import LoadedRecipe, bundled_models_dir, load_file, load_recipe
+from kiln.dsl.parser import parse
+
+__all__ = [
+    "parse", "load_file", "load_recipe", "LoadedRecipe", "bundled_models_dir", "eval_config", "eval_expr",
+    "check_model", "check_module", "check_recipe", "SourceError", "KilnError", "Loc",
+]

@@ -72,6 +72,8 @@ class Call:
     args: tuple["Expr", ...]
     kwargs: tuple[tuple[str, "Expr"], ...]
     loc: Loc
+    # where each keyword's name is written (parallel to `kwargs`), so errors can point at `hiden=` itself
+    kwarg_locs: tuple[Loc, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,52 @@
+# Llama 2/3/3.1 and Mistral (HF LlamaForCausalLM / MistralForCausalLM tensor names).
+model llama(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = heads,
+            head_dim: int = hidden // heads, ffn: int, rope_theta: float = 10000.0,
+            norm_eps: float = 1e-5, tie_embeddings: bool = false, max_position: int = 4096,
+            rope_scaling: str = "none", rope_factor: float = 1.0, rope_low_freq_factor: float = 1.0,
+            rope_high_freq_factor: float = 4.0, rope_original_max_position: int = 8192,
+            sliding_window: int = 0, attention_bias: bool = false, mlp_bias: bool = false) {
+  param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
+
+  block decoder[layers] {                       # {i} is the layer index
+    param attn_norm: [hidden]                   from "model.layers.{i}.input_layernorm.weight"
+    param wq: [heads * head_dim, hidden]        from "model.layers.{i}.self_attn.q_proj.weight"
+    param wk: [kv_heads * head_dim, hidden]     from "model.layers.{i}.self_attn.k_proj.weight"
+    param wv: [kv_heads * head_dim, hidden]     from "model.layers.{i}.self_attn.v_proj.weight"
+    param wo: [hidden, heads * head_dim]        from "model.layers.{i}.self_attn.o_proj.weight"
+    param bq: [heads * head_dim]                from "model.layers.{i}.self_attn.q_proj.bias" if attention_bias
+    param bk: [kv_heads * head_dim]             from "model.layers.{i}.self_attn.k_proj.bias" if attention_bias
+    param bv: [kv_heads * head_dim]             from "model.layers.{i}.self_attn.v_proj.bias" if attention_bias
+    param bo: [hidden]                          from "model.layers.{i}.self_attn.o_proj.bias" if attention_bias
+    param mlp_norm: [hidden]                    from "model.layers.{i}.post_attention_layernorm.weight"
+    param w_gate: [ffn, hidden]                 from "model.layers.{i}.mlp.gate_proj.weight"
+    param w_up: [ffn, hidden]                   from "model.layers.{i}.mlp.up_proj.weight"
+    param w_down: [hidden, ffn]                 from "model.layers.{i}.mlp.down_proj.weight"
+    param b_gate: [ffn]                         from "model.layers.{i}.mlp.gate_proj.bias" if mlp_bias
+    param b_up: [ffn]                           from "model.layers.{i}.mlp.up_proj.bias" if mlp_bias
+    param b_down: [hidden]                      from "model.layers.{i}.mlp.down_proj.bias" if mlp_bias
+
+    forward(h) {
+      x = rms_norm(h, attn_norm, eps=norm_eps)
+      q = (attention_bias ? linear(x, wq, bq) : linear(x, wq)) |> view(heads, head_dim)
+      k = (attention_bias ? linear(x, wk, bk) : linear(x, wk)) |> view(kv_heads, head_dim)
+      v = (attention_bias ? linear(x, wv, bv) : linear(x, wv)) |> view(kv_heads, head_dim)
+      q, k = rope(q, k, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
+                  low_freq_factor=rope_low_freq_factor, high_freq_factor=rope_high_freq_factor,
+                  original_max_position=rope_original_max_position)
+      a = attention(q, k, v, sliding_window=sliding_window)
+      h = h + (attention_bias ? linear(a, wo, bo) : linear(a, wo))
+      x = rms_norm(h, mlp_norm, eps=norm_eps)
+      gate = mlp_bias ? linear(x, w_gate, b_gate) : linear(x, w_gate)
+      up = mlp_bias ? linear(x, w_up, b_up) : linear(x, w_up)
+      return h + (mlp_bias ? linear(silu(gate) * up, w_down, b_down) : linear(silu(gate) * up, w_down))
+    }
+  }
+
+  param norm: [hidden]                          from "model.norm.weight"
+  param lm_head: [vocab, hidden]                from "lm_head.weight" if !tie_embeddings
+
+  forward(tokens) {
+    h = decoder(embedding(tokens, embed))       # runs every layer of the block in order
+    return logits(rms_norm(h, norm, eps=norm_eps), tie_embeddings ? embed : lm_head)
+  }
+}

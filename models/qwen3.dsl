@@ -1,0 +1,52 @@
+# Qwen3 dense (HF Qwen3ForCausalLM): Llama with a per-head RMSNorm on q and k before rope.
+# HF Qwen3 configs set head_dim explicitly (often != hidden // heads); from-hf passes it.
+model qwen3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = heads,
+            head_dim: int = hidden // heads, ffn: int, rope_theta: float = 1000000.0,
+            norm_eps: float = 1e-6, tie_embeddings: bool = false, max_position: int = 40960,
+            rope_scaling: str = "none", rope_factor: float = 1.0, rope_low_freq_factor: float = 1.0,
+            rope_high_freq_factor: float = 4.0, rope_original_max_position: int = 8192,
+            sliding_window: int = 0, attention_bias: bool = false) {
+  param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
+
+  block decoder[layers] {                       # {i} is the layer index
+    param attn_norm: [hidden]                   from "model.layers.{i}.input_layernorm.weight"
+    param wq: [heads * head_dim, hidden]        from "model.layers.{i}.self_attn.q_proj.weight"
+    param wk: [kv_heads * head_dim, hidden]     from "model.layers.{i}.self_attn.k_proj.weight"
+    param wv: [kv_heads * head_dim, hidden]     from "model.layers.{i}.self_attn.v_proj.weight"
+    param wo: [hidden, heads * head_dim]        from "model.layers.{i}.self_attn.o_proj.weight"
+    param bq: [heads * head_dim]                from "model.layers.{i}.self_attn.q_proj.bias" if attention_bias
+    param bk: [kv_heads * head_dim]             from "model.layers.{i}.self_attn.k_proj.bias" if attention_bias
+    param bv: [kv_heads * head_dim]             from "model.layers.{i}.self_attn.v_proj.bias" if attention_bias
+    param bo: [hidden]                          from "model.layers.{i}.self_attn.o_proj.bias" if attention_bias
+    param q_norm: [head_dim]                    from "model.layers.{i}.self_attn.q_norm.weight"
+    param k_norm: [head_dim]                    from "model.layers.{i}.self_attn.k_norm.weight"
+    param mlp_norm: [hidden]                    from "model.layers.{i}.post_attention_layernorm.weight"
+    param w_gate: [ffn, hidden]                 from "model.layers.{i}.mlp.gate_proj.weight"
+    param w_up: [ffn, hidden]                   from "model.layers.{i}.mlp.up_proj.weight"
+    param w_down: [hidden, ffn]                 from "model.layers.{i}.mlp.down_proj.weight"
+
+    forward(h) {
+      x = rms_norm(h, attn_norm, eps=norm_eps)
+      q = (attention_bias ? linear(x, wq, bq) : linear(x, wq)) |> view(heads, head_dim)
+      k = (attention_bias ? linear(x, wk, bk) : linear(x, wk)) |> view(kv_heads, head_dim)
+      v = (attention_bias ? linear(x, wv, bv) : linear(x, wv)) |> view(kv_heads, head_dim)
+      q = rms_norm(q, q_norm, eps=norm_eps)     # per head, over head_dim
+      k = rms_norm(k, k_norm, eps=norm_eps)
+      q, k = rope(q, k, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
+                  low_freq_factor=rope_low_freq_factor, high_freq_factor=rope_high_freq_factor,
+                  original_max_position=rope_original_max_position)
+      a = attention(q, k, v, sliding_window=sliding_window)
+      h = h + (attention_bias ? linear(a, wo, bo) : linear(a, wo))
+      x = rms_norm(h, mlp_norm, eps=norm_eps)
+      return h + linear(silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    }
+  }
+
+  param norm: [hidden]                          from "model.norm.weight"
+  param lm_head: [vocab, hidden]                from "lm_head.weight" if !tie_embeddings
+
+  forward(tokens) {
+    h = decoder(embedding(tokens, embed))
+    return logits(rms_norm(h, norm, eps=norm_eps), tie_embeddings ? embed : lm_head)
+  }
+}
