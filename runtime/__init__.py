@@ -1,1 +1,34 @@
-"""kiln.runtime."""
+"""kiln.runtime: loads a compiled artifact and serves it (engine, scheduler, KV cache, sampler)."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import ArtifactError, KilnRuntimeError, RequestError
+from .forward_batch import ForwardBatch
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampling_params import SamplingParams
+
+# Heavier pieces load on first use, so `import kiln` stays cheap for the CLI and the compiler.
+_LAZY = {
+    "LLM": ".llm", "LLMEngine": ".engine", "load_artifact": ".artifact", "LoadedArtifact": ".artifact",
+    "Tokenizer": ".tokenizer", "IncrementalDetokenizer": ".tokenizer",
+}
+
+__all__ = ["LLM", "ArtifactError", "CompletionOutput", "ForwardBatch", "IncrementalDetokenizer", "KilnRuntimeError",
+           "LLMEngine", "LoadedArtifact", "Logprob", "RequestError", "RequestOutput", "SamplingParams", "Tokenizer",
+           "load_artifact"]
+
+if TYPE_CHECKING:
+    from .artifact import LoadedArtifact, load_artifact
+    from .engine import LLMEngine
+    from .llm import LLM
+    from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

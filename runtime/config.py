@@ -1,0 +1,100 @@
+"""Runtime configuration read from an artifact's manifest, with per-launch overrides."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .errors import ArtifactError
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64,
+    "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ArtifactError(f"unsupported dtype {name!r} in manifest (known: {', '.join(_DTYPES)})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    max_model_len: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """Shape of the paged KV cache: `num_layers` tensors of [num_blocks, 2, block_size, kv_heads, head_dim]."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    num_blocks: int | None  # None: sized from a memory budget at load time
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_seqs: int = 256
+    max_batched_tokens: int = 8192
+    chunked_prefill: int | None = 512  # max prompt tokens of one sequence per step; None = only the budget
+    policy: str = "fcfs"
+    prefix_cache: str | None = "radix"  # None / "none" disables
+
+    def with_overrides(self, **overrides: Any) -> SchedulerConfig:
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _get(section: dict, key: str, where: str) -> Any:
+    if key not in section:
+        raise ArtifactError(f"manifest.json: missing {where}.{key}")
+    return section[key]
+
+
+def model_config_from_manifest(manifest: dict) -> ModelConfig:
+    rt = manifest["runtime"]
+    eos = rt.get("eos_token_ids", [])
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    return ModelConfig(vocab_size=int(_get(rt, "vocab_size", "runtime")),
+                       max_model_len=int(_get(rt, "max_model_len", "runtime")),
+                       bos_token_id=rt.get("bos_token_id"), eos_token_ids=tuple(eos))
+
+
+def kv_cache_config_from_manifest(manifest: dict) -> KVCacheConfig:
+    kv = manifest["kv_cache"]
+    layout = kv.get("layout", ["num_blocks", 2, "block_size", "kv_heads", "head_dim"])
+    if list(layout) != ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]:
+        raise ArtifactError(f"manifest.json: kv_cache.layout {layout} is not supported by this runtime")
+    num_blocks = kv.get("num_blocks")
+    return KVCacheConfig(num_layers=int(_get(kv, "num_layers", "kv_cache")),
+                         kv_heads=int(_get(kv, "kv_heads", "kv_cache")),
+                         head_dim=int(_get(kv, "head_dim", "kv_cache")),
+                         block_size=int(_get(kv, "block_size", "kv_cache")),
+                         dtype=torch_dtype(kv.get("dtype", manifest.get("dtype", "float32"))),
+                         num_blocks=None if num_blocks is None else int(num_blocks))
+
+
+def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
+    s = manifest.get("scheduler", {})
+    default = SchedulerConfig()
+    chunk = s.get("chunked_prefill", default.chunked_prefill)
+    prefix = s.get("prefix_cache", default.prefix_cache)
+    return SchedulerConfig(max_seqs=int(s.get("max_seqs", default.max_seqs)),
+                           max_batched_tokens=int(s.get("max_batched_tokens", default.max_batched_tokens)),
+                           chunked_prefill=int(chunk) if chunk else None,
+                           policy=str(s.get("policy", default.policy)),
+                           prefix_cache=None if prefix in (None, False, "none") else str(prefix))

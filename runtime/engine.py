@@ -1,0 +1,235 @@
+"""LLMEngine: requests in, RequestOutputs out; one `step()` = schedule -> execute -> sample -> update."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .artifact import LoadedArtifact, load_artifact
+from .errors import RequestError
+from .kv_cache import BlockManager, cdiv
+from .model_runner import ModelRunner, resolve_num_blocks
+from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from .prefix_cache import make_prefix_cache
+from .sampler import Sampler, SamplerOutput, TokenLogprobs
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence
+from .tokenizer import IncrementalDetokenizer
+
+_UNSET = object()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class LLMEngine:
+    """Serves one loaded artifact. Not thread-safe: a server drives it from one loop.
+
+    KV pool size: `num_kv_blocks` if given, else the manifest's `kv_cache.num_blocks`, else `kv_cache_bytes`
+    (CPU default 256 MiB). Scheduler limits default to the manifest's `scheduler` section.
+    """
+
+    def __init__(self, artifact: LoadedArtifact | str | Path, *, device: str | torch.device = "cpu",
+                 num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
+                 policy: str | None = None, seed: int = 0) -> None:
+        if not isinstance(artifact, LoadedArtifact):
+            artifact = load_artifact(artifact, device)
+        self.artifact = artifact
+        self.model_config = artifact.model_config
+        self.tokenizer = artifact.tokenizer
+        kv = artifact.kv_cache_config
+        sched = artifact.scheduler_config.with_overrides(
+            max_seqs=max_num_seqs, max_batched_tokens=max_num_batched_tokens,
+            chunked_prefill=chunked_prefill, policy=policy)
+        if prefix_cache is not _UNSET:
+            sched = replace(sched, prefix_cache=None if prefix_cache in (None, "none") else prefix_cache)
+        num_blocks = resolve_num_blocks(
+            kv, artifact.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
+            memory_fraction=float(artifact.manifest["kv_cache"].get("memory_fraction", 0.9)))
+        self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device)
+        self.sampler = Sampler(seed)
+        eos = set(self.model_config.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = {self.tokenizer.eos_token_id}
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # Requests ---------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    *, prompt: str | None = None, priority: int = 0) -> None:
+        """Queues a request; raises `RequestError` (nothing queued) when it can never be served."""
+        params = params or SamplingParams()
+        self._validate(request_id, prompt_token_ids, params)
+        ids = [int(t) for t in prompt_token_ids]
+        max_tokens = params.max_tokens or self.model_config.max_model_len - len(ids)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
+                           num_prompt_tokens=len(ids), params=params, max_tokens=max_tokens,
+                           arrival=next(self._arrivals), priority=priority,
+                           want_prompt_logprobs=params.prompt_logprobs is not None and i == 0)
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed + i)
+            if seq.want_prompt_logprobs:
+                seq.prompt_logprobs = [None]
+            if params.logprobs is not None:
+                seq.output_logprobs = []
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, prompt, ids, params, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request now; its final output (finish_reason "abort") comes from the next `step()`."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        self._aborted.append(self._make_output(request))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._aborted)
+
+    # The step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one forward pass; returns the cumulative output of every request that progressed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return self._drain_aborted()
+        logits, layout = self.runner.execute(batch)
+        sampled = self.sampler.sample(logits, layout, batch.seqs)
+        grown = self.scheduler.update(batch, sampled.sampled)
+        return self._process(batch, sampled, grown)
+
+    def _process(self, batch: ScheduledBatch, sampled: SamplerOutput, grown: list[Sequence]) -> list[RequestOutput]:
+        for seq, plp, lp in zip(batch.seqs, sampled.prompt_logprobs, sampled.logprobs, strict=True):
+            if plp is not None:
+                seq.prompt_logprobs.extend(self._logprob_dict(x) for x in plp)
+            if lp is not None:
+                seq.output_logprobs.append(self._logprob_dict(lp))
+                seq.cumulative_logprob += lp[1][0]
+        touched: dict[str, Request] = {}
+        for seq in grown:
+            self._check_stop(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = self._drain_aborted()
+        for request in touched.values():
+            outputs.append(self._make_output(request))
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> None:
+        """Token stops end the sequence before the token is detokenized (its text is never shown)."""
+        token, params = seq.token_ids[-1], seq.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = "stop"
+            return
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return
+        if seq.detokenizer is not None:
+            before = len(seq.output_text)
+            seq.detokenizer.add_tokens([token])
+            seq.output_text = seq.detokenizer.text
+            if params.stop_strings and self._truncate_at_stop(seq, before):
+                return
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
+            seq.finish_reason = "length"
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence, before: int) -> bool:
+        text = seq.output_text
+        found: tuple[int, str] | None = None
+        for stop in seq.params.stop_strings:
+            at = text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1 and (found is None or at < found[0]):
+                found = (at, stop)
+        if found is None:
+            return False
+        seq.output_text = text[:found[0]]
+        seq.finish_reason, seq.stop_reason = "stop", found[1]
+        return True
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> PositionLogprobs:
+        ids, lps, ranks = entry
+        out: PositionLogprobs = {}
+        for tid, lp, rank in zip(ids, lps, ranks):
+            if tid not in out:
+                text = self.tokenizer.decode([tid], skip_special_tokens=False) if self.tokenizer else None
+                out[tid] = Logprob(logprob=lp, rank=rank, decoded_token=text)
+        return out
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = [CompletionOutput(
+            index=s.index, text=s.output_text, token_ids=s.output_token_ids,
+            cumulative_logprob=s.cumulative_logprob if s.output_logprobs is not None else None,
+            logprobs=list(s.output_logprobs) if s.output_logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
+        first = request.seqs[0]
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids,
+                             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs else None,
+                             outputs=completions, finished=request.finished)
+
+    def _drain_aborted(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        return outputs
+
+    def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        cfg = self.model_config
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be ints in [0, {cfg.vocab_size})")
+        n = len(prompt_token_ids)
+        if n >= cfg.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens; this model accepts at most {cfg.max_model_len} "
+                               "(prompt plus generated tokens)")
+        total = n + (params.max_tokens or cfg.max_model_len - n)
+        if total > cfg.max_model_len:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                               f"max_model_len {cfg.max_model_len}")
+        blocks = cdiv(total, self.block_manager.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise RequestError(f"the request needs up to {blocks} KV blocks but the cache holds "
+                               f"{self.block_manager.num_blocks}; lower max_tokens or enlarge the KV cache")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > cfg.vocab_size:
+                raise RequestError(f"{name}={value} exceeds the vocabulary size {cfg.vocab_size}")
+
+    def stats(self) -> dict[str, float]:
+        pc = self.block_manager.prefix_cache
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_usage": self.block_manager.usage, "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0}

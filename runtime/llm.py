@@ -1,0 +1,113 @@
+"""LLM: the offline, batch-generation facade over LLMEngine (vLLM's `LLM` shape)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from .engine import LLMEngine
+from .errors import RequestError
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """`LLM("build/llama").generate(["Hello", "Hi"], SamplingParams(max_tokens=8))`.
+
+    A prompt is text (tokenized with the artifact's tokenizer), a list of token ids, or a dict with
+    `prompt` or `prompt_token_ids`. Outputs come back in input order, finished.
+    """
+
+    def __init__(self, artifact_dir: str | Path, *, num_kv_blocks: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 seed: int = 0, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(artifact_dir, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise RequestError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        requests = [(str(next(self._request_ids)), *self._tokenize(p), sp)
+                    for p, sp in zip(prompt_list, params_list)]
+        return self._run(requests)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered with the
+        tokenizer's chat template and tokenized without adding special tokens (the template has them)."""
+        tokenizer = self._require_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 **template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, requests: list[tuple[str, str | None, list[int], SamplingParams]]) -> list[RequestOutput]:
+        engine = self.engine
+        added: list[str] = []
+        try:
+            for request_id, text, ids, params in requests:
+                engine.add_request(request_id, ids, params, prompt=text)
+                added.append(request_id)
+            finished: dict[str, RequestOutput] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for request_id in added:
+                engine.abort_request(request_id)
+            engine._drain_aborted()
+            raise
+        return [finished[request_id] for request_id, *_ in requests]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer().encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise RequestError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        return None, list(prompt)
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise RequestError("this artifact has no tokenizer; pass prompts as lists of token ids")
+        return self.engine.tokenizer
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """str -> [str]; [int, ...] -> one token prompt; [str | [int] | dict, ...] -> many."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if _is_token_ids(prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)):
+        for p in prompts:
+            if not (isinstance(p, (str, dict)) or _is_token_ids(p)):
+                raise RequestError(f"a prompt must be a string, a non-empty list of token ids or a dict; got {p!r:.80}")
+        return list(prompts)
+    raise RequestError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")

@@ -1,0 +1,120 @@
+"""Model runner: owns the paged KV tensors, turns a ScheduledBatch into a ForwardBatch, runs the model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import KVCacheConfig
+from .forward_batch import ForwardBatch
+from .kv_cache import cdiv
+from .scheduler import ScheduledBatch
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20
+
+
+@dataclass(slots=True)
+class LogitsLayout:
+    """Which logits rows belong to which sequence of the batch (indices parallel to `ScheduledBatch.seqs`).
+
+    `sample_rows[i]` is the row to sample seq i's next token from (None: mid-prefill chunk).
+    `prompt_rows[i]` = (first row, count, first position): rows for prompt positions p..p+count-1, whose
+    log-softmax scores the prompt tokens p+1..p+count (None when no prompt logprobs are due this step).
+    """
+
+    sample_rows: list[int | None]
+    prompt_rows: list[tuple[int, int, int] | None]
+
+
+def resolve_num_blocks(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int | None = None,
+                       kv_cache_bytes: int | None = None, memory_fraction: float = 0.9) -> int:
+    """An explicit block count wins; then the manifest's; then a byte budget (CPU: 256 MiB by default;
+    CUDA: `memory_fraction` of the device minus what is already used)."""
+    if num_kv_blocks is not None:
+        n = num_kv_blocks
+    elif kv.num_blocks is not None and kv_cache_bytes is None:
+        n = kv.num_blocks
+    else:
+        if kv_cache_bytes is None:
+            if device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(device)
+                kv_cache_bytes = int(free - (1.0 - memory_fraction) * total)
+            else:
+                kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+        n = kv_cache_bytes // kv.bytes_per_block
+    assert n > 0, f"KV cache budget too small: {n} blocks of {kv.bytes_per_block} bytes"
+    return int(n)
+
+
+class ModelRunner:
+    """Allocates `num_layers` KV tensors once, then per step: prepare the ForwardBatch, call `model.forward`.
+
+    The model writes each new token's K/V at `slot_mapping` and reads its context through `block_tables`;
+    it returns float32 logits with one row per `logits_indices` entry.
+    """
+
+    def __init__(self, model: Any, kv: KVCacheConfig, num_blocks: int, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = kv.block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, 2, kv.block_size, kv.kv_heads, kv.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=kv.dtype, device=device) for _ in range(kv.num_layers)]
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, LogitsLayout]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int | None] = []
+        prompt_rows: list[tuple[int, int, int] | None] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, end, base = seq.num_computed_tokens, seq.num_computed_tokens + n, query_start_loc[-1]
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            assert len(table) * bs >= end, f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens"
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            rows = None
+            if seq.needs_prompt_logprobs():
+                lo = max(start, len(seq.prompt_logprobs or [None]) - 1)
+                hi = min(end, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    rows = (len(logits_indices), hi - lo, lo)
+                    logits_indices.extend(range(base + lo - start, base + hi - start))
+            prompt_rows.append(rows)
+            if end == seq.num_tokens:
+                sample_rows.append(len(logits_indices))
+                logits_indices.append(base + n - 1)
+            else:
+                sample_rows.append(None)
+            query_start_loc.append(base + n)
+            seq_lens.append(end)
+
+        max_blocks = max(cdiv(length, bs) for length in seq_lens)
+        block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+        for i, seq in enumerate(batch.seqs):
+            used = cdiv(seq_lens[i], bs)
+            block_tables[i, :used] = torch.tensor(seq.block_table[:used], dtype=torch.int32)
+
+        def i32(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        fb = ForwardBatch(input_ids=i32(input_ids), positions=i32(positions),
+                          query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens),
+                          block_tables=block_tables.to(self.device),
+                          slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+                          logits_indices=i32(logits_indices), num_decodes=batch.num_decodes)
+        return fb, LogitsLayout(sample_rows=sample_rows, prompt_rows=prompt_rows)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout]:
+        fb, layout = self.prepare(batch)
+        logits = self.model.forward(fb, self.kv_caches)
+        assert logits.dim() == 2 and logits.shape[0] == fb.logits_indices.shape[0], (
+            f"model returned logits {tuple(logits.shape)}, expected [{fb.logits_indices.shape[0]}, vocab]")
+        return logits.float(), layout

@@ -1,0 +1,46 @@
+"""Request outputs, shaped like vLLM's so that client code ports unchanged."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-probability of one token; `rank` is 1-based among the vocabulary (1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's log-probabilities: the chosen (or actual prompt) token plus the top-N, keyed by token id.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for eos
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request. `prompt_logprobs[0]` is None: the first token has no context."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool

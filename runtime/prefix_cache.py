@@ -1,0 +1,110 @@
+"""Automatic prefix caching over full KV blocks: hash-chained block keys, LRU eviction of unreferenced blocks."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+_ROOT_HASH = 0x6B696C6E  # parent of the first block: a fixed seed so hashes are stable across runs
+
+
+def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
+    """Key of a full block: depends on every token before it through `parent_hash` (a radix path, flattened)."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+def block_hashes(token_ids: Seq[int], block_size: int, known: list[int]) -> list[int]:
+    """Extends `known` (the hashes already computed for this token list) to every full block; returns it."""
+    parent = known[-1] if known else _ROOT_HASH
+    for start in range(len(known) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        known.append(parent)
+    return known
+
+
+class PrefixCache:
+    """Maps block hash -> physical block id for blocks whose K/V is complete and immutable.
+
+    A cached block is either referenced by some sequence, or unreferenced and *evictable*: it sits in an LRU
+    list and is reclaimed (its hash forgotten) only when the free list is empty. `lookup` never modifies the
+    cache; the block manager pins hits through `touch` before handing them to a sequence.
+    Invariant: a block id is in `_evictable` iff it is cached and its ref count is 0.
+    """
+
+    name = "hash"
+
+    def __init__(self) -> None:
+        self._block_of: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # block id -> None, oldest first
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of
+
+    def lookup(self, hashes: Seq[int]) -> list[int]:
+        """Block ids of the longest cached prefix of `hashes` (read-only)."""
+        hit: list[int] = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        self.queries += len(hashes)
+        self.hits += len(hit)
+        return hit
+
+    def insert(self, block_hash: int, block_id: int) -> bool:
+        """Registers a just-filled block; False when another block already holds this content."""
+        if block_hash in self._block_of or block_id in self._hash_of:
+            return False
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        return True
+
+    def touch(self, block_id: int) -> None:
+        """A sequence takes a reference on a cached block: it stops being evictable."""
+        self._evictable.pop(block_id, None)
+
+    def release(self, block_id: int) -> bool:
+        """The last reference was dropped; True when the block stays cached (evictable) instead of freed."""
+        if block_id not in self._hash_of:
+            return False
+        self._evictable[block_id] = None
+        return True
+
+    def evict(self) -> int | None:
+        """Forgets the least recently released block and returns its id for reuse."""
+        if not self._evictable:
+            return None
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block_id)]
+        return block_id
+
+    def reset(self) -> None:
+        self._block_of.clear()
+        self._hash_of.clear()
+        self._evictable.clear()
+
+
+PREFIX_CACHES: dict[str, Callable[[], PrefixCache]] = {
+    # The manifest's "radix" is served by the block-hash chain: at block granularity a hash chain matches exactly
+    # the prefixes a radix tree over token blocks would, with O(1) lookups per block.
+    "radix": PrefixCache,
+    "hash": PrefixCache,
+}
+
+
+def make_prefix_cache(name: str | None) -> PrefixCache | None:
+    if name is None:
+        return None
+    try:
+        return PREFIX_CACHES[name]()
+    except KeyError:
+        from .errors import ArtifactError
+        raise ArtifactError(f"unknown prefix_cache {name!r} (known: {', '.join(PREFIX_CACHES)}, none)") from None

@@ -1,0 +1,154 @@
+"""Sampler: turns a step's logits into next tokens and log-probabilities, vectorised over the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model_runner import LogitsLayout
+from .sequence import Sequence
+
+# (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
+TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Per batch sequence (parallel to `ScheduledBatch.seqs`)."""
+
+    sampled: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[list[TokenLogprobs] | None]
+
+
+class Sampler:
+    """Penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+
+    Sampling draws `probs / Exponential(1)` and takes the argmax (the Gumbel-max trick in exponential form);
+    each row draws its noise from its own sequence's generator when the request is seeded, so a seeded
+    request gets the same tokens whatever else shares the batch. Logprobs are the log-softmax of the raw
+    logits (before penalties and temperature), as vLLM reports them by default.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # unseeded requests share this one
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, layout: LogitsLayout, seqs: list[Sequence]) -> SamplerOutput:
+        n = len(seqs)
+        out = SamplerOutput(sampled=[None] * n, logprobs=[None] * n, prompt_logprobs=[None] * n)
+        for i, rows in enumerate(layout.prompt_rows):
+            if rows is not None:
+                first, count, pos = rows
+                targets = seqs[i].token_ids[pos + 1:pos + 1 + count]
+                out.prompt_logprobs[i] = _gather_logprobs(
+                    torch.log_softmax(logits[first:first + count], dim=-1), targets,
+                    seqs[i].params.prompt_logprobs)
+
+        idx = [i for i, r in enumerate(layout.sample_rows) if r is not None]
+        if not idx:
+            return out
+        rows = logits[[layout.sample_rows[i] for i in idx]]
+        batch = [seqs[i] for i in idx]
+        tokens = self._sample_rows(rows, batch)
+        for j, i in enumerate(idx):
+            out.sampled[i] = tokens[j]
+        want = [j for j, s in enumerate(batch) if s.params.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(rows[want], dim=-1)
+            gathered = _gather_logprobs(lp, [tokens[j] for j in want], max(batch[j].params.logprobs for j in want))
+            for k, j in enumerate(want):
+                ids, lps, ranks = gathered[k]
+                top_n = 1 + batch[j].params.logprobs
+                out.logprobs[idx[j]] = (ids[:top_n], lps[:top_n], ranks[:top_n])
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        params = [s.params for s in seqs]
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits.clone(), seqs)
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens.tolist()
+
+        device = logits.device
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        x = logits / temperature.unsqueeze(1)
+        if any(p.top_k > 0 for p in params):
+            x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=device))
+        if any(p.top_p < 1.0 for p in params):
+            x = apply_top_p(x, torch.tensor([p.top_p for p in params], device=device, dtype=x.dtype))
+        if any(p.min_p > 0.0 for p in params):
+            x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=device, dtype=x.dtype))
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        for j, seq in enumerate(seqs):
+            if not params[j].greedy:
+                noise[j].exponential_(generator=seq.generator or self.generator)
+        sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled).tolist()
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """vLLM semantics: repetition penalty over prompt and output tokens (divide positive logits, multiply
+    negative ones); presence and frequency penalties over output tokens only."""
+    vocab = logits.shape[1]
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    for j, seq in enumerate(seqs):
+        out_ids = seq.output_token_ids
+        if out_ids:
+            counts[j] = torch.bincount(torch.tensor(out_ids), minlength=vocab)[:vocab].to(logits.dtype)
+        seen[j, seq.prompt_token_ids] = True
+    seen |= counts > 0
+    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=logits.dtype).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype).unsqueeze(1)
+    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype).unsqueeze(1)
+    return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's k largest logits (k <= 0: row untouched)."""
+    vocab = logits.shape[1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose mass reaches p (always at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= top_p.unsqueeze(1)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _gather_logprobs(logprobs: torch.Tensor, chosen: list[int], top_n: int | None) -> list[TokenLogprobs]:
+    """Per row: the chosen token's logprob and 1-based rank, then the top-N tokens (ranks 1..N)."""
+    chosen_t = torch.tensor(chosen, dtype=torch.long, device=logprobs.device).unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen_t)
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    top_n = top_n or 0
+    top = logprobs.topk(top_n, dim=-1) if top_n else None
+    result = []
+    for r in range(logprobs.shape[0]):
+        ids, lps, rks = [chosen[r]], [float(chosen_lp[r, 0])], [int(ranks[r])]
+        if top is not None:
+            ids += top.indices[r].tolist()
+            lps += top.values[r].tolist()
+            rks += list(range(1, top_n + 1))
+        result.append((ids, lps, rks))
+    return result

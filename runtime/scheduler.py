@@ -1,0 +1,142 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, decodes first, preemption by recompute."""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .config import SchedulerConfig
+from .kv_cache import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: `seqs[i]` runs its next `num_new_tokens[i]` tokens. The first `num_decodes` are
+    decodes (one token each), the rest prefill chunks (which may start past a cached prefix)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+# Scheduling policies: the sort key of a sequence. Smallest key is served first; the largest running key is
+# the first preemption victim.
+POLICIES: dict[str, Callable[[Sequence], tuple]] = {
+    "fcfs": lambda seq: (seq.arrival,),
+    "priority": lambda seq: (seq.priority, seq.arrival),  # lower value = more urgent (vLLM's convention)
+}
+
+
+class Scheduler:
+    """Owns the waiting and running queues (both kept sorted by the policy key) and the block manager.
+
+    `schedule()` picks the step's work and allocates its KV slots; `update()` advances the sequences after
+    the forward pass; `finish()` releases a sequence. A preempted sequence loses its blocks and returns to
+    the waiting queue with `num_computed_tokens = 0`: it is recomputed (prompt + tokens so far) when readmitted.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.policy not in POLICIES:
+            from .errors import ArtifactError
+            raise ArtifactError(f"unknown scheduler policy {config.policy!r} (known: {', '.join(POLICIES)})")
+        assert config.max_batched_tokens > 0 and config.max_seqs > 0, f"bad scheduler config {config}"
+        self.config = config
+        self.block_manager = block_manager
+        self._key = POLICIES[config.policy]
+        self._chunk = config.chunked_prefill or config.max_batched_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_batched_tokens
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+
+        # Running sequences first, in policy order; victims come from the tail, which is not scheduled yet.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._num_new_tokens(seq, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                (decodes if seq.is_decoding else prefills).append((seq, n))
+                budget -= n
+                i += 1
+
+        # Then admit waiting sequences, unless this step already had to evict someone.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs and not preempted:
+            seq = self.waiting[0]
+            hits = [] if seq.needs_prompt_logprobs() else self.block_manager.get_computed_blocks(seq)
+            num_cached = len(hits) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_cached, self._chunk, budget)
+            if not self.block_manager.allocate_slots(seq, n, hits):
+                break
+            self.waiting.pop(0)
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._key)
+            prefills.append((seq, n))
+            budget -= n
+
+        work = decodes + prefills
+        return ScheduledBatch(seqs=[s for s, _ in work], num_new_tokens=[n for _, n in work],
+                              num_decodes=len(decodes), preempted=preempted)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Marks the batch's tokens computed and appends each sampled token; returns the sequences that grew."""
+        grew = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled, strict=True):
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens, f"seq {seq.seq_id} computed past its tokens"
+            self.block_manager.register_full_blocks(seq)
+            if token is not None:
+                assert seq.num_computed_tokens == seq.num_tokens, f"seq {seq.seq_id} sampled mid-prefill"
+                seq.token_ids.append(token)
+                grew.append(seq)
+        return grew
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes `seq` from whichever queue holds it and frees its blocks (finished or aborted)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_uncomputed_tokens
+        assert remaining > 0, f"running seq {seq.seq_id} has nothing to compute"
+        return min(remaining, budget) if remaining == 1 else min(remaining, self._chunk, budget)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.add(seq)

@@ -1,0 +1,85 @@
+"""Sequence: one completion being generated, and the state every runtime layer reads or advances."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .outputs import FinishReason, PositionLogprobs
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted: holds no KV blocks
+    RUNNING = "running"  # holds KV blocks for its first `num_computed_tokens` tokens
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """`token_ids` = prompt + generated tokens. Tokens `[0, num_computed_tokens)` have their K/V in the blocks
+    of `block_table`; a decoding sequence has exactly one uncomputed token (the last one sampled).
+
+    Mutated by: the scheduler (status, num_computed_tokens, block_table through the block manager), the
+    engine (token_ids, text, logprobs, finish). Preemption by recompute resets num_computed_tokens to 0.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, resolved against max_model_len
+    arrival: int  # monotonic admission order: FCFS key, and preemption picks the largest
+    generator: torch.Generator | None = None
+    want_prompt_logprobs: bool = False
+    priority: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks of token_ids
+    num_registered_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
+    output_text: str = ""
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine when a tokenizer exists
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed_tokens > 0 and self.num_uncomputed_tokens == 1 \
+            and self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def needs_prompt_logprobs(self) -> bool:
+        """True until logprobs for every prompt position have been collected (survives preemption)."""
+        return self.want_prompt_logprobs and (
+            self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens)

@@ -1,0 +1,143 @@
+"""Tokenizer: HF `tokenizer.json` through the `tokenizers` library, incremental detokenizing, chat templates."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Seq
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+# Tokens of context re-decoded with each new token: enough for decoders that look at neighbours (metaspace,
+# byte fallback) without re-decoding the whole output every step.
+_DETOKENIZE_CONTEXT = 5
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: Any, config: dict | None = None,
+                 generation_config: dict | None = None) -> None:
+        self._tok = tokenizer
+        self.config = config or {}
+        self.generation_config = generation_config or {}
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        # A tokenizer.json without a post-processor relies on tokenizer_config's add_bos_token (slow-tokenizer
+        # checkpoints); one with a post-processor already adds what it should.
+        self._prepend_bos = bool(self.config.get("add_bos_token")) and self.bos_token_id is not None \
+            and self._tok.post_processor is None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+
+        def read(name: str) -> dict:
+            f = path / name
+            return json.loads(f.read_text()) if f.is_file() else {}
+
+        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), read("tokenizer_config.json"),
+                   read("generation_config.json"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: Seq[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # Chat templates ---------------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # named templates: HF uses "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        return template
+
+    @cached_property
+    def _compiled_chat_template(self) -> Any:
+        if self.chat_template is None:
+            from .errors import RequestError
+            raise RequestError("this model's tokenizer has no chat template; send a plain prompt instead")
+        return _jinja_env().from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
+        """Renders like transformers' `apply_chat_template(tokenize=False)`: same sandbox, globals and
+        variables (the special tokens of tokenizer_config.json, `add_generation_prompt`, `tools`)."""
+        special = {k: _token_text(v) for k, v in self.config.items()
+                   if k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                            "mask_token") and _token_text(v) is not None}
+        return self._compiled_chat_template.render(messages=messages, tools=tools, documents=None,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   **{**special, **kwargs})
+
+
+def _jinja_env() -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens. Text is emitted only when it does not end in U+FFFD, so a
+    byte-level BPE token carrying half a UTF-8 character is held back until the rest arrives.
+
+    Decodes a sliding window `[prefix_offset, end)` rather than the whole output: the text of tokens before
+    `read_offset` was already emitted, and decoding from `prefix_offset` gives the new tokens their context.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Seq[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_DETOKENIZE_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def add_tokens(self, new_token_ids: Seq[int]) -> str:
+        """Appends tokens; returns the newly completed text (possibly empty)."""
+        self.token_ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full_text = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
