@@ -1,0 +1,163 @@
+"""The `kiln` command: compile recipes, generate recipes from checkpoints, run compiled artifacts."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+USER_ERROR_EXIT = 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's input, printed without a traceback (exit 2)."""
+    from kiln.dsl.errors import KilnError
+
+    errors: list[type[BaseException]] = [KilnError]
+    try:
+        from kiln.runtime.errors import ArtifactError, RequestError
+
+        errors += [ArtifactError, RequestError]
+    except ImportError:
+        pass
+    try:
+        from kiln.compiler.pass_manager import PassError
+
+        errors.append(PassError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _format(err: BaseException) -> str:
+    fmt = getattr(err, "format", None)
+    return fmt() if callable(fmt) else f"error: {err}"
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from kiln.driver import compile as compile_recipe
+
+    if args.output is None and not args.report:
+        args.report = True  # nothing to write: planning only
+    result = compile_recipe(args.recipe, args.output, target=args.target, recipe_name=args.recipe_name,
+                            dump_ir=args.dump_ir, progress=not args.no_progress)
+    if args.report:
+        sys.stdout.write(result.report)
+    if result.artifact_dir is not None:
+        print(f"wrote {result.artifact_dir} ({len(result.manifest['kernels'])} kernels, "
+              f"{result.manifest['weights']['total_bytes'] / 1e6:,.1f} MB of weights)", file=sys.stderr)
+    return 0
+
+
+def cmd_recipe_from_hf(args: argparse.Namespace) -> int:
+    from kiln.recipe_from_hf import recipe_from_hf
+
+    text = recipe_from_hf(args.checkpoint, target=args.target, out_file=args.output, dtype=args.dtype,
+                          name=args.name)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from kiln.runtime.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kiln.runtime.llm import LLM
+
+    llm = LLM(str(args.artifact))
+    params = _sampling(args)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outs = llm.generate([args.prompt], params)
+    for out in outs:
+        text = out.outputs[0].text
+        sys.stdout.write(text if args.chat else args.prompt + text)
+        sys.stdout.write("\n")
+    return 0
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="kiln: compile LLM recipes into serving artifacts")
+    parser.add_argument("--version", action="version", version=f"kiln {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compile", help="compile a recipe into a serving artifact")
+    p.add_argument("recipe")
+    p.add_argument("-o", "--output", help="artifact directory to write (omit to plan only)")
+    p.add_argument("--target", help="override the recipe's target (cpu, h100, h200)")
+    p.add_argument("--recipe-name", help="which recipe, when the file declares several")
+    p.add_argument("--dump-ir", help="write the IR after every pass into this directory")
+    p.add_argument("--report", action="store_true", help="print passes, kernel costs and the capacity plan")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("recipe", help="recipe tools")
+    rsub = p.add_subparsers(dest="recipe_command", required=True)
+    r = rsub.add_parser("from-hf", help="write a recipe for a Hugging Face checkpoint directory")
+    r.add_argument("checkpoint")
+    r.add_argument("--target", default="cpu")
+    r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    r.add_argument("--name", help="recipe name (default: from the directory name)")
+    r.add_argument("-o", "--output", help="recipe file to write (default: stdout)")
+    r.set_defaults(func=cmd_recipe_from_hf)
+
+    p = sub.add_parser("generate", help="generate text with a compiled artifact")
+    p.add_argument("artifact")
+    _add_generate_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except _user_errors() as e:
+        print(_format(e), file=sys.stderr)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        return 130
+
+
+def artifact_main(artifact_dir: str, argv: list[str]) -> int:
+    """Entry of a compiled artifact's `__main__.py`: `python ART generate "prompt"`."""
+    if not argv or argv[0] not in ("generate",):
+        print("usage: python ARTIFACT generate \"prompt\" [--max-tokens N] [--temperature T] [--seed S]",
+              file=sys.stderr)
+        return USER_ERROR_EXIT
+    return main([argv[0], artifact_dir, *argv[1:]])
+
+
+def _version() -> str:
+    from kiln import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

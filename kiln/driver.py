@@ -1,0 +1,115 @@
+"""The compile driver: recipe file → checked AST → IR → pass pipeline → artifact directory.
+
+This is the one place that sees the DSL, the compiler, the passes and codegen together.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.codegen import write_artifact
+from kiln.compiler import PassContext, PassManager, Program
+from kiln.compiler.instantiate import instantiate_model, section_values
+from kiln.compiler.pass_manager import load_pass
+from kiln.compiler.report import format_report
+from kiln.compiler.targets import get_target
+from kiln.dsl import ast as A
+from kiln.dsl import load_recipe
+from kiln.dsl.errors import SourceError
+
+
+@dataclass
+class CompileResult:
+    program: Program
+    options: dict[str, Any]
+    pass_log: list[dict[str, Any]]
+    artifact_dir: Path | None
+    manifest: dict[str, Any] | None
+    report: str
+
+
+def _setting(recipe: A.RecipeDecl, key: str) -> A.Setting | None:
+    return next((s for s in recipe.settings if s.key == key), None)
+
+
+def resolve_weights(recipe: A.RecipeDecl, recipe_file: Path) -> tuple[Path | None, int]:
+    """`weights = "hf:DIR"` (relative to the recipe file) or `random(seed=N)` → (checkpoint dir, seed)."""
+    s = _setting(recipe, "weights")
+    if s is None:
+        raise SourceError("recipe has no `weights = ...` (use \"hf:DIR\" or random(seed=0))", recipe.loc)
+    v = s.value
+    if isinstance(v, A.Call) and v.func == "random":
+        seed = dict(v.kwargs).get("seed")
+        return None, int(seed.value) if isinstance(seed, A.Num) else 0
+    if isinstance(v, A.Str) and v.value.startswith("hf:"):
+        path = Path(v.value[3:]).expanduser()
+        if not path.is_absolute():
+            path = (recipe_file.parent / path).resolve()
+        if not path.is_dir():
+            raise SourceError(f"checkpoint directory {path} does not exist", v.loc)
+        return path, 0
+    raise SourceError('weights must be "hf:DIR" or random(seed=N)', v.loc)
+
+
+def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, target: str | None = None,
+            recipe_name: str | None = None, dump_ir: str | Path | None = None, progress: bool = True,
+            extra_passes: list[tuple[str, str, Any]] | None = None) -> CompileResult:
+    """Compiles a recipe. Without `out_dir` nothing is written (planning / `--report` only).
+
+    `extra_passes`: (position "after"|"before", anchor pass name, Pass instance) inserted into the pipeline.
+    """
+    recipe_file = Path(recipe_path)
+    loaded = load_recipe(str(recipe_file), recipe_name)
+    recipe = loaded.recipe
+    options = section_values(recipe)
+    if target is not None:
+        options["target"] = target
+    target_name = options.get("target", "cpu")
+    try:
+        tgt = get_target(target_name)
+    except ValueError as e:
+        s = _setting(recipe, "target")
+        raise SourceError(str(e), s.value.loc if s else recipe.loc) from None
+    model_setting = _setting(recipe, "model")
+    call = model_setting.value
+    if call.args:
+        raise SourceError("pass model config by keyword: llama(hidden=4096, ...)", call.args[0].loc)
+    program = instantiate_model(loaded.models[call.func], dict(call.kwargs), options.get("dtype", "fp32"), options)
+    checkpoint, seed = resolve_weights(recipe, recipe_file)
+
+    pm = PassManager.for_target(target_name)
+    passes_section = options.get("passes", {})
+    for name in passes_section.get("disable", []):
+        pm.remove(name)
+    for hook in passes_section.get("hooks", []):
+        p = load_pass(hook["spec"])
+        (pm.insert_after if hook["position"] == "after" else pm.insert_before)(hook["anchor"], p)
+    for position, anchor, p in extra_passes or []:
+        (pm.insert_after if position == "after" else pm.insert_before)(anchor, p)
+    ctx = PassContext(target=target_name, options=options, dump_dir=Path(dump_ir) if dump_ir else None)
+    program = pm.run(program, ctx)
+    pass_log = [r.to_json() for r in ctx.log]
+
+    kv = options.get("kv_cache", {})
+    kv_dtype = "fp8e4m3" if options.get("quantize", {}).get("kv_cache") == "fp8" else None
+    report = format_report(program, tgt, pass_log, memory_fraction=float(kv.get("memory_fraction", 0.9)),
+                           kv_dtype=kv_dtype)
+    manifest = None
+    if out_dir is not None:
+        text = recipe_file.read_text(encoding="utf-8")
+        manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, seed=seed, recipe_text=text,
+                                  recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),
+                                  progress=progress)
+    return CompileResult(program, options, pass_log, Path(out_dir) if out_dir else None, manifest, report)
+
+
+def recipe_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _version() -> str:
+    from kiln import __version__
+
+    return __version__

@@ -1,0 +1,139 @@
+"""`kiln recipe from-hf CKPT_DIR`: a complete recipe for a Hugging Face checkpoint, from its config.json."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiln.dsl.errors import KilnError
+
+
+class UnsupportedCheckpoint(KilnError):
+    pass
+
+
+def _rope(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    # transformers ≥5 nests theta and scaling under `rope_parameters`; 4.x uses `rope_theta` + `rope_scaling`.
+    rp = dict(cfg.get("rope_parameters") or {})
+    rs = dict(cfg.get("rope_scaling") or {})
+    merged = {**rs, **rp}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", default_theta))
+    out: dict[str, Any] = {"rope_theta": float(theta)}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind in ("llama3",):
+        out.update(rope_scaling="llama3", rope_factor=float(merged["factor"]),
+                   rope_low_freq_factor=float(merged["low_freq_factor"]),
+                   rope_high_freq_factor=float(merged["high_freq_factor"]),
+                   rope_original_max_position=int(merged["original_max_position_embeddings"]))
+    elif kind == "linear":
+        out.update(rope_scaling="linear", rope_factor=float(merged["factor"]))
+    elif kind not in ("default", None):
+        raise UnsupportedCheckpoint(f"rope scaling type {kind!r} is not supported yet (supported: llama3, linear)")
+    return out
+
+
+def _common(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    heads = cfg["num_attention_heads"]
+    args: dict[str, Any] = {
+        "vocab": cfg["vocab_size"], "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
+        "heads": heads, "kv_heads": cfg.get("num_key_value_heads") or heads,
+        "ffn": cfg["intermediate_size"],
+    }
+    if cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
+        args["head_dim"] = cfg["head_dim"]
+    args.update(_rope(cfg, default_theta))
+    args["norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
+    args["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    args["max_position"] = int(cfg.get("max_position_embeddings", 4096))
+    return args
+
+
+def _llama(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    args = _common(cfg, 10000.0)
+    if cfg.get("sliding_window"):
+        args["sliding_window"] = int(cfg["sliding_window"])
+    if cfg.get("attention_bias"):
+        args["attention_bias"] = True
+    if cfg.get("mlp_bias"):
+        args["mlp_bias"] = True
+    return "llama", args
+
+
+def _qwen2(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    args = _common(cfg, 1000000.0)
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        # Qwen2 applies the window only to layers >= max_window_layers; kiln has one window per model.
+        raise UnsupportedCheckpoint("Qwen2 with use_sliding_window=true is not supported yet")
+    return "qwen2", args
+
+
+def _qwen3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    args = _common(cfg, 1000000.0)
+    args["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        raise UnsupportedCheckpoint("Qwen3 with use_sliding_window=true is not supported yet")
+    if cfg.get("attention_bias"):
+        args["attention_bias"] = True
+    return "qwen3", args
+
+
+ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]] = {
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _llama,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+}
+
+
+def _literal(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        r = repr(v)
+        return r if any(c in r for c in ".e") else r + ".0"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return str(v)
+
+
+def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str | Path | None = None,
+                   dtype: str | None = None, name: str | None = None) -> str:
+    ckpt = Path(ckpt_dir)
+    cfg_path = ckpt / "config.json"
+    if not cfg_path.is_file():
+        raise UnsupportedCheckpoint(f"{ckpt} has no config.json (is it a Hugging Face checkpoint directory?)")
+    cfg = json.loads(cfg_path.read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedCheckpoint(f"unsupported architecture {', '.join(archs) or '(none given)'} in {cfg_path}; "
+                                    f"supported: {', '.join(ARCHITECTURES)}")
+    model, args = ARCHITECTURES[arch](cfg)
+    if dtype is None:
+        dtype = "fp32" if target == "cpu" else "bf16"
+    if out_file is not None:
+        base = Path(out_file).resolve().parent
+        weights = os.path.relpath(ckpt.resolve(), base)
+    else:
+        weights = str(ckpt.resolve())
+    rname = name or re.sub(r"\W+", "_", ckpt.resolve().name).strip("_").lower() or "model"
+    if rname[0].isdigit():
+        rname = "m_" + rname
+    served = ckpt.resolve().name
+    arg_text = ",\n      ".join(f"{k}={_literal(v)}" for k, v in args.items())
+    return (
+        f"# Generated by `kiln recipe from-hf` from {cfg_path.name} ({arch}).\n"
+        f"recipe {rname} {{\n"
+        f"  model   = {model}(\n      {arg_text})\n"
+        f"  weights = \"hf:{weights}\"\n"
+        f"  target  = {target}\n"
+        f"  dtype   = {dtype}\n"
+        f"  kv_cache  {{ block_size = 16; memory_fraction = 0.9 }}\n"
+        f"  scheduler {{ max_seqs = 256; max_batched_tokens = 8192; chunked_prefill = 512; policy = fcfs;"
+        f" prefix_cache = radix }}\n"
+        f"  serve     {{ port = 8000; served_name = {json.dumps(served)} }}\n"
+        f"}}\n"
+    )
