@@ -213,7 +213,7 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be ints in [0, {cfg.vocab_size})")
         n = len(prompt_token_ids)
         if n >= cfg.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens; this model accepts at most {cfg.max_model_len} "
+            raise RequestError(f"the prompt has {n} tokens but max_model_len is {cfg.max_model_len} "
                                "(prompt plus generated tokens)")
         total = n + (params.max_tokens or cfg.max_model_len - n)
         if total > cfg.max_model_len:
