@@ -298,3 +298,93 @@ def test_paged_attention_bf16(K):
     out, ref, *_ = _run_paged(K, MIXED, 8, 2, 16, 16, torch.bfloat16, seed=1)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+
+
+# ---------------------------------------------------------------- the kernels composed into a whole model
+
+
+def _kernel_forward(K, model, input_ids, block_size=4):
+    """A hand-written Llama/Qwen/Mistral forward from the kernels alone, over paged KV, in two steps:
+    a prefill of all but the last token, then a decode of the last one. Returns fp32 logits [S, V]."""
+    cfg = model.config
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    H, KVH = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    rope_params = dict(cfg.rope_parameters)
+    if rope_params["rope_type"] == "llama3":
+        cache = K.rope_cache(
+            D,
+            cfg.max_position_embeddings,
+            rope_params["rope_theta"],
+            scaling="llama3",
+            factor=rope_params["factor"],
+            low_freq_factor=rope_params["low_freq_factor"],
+            high_freq_factor=rope_params["high_freq_factor"],
+            original_max_position=rope_params["original_max_position_embeddings"],
+        )
+    else:
+        cache = K.rope_cache(D, cfg.max_position_embeddings, rope_params["rope_theta"])
+    window = getattr(cfg, "sliding_window", None) or 0
+    if getattr(cfg, "use_sliding_window", True) is False:
+        window = 0
+    S = input_ids.shape[0]
+    num_blocks = (S + block_size - 1) // block_size
+    kv = [torch.zeros(num_blocks + 2, 2, block_size, KVH, D) for _ in range(cfg.num_hidden_layers)]
+    table = torch.tensor(list(range(num_blocks + 1, 0, -1))[:num_blocks], dtype=torch.int32)[None]
+
+    def step(ids, pos):
+        pos_l = pos.long()
+        batch = ForwardBatch(
+            input_ids=ids.int(),
+            positions=pos.int(),
+            query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32),
+            seq_lens=torch.tensor([int(pos[-1]) + 1], dtype=torch.int32),
+            block_tables=table,
+            slot_mapping=table[0, pos_l // block_size].long() * block_size + pos_l % block_size,
+            logits_indices=torch.arange(len(ids), dtype=torch.int32),
+            num_decodes=int(len(ids) == 1),
+        )
+        eps = cfg.rms_norm_eps
+        x = K.embedding(batch.input_ids, sd["model.embed_tokens.weight"])
+        residual = x
+        h = K.rms_norm(x, sd["model.layers.0.input_layernorm.weight"], eps)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            q = K.linear(h, sd[a + "q_proj.weight"], sd.get(a + "q_proj.bias")).view(-1, H, D)
+            k = K.linear(h, sd[a + "k_proj.weight"], sd.get(a + "k_proj.bias")).view(-1, KVH, D)
+            v = K.linear(h, sd[a + "v_proj.weight"], sd.get(a + "v_proj.bias")).view(-1, KVH, D)
+            if a + "q_norm.weight" in sd:  # Qwen3: per-head RMSNorm on q and k, before rope
+                q = K.rms_norm(q, sd[a + "q_norm.weight"], eps)
+                k = K.rms_norm(k, sd[a + "k_norm.weight"], eps)
+            q, k = K.rope(q, batch.positions, cache), K.rope(k, batch.positions, cache)
+            o = K.paged_attention(q, k, v, kv[i], batch, D**-0.5, sliding_window=window)
+            o = K.linear(o, sd[a + "o_proj.weight"])
+            h, residual = K.add_rms_norm(o, residual, sd[p + "post_attention_layernorm.weight"], eps)
+            m = p + "mlp."
+            gate_up = torch.cat((sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]))
+            o = K.linear(K.silu_mul(K.linear(h, gate_up)), sd[m + "down_proj.weight"])
+            next_norm = (
+                f"model.layers.{i + 1}.input_layernorm.weight"
+                if i + 1 < cfg.num_hidden_layers
+                else "model.norm.weight"
+            )
+            h, residual = K.add_rms_norm(o, residual, sd[next_norm], eps)
+        lm_head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+        return K.logits(h, lm_head, batch.logits_indices)
+
+    prefill = step(input_ids[:-1], torch.arange(S - 1))
+    decode = step(input_ids[-1:], torch.tensor([S - 1]))
+    return torch.cat((prefill, decode))
+
+
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3_rope", "llama_tied", "llama_head_dim", "mistral", "qwen2", "qwen3"]
+)
+def test_kernels_compose_to_hf_logits(K, tiny_checkpoint, tiny_checkpoint_lib, arch):
+    model = tiny_checkpoint_lib.load_hf_model(tiny_checkpoint(arch))
+    ids = torch.randint(5, 512, (90,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+        out = _kernel_forward(K, model, ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,316 @@
+"""Build tiny, randomly initialised Hugging Face checkpoints offline, for kiln's parity tests.
+
+    python examples/make_tiny_checkpoint.py OUT_DIR [--arch llama] [--shards N]
+
+Each checkpoint is a real `save_pretrained` directory (config.json, safetensors weights, generation_config.json,
+tokenizer.json, tokenizer_config.json with a ChatML chat template) that transformers loads without the hub.
+Weights are random but not degenerate: norm weights, biases and q/k norms are non-trivial, so a compiler that
+drops one of them produces different logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import tempfile
+
+import torch
+
+# Special tokens sit at fixed ids; config.json and generation_config.json refer to them by id.
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(5)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    # Larger than HF's 0.02 so logits are spread out and greedy decoding has no near-ties.
+    "initializer_range": 0.1,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "tie_word_embeddings": False,
+}
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+# arch -> (config class name, overrides on top of TINY)
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama3_rope": ("LlamaConfig", {"max_position_embeddings": 256, "rope_scaling": LLAMA3_ROPE}),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama_head_dim": ("LlamaConfig", {"head_dim": 32}),
+    "mistral": ("MistralConfig", {"sliding_window": 16, "head_dim": 16}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16, "use_sliding_window": False}),
+}
+
+CORPUS = """\
+The kiln was built at the edge of the village, where the clay from the river bank was soft and grey.
+Every morning the potter walked down to the water and carried back two heavy buckets of wet clay.
+She kneaded the clay on a wooden table until it was smooth, and then she shaped it on the wheel.
+Bowls, cups, plates and tall jars stood in rows on the shelves, drying slowly in the shade.
+When the shelves were full, it was time to fire the kiln, and the whole family came to help.
+They stacked the pots carefully inside, leaving small gaps so that the hot air could move between them.
+The fire was started at dawn with dry sticks, and by noon the kiln was glowing a deep orange.
+Her son counted the hours and added wood whenever the flames grew weak.
+By evening the colour inside had turned from orange to a bright, almost white yellow.
+Then they closed the door with bricks and mud and let the kiln cool for two days.
+Opening the kiln is always the most exciting moment, because no one knows exactly what will come out.
+Some pots crack, some glazes run, and a few pieces turn out more beautiful than anyone expected.
+A good potter learns from every firing and writes down the weather, the wood and the temperature.
+Over many years those notes become a map of the kiln, showing its hot corners and its cool ones.
+The market in the town was held every Saturday, and the potter sold her work from a small cart.
+People asked about the blue glaze, which she made from crushed stones and ash from the fire.
+A child once asked her why the cups were not all the same, and she laughed and said that hands are not machines.
+In the spring the river rose and the clay pits filled with water, so the work had to wait.
+In the summer the days were long, and the pots dried quickly in the warm wind.
+In the autumn the wood was cut and stacked, ready for the cold months ahead.
+In the winter the kiln kept the workshop warm, and friends came in to sit near the fire and talk.
+A computer reads text as a sequence of tokens, and each token is a small piece of a word.
+The tokenizer learns which pieces appear often, and it merges frequent pairs of bytes into new tokens.
+A language model predicts the next token from all of the tokens that came before it.
+During prefill the model reads the whole prompt at once, and during decode it writes one token at a time.
+The attention layer compares each new query with the keys of every earlier position in the sequence.
+Keys and values are stored in a cache, so that they do not have to be computed again for the next token.
+The cache is split into fixed-size blocks, and a block table says where each sequence keeps its blocks.
+When many users send requests at the same time, the server batches them together to keep the hardware busy.
+A scheduler decides which requests run in each step, and it makes sure the memory never runs out.
+Short questions get quick answers, while long documents are read in several chunks.
+The compiler turns a description of the model into plain code that anyone can open and read.
+Each pass of the compiler does one small job, such as fusing two operations into one kernel.
+Tests compare the output of the compiled model with a reference, token by token and number by number.
+If the numbers differ, the engineer looks for a missing bias, a wrong scale, or a norm in the wrong place.
+Rotary position embeddings rotate pairs of numbers by an angle that grows with the position.
+A sliding window lets each token see only the most recent part of the text, which saves memory.
+Grouped query attention shares one key head among several query heads.
+Hello! How are you today? I am fine, thank you. What would you like to talk about?
+Can you tell me a story about a cat who lived in a lighthouse by the sea?
+Once upon a time, a grey cat named Pebble lived at the top of a tall white lighthouse.
+Every night Pebble watched the great lamp turn, sending its beam across the dark water.
+The sailors knew the light, and some of them said they could see a small shadow in the window.
+One stormy night the lamp went out, and the keeper could not find the matches in the dark.
+Pebble knew every corner of the tower, and she led him down the stairs to the old wooden box.
+The lamp was lit again just in time, and a fishing boat turned away from the rocks.
+After that night the keeper always kept a dish of fish by the window for his clever friend.
+What is the capital of France? The capital of France is Paris.
+What is two plus two? Two plus two is four.
+Please write a short poem about the rain.
+The rain falls soft on the roof at night, it taps the glass and dims the light.
+Thank you for your help. You are welcome, and have a nice day.
+The quick brown fox jumps over the lazy dog.
+She sells sea shells by the sea shore, and the shells she sells are surely sea shells.
+A journey of a thousand miles begins with a single step.
+The early bird catches the worm, but the second mouse gets the cheese.
+Water boils at one hundred degrees Celsius at sea level.
+The sun rises in the east and sets in the west.
+There are seven days in a week and twelve months in a year.
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.
+January, February, March, April, May, June, July, August, September, October, November, December.
+Red, orange, yellow, green, blue, indigo and violet are the colours of the rainbow.
+def add(a, b): return a + b
+for i in range(10): print(i * i)
+{"name": "kiln", "version": "0.1.0", "tokens": [1, 2, 3]}
+"""
+
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def corpus_lines() -> list[str]:
+    """A few hundred lines of plain English (and a little code and JSON) to train the tokenizer on."""
+    lines = CORPUS.splitlines()
+    for i, word in enumerate(NUMBER_WORDS):
+        lines.append(f"Line {i}: the number {word} is written as {i}, and {i} times {i} is {i * i}.")
+        lines.append(f"There were {word} pots on the shelf and {word} cups on the table.")
+    for a in range(3):
+        for sentence in CORPUS.splitlines():
+            words = sentence.split()
+            lines.append(" ".join(words[a::3]))  # shuffled variants enlarge the sample without new text
+    return lines
+
+
+def build_tokenizer(vocab_size: int):
+    """Train a byte-level BPE (GPT-2 / Llama-3 style) on CORPUS; specials at ids 0..4, <s> prepended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_lines(), trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert tokenizer.get_vocab_size() <= vocab_size
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_config(arch: str, **overrides):
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHS)}")
+    class_name, arch_overrides = ARCHS[arch]
+    kwargs = {**TINY, **arch_overrides, **overrides}
+    return getattr(transformers, class_name)(attn_implementation="eager", **kwargs)
+
+
+@torch.no_grad()
+def _randomize_non_matmul_weights(model: torch.nn.Module, std: float) -> None:
+    """HF initialises norms to 1 and biases to 0; make them non-trivial so a dropped one shows in the logits."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):  # input/post-attention/final norms, Qwen3 q_norm/k_norm
+            param.copy_(1.0 + 0.5 * torch.randn_like(param))
+        elif name.endswith(".bias"):
+            param.normal_(0.0, std)
+
+
+def _save_sharded(model, out_dir: pathlib.Path, num_shards: int) -> None:
+    """save_pretrained with a max_shard_size that yields exactly `num_shards` files (greedy sharding may overshoot)."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    shard_size = math.ceil(total / num_shards)
+    while True:
+        with tempfile.TemporaryDirectory() as probe:
+            model.save_pretrained(probe, max_shard_size=shard_size)
+            produced = len(list(pathlib.Path(probe).glob("*.safetensors")))
+        if produced <= num_shards:
+            break
+        shard_size = math.ceil(shard_size * 1.05)
+    model.save_pretrained(out_dir, max_shard_size=shard_size)
+
+
+def build_tiny_checkpoint(
+    out_dir: str | pathlib.Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    num_shards: int = 1,
+    dtype: torch.dtype = torch.float32,
+    legacy_config: bool = False,
+    **config_overrides,
+) -> pathlib.Path:
+    """Write a tiny random `arch` checkpoint into `out_dir` and return its path.
+
+    archs: llama (GQA 4:2), llama3_rope (Llama-3.1 rope scaling, original context 64 of 256), llama_tied,
+    llama_head_dim (head_dim 32 != 64/4), mistral (sliding window 16), qwen2 (q/k/v bias), qwen3 (q/k norm).
+    `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
+    transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
+    rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = make_config(arch, **config_overrides)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_non_matmul_weights(model, config.initializer_range)
+    model = model.to(dtype).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID, do_sample=False
+    )
+    if num_shards > 1:
+        _save_sharded(model, out, num_shards)
+    else:
+        model.save_pretrained(out)
+
+    tokenizer = build_tokenizer(config.vocab_size)
+    # save_jinja_files=False keeps the chat template inside tokenizer_config.json (the classic layout)
+    tokenizer.save_pretrained(out, save_jinja_files=False)
+    _edit_json(out / "tokenizer_config.json", _portable_tokenizer_config)
+    if legacy_config:
+        _edit_json(out / "config.json", _legacy_rope_keys)
+    _check_special_ids(out)
+    return out
+
+
+def _edit_json(path: pathlib.Path, edit) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text())), indent=2, sort_keys=True) + "\n")
+
+
+def _portable_tokenizer_config(config: dict) -> dict:
+    # transformers 5 writes its own "TokenizersBackend"; the classic class name loads in 4.x and 5.x alike
+    return {**config, "tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def _legacy_rope_keys(config: dict) -> dict:
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    return config
+
+
+def _check_special_ids(out: pathlib.Path) -> None:
+    config = json.loads((out / "config.json").read_text())
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    assert vocab["<s>"] == config["bos_token_id"] and vocab["</s>"] == config["eos_token_id"], (
+        f"tokenizer specials {vocab['<s>']}/{vocab['</s>']} disagree with config.json"
+    )
+
+
+def load_hf_model(path: str | pathlib.Path):
+    """The checkpoint as a transformers model: fp32, eager attention, eval mode — the parity reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", default="llama", choices=sorted(ARCHS))
+    parser.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--legacy-config", action="store_true", help="rope_theta + rope_scaling keys")
+    args = parser.parse_args(argv)
+    path = build_tiny_checkpoint(
+        args.out_dir,
+        args.arch,
+        seed=args.seed,
+        num_shards=args.shards,
+        dtype=getattr(torch, args.dtype),
+        legacy_config=args.legacy_config,
+    )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
