@@ -1,0 +1,168 @@
+"""Bad input gets `file:line:col`, the line, a caret, a reason, exit status 2 — and no traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kiln.cli import main
+
+GOOD_MODEL = "llama(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)"
+
+
+def write(tmp_path: Path, body: str, name: str = "r.dsl") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body).lstrip("\n"))
+    return p
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_malformed_recipe_exit_2_caret_no_traceback(tmp_path):
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          target = cpu +
+        }}
+        """)
+    res = run_cli("compile", str(p), "-o", str(tmp_path / "out"))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    first = res.stderr.splitlines()[0]
+    assert first.startswith(f"{p}:4:"), res.stderr
+    lines = res.stderr.splitlines()
+    assert lines[1].strip() == "target = cpu +"
+    assert lines[2].strip().startswith("^")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_op_is_located(tmp_path, capsys):
+    model = write(tmp_path, """
+        model m(vocab: int, hidden: int) {
+          param embed: [vocab, hidden] from "e"
+          forward(tokens) {
+            h = embedding(tokens, embed)
+            return logits(gelu_tanh(h), embed)
+          }
+        }
+        """, "m.dsl")
+    p = write(tmp_path, """
+        use "m.dsl"
+        recipe r {
+          model = m(vocab=16, hidden=8)
+          weights = random(seed=0)
+        }
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{model}:5:"), err
+    assert "unknown op 'gelu_tanh'" in err
+    caret_line = err.splitlines()[2]
+    assert caret_line.index("^") == err.splitlines()[1].index("gelu_tanh")
+
+
+def test_unknown_model_parameter(tmp_path, capsys):
+    p = write(tmp_path, """
+        recipe r {
+          model = llama(vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, rope_thta=1.0)
+          weights = random(seed=0)
+        }
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert f"{p}:2:" in err and "rope_thta" in err and "rope_theta" in err
+
+
+def test_shape_mismatch_is_located_in_model(tmp_path, capsys):
+    write(tmp_path, """
+        model m(vocab: int, hidden: int) {
+          param embed: [vocab, hidden] from "e"
+          param w: [hidden, hidden + 1] from "w"
+          forward(tokens) {
+            h = linear(embedding(tokens, embed), w)
+            return logits(h, embed)
+          }
+        }
+        """, "m.dsl")
+    p = write(tmp_path, """
+        use "m.dsl"
+        recipe r {
+          model = m(vocab=16, hidden=8)
+          weights = random(seed=0)
+        }
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "m.dsl:5:" in err and "linear" in err and "9" in err
+
+
+def test_missing_checkpoint_dir(tmp_path, capsys):
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = "hf:./nope"
+        }}
+        """)
+    assert main(["compile", str(p), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{p}:3:" in err and "does not exist" in err
+
+
+@pytest.fixture
+def llama_ckpt(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+def _copy_ckpt(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_checkpoint_missing_tensor_names_it(tmp_path, llama_ckpt, capsys):
+    from safetensors.torch import load_file, save_file
+
+    ck = _copy_ckpt(llama_ckpt, tmp_path / "ck")
+    tensors = load_file(ck / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, ck / "model.safetensors", metadata={"format": "pt"})
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ck), "-o", str(recipe)]) == 0
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "model.layers.1.mlp.up_proj.weight" in err
+    assert "llama.dsl:" in err  # points at the param declaration in the model file
+    assert not (tmp_path / "o").exists()
+
+
+def test_checkpoint_wrong_shape_names_it(tmp_path, llama_ckpt, capsys):
+    from safetensors.torch import load_file, save_file
+
+    ck = _copy_ckpt(llama_ckpt, tmp_path / "ck")
+    tensors = load_file(ck / "model.safetensors")
+    t = tensors["model.layers.0.self_attn.k_proj.weight"]
+    tensors["model.layers.0.self_attn.k_proj.weight"] = t[:-1].contiguous()
+    save_file(tensors, ck / "model.safetensors", metadata={"format": "pt"})
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ck), "-o", str(recipe)]) == 0
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "model.layers.0.self_attn.k_proj.weight" in err
+    assert str(list(t.shape)) in err or str(tuple(t.shape)) in err
+
+
+def test_from_hf_unsupported_architecture(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    res = run_cli("recipe", "from-hf", str(ck))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert "GPT2LMHeadModel" in res.stderr and "LlamaForCausalLM" in res.stderr
