@@ -120,6 +120,8 @@ class LLMEngine:
         """Runs one forward pass; returns the cumulative output of every request that progressed."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            assert not self.scheduler.waiting or self.scheduler.running, \
+                "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
             return self._drain_aborted()
         logits, layout = self.runner.execute(batch)
         sampled = self.sampler.sample(logits, layout, batch.seqs)
