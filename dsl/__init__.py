@@ -10,6 +10,17 @@ from kiln.dsl.loader import LoadedRecipe, bundled_models_dir, load_file, load_re
 from kiln.dsl.parser import parse
 
 __all__ = [
-    "parse", "load_file", "load_recipe", "LoadedRecipe", "bundled_models_dir", "eval_config", "eval_expr",
-    "check_model", "check_module", "check_recipe", "SourceError", "KilnError", "Loc",
+    "KilnError",
+    "LoadedRecipe",
+    "Loc",
+    "SourceError",
+    "bundled_models_dir",
+    "check_model",
+    "check_module",
+    "check_recipe",
+    "eval_config",
+    "eval_expr",
+    "load_file",
+    "load_recipe",
+    "parse",
 ]

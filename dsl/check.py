@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
-from typing import Callable, Iterable, Mapping
 
 from kiln.dsl import ast
 from kiln.dsl.errors import Loc, SourceError
@@ -90,7 +90,7 @@ def check_module(module: ast.Module) -> None:
 class _Scope:
     """Names declared so far in one namespace, with where, to report duplicates precisely."""
 
-    def __init__(self, parent: "_Scope | None" = None):
+    def __init__(self, parent: _Scope | None = None):
         self.parent = parent
         self.kinds: dict[str, tuple[str, Loc]] = {}
 
@@ -241,9 +241,9 @@ def check_recipe(recipe: ast.RecipeDecl, models: Mapping[str, ast.ModelDecl]) ->
         if s.key in settings:
             raise SourceError(f"'{s.key}' is set twice", _key_loc(s), (f"first set at {settings[s.key].loc}",))
         if s.key not in _TOP_LEVEL:
+            note = f"recipe settings are {', '.join(_TOP_LEVEL)}; sections are {', '.join(_SECTIONS)}"
             raise SourceError(f"unknown recipe setting '{s.key}'" + _did_you_mean(s.key, _TOP_LEVEL), _key_loc(s),
-                              (f"recipe settings are {', '.join(_TOP_LEVEL)}; sections are "
-                               f"{', '.join(_SECTIONS)}",))
+                              (note,))
         settings[s.key] = s
     if "model" not in settings:
         raise SourceError(f"recipe '{recipe.name}' has no 'model = NAME(...)'", recipe.loc)

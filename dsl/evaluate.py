@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from kiln.dsl import ast
 from kiln.dsl.errors import SourceError

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
-
-from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from kiln.dsl import ast
 from kiln.dsl.errors import Loc, SourceError, register_source
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 CONFIG_TYPES = ("int", "float", "bool", "str")
 
@@ -117,8 +116,8 @@ def _accepted(e: UnexpectedInput) -> set[str]:
     if parser is not None:
         try:
             return set(parser.accepts())
-        except Exception:  # noqa: BLE001 — best effort; fall back to lark's own set
-            pass
+        except UnexpectedInput:  # the state cannot be replayed: fall back to lark's own set
+            return set(getattr(e, "expected", ()) or ())
     return set(getattr(e, "expected", ()) or ())
 
 
@@ -281,7 +280,7 @@ class _ToAst(Transformer):
 
     def size(self, meta, c):
         m = re.fullmatch(r"([\d.]+)(\w+)", str(c[0]))
-        return ast.Size(int(round(float(m.group(1)) * _SIZE_UNITS[m.group(2)])), self._tok(c[0]))
+        return ast.Size(round(float(m.group(1)) * _SIZE_UNITS[m.group(2)]), self._tok(c[0]))
 
     def string(self, meta, c):
         return ast.Str(_unquote(c[0]), self._tok(c[0]))
@@ -360,7 +359,7 @@ class _ToAst(Transformer):
 
 
 class _Kwarg:
-    __slots__ = ("name", "value", "loc")
+    __slots__ = ("loc", "name", "value")
 
     def __init__(self, name: str, value: ast.Expr, loc: Loc):
         self.name, self.value, self.loc = name, value, loc

@@ -2,7 +2,6 @@
 from pathlib import Path
 
 import pytest
-
 from kiln.dsl import SourceError, load_recipe, parse
 from kiln.dsl.errors import source_line
 

@@ -1,6 +1,5 @@
 """The constant evaluator: operator semantics and precedence, and model config instantiation."""
 import pytest
-
 from kiln.dsl import Loc, SourceError, eval_config, eval_expr, parse
 from kiln.dsl import ast as A
 

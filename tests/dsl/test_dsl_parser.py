@@ -2,7 +2,6 @@
 from pathlib import Path
 
 import pytest
-
 from kiln.dsl import Loc, load_file, parse
 from kiln.dsl import ast as A
 from kiln.dsl.loader import bundled_models_dir
