@@ -133,10 +133,23 @@ def test_bad_target(tmp_path):
     ("dtype = fp64", 11, "'dtype' must be one of fp32, bf16, fp16"),
     ("weights = 3", 13, "'weights' must be a checkpoint"),
     ("kv_cache { offload = cpu(16) }", 24, "'offload' must be cpu(SIZE)"),
+    ("tagret = h200", 3, "unknown recipe setting 'tagret' — did you mean 'target'?"),
+    ("target = cpu; target = h200", 17, "'target' is set twice"),
 ])
 def test_value_checks(tmp_path, entry, col, message):
     path = recipe_file(tmp_path, "  model = tiny(vocab=1, hidden=2)\n  " + entry)
     expect_error(lambda: load_recipe(path), f"{path}:16:{col}", message)
+
+
+def test_a_recipe_needs_a_model(tmp_path):
+    path = write(tmp_path, "r.dsl", "recipe r { target = cpu }\n")
+    expect_error(lambda: load_recipe(path), f"{path}:1:8", "recipe 'r' has no 'model = NAME(...)'")
+
+
+def test_a_str_config_value_must_be_quoted(tmp_path):
+    path = write(tmp_path, "r.dsl", "recipe r {\n  model = llama(vocab=1, hidden=8, layers=1, heads=2, ffn=8, "
+                                    "rope_scaling=llama3)\n}\n")
+    expect_error(lambda: load_recipe(path), f"{path}:2:75", 'a string is written "llama3"')
 
 
 def test_two_recipes_need_a_name(tmp_path):
