@@ -45,7 +45,10 @@ def print_graph(graph: Graph, indent: str = "") -> str:
     for vid, n in graph.items():
         ty = f" : {n.out}" if n.out is not None else ""
         if n.op in ("input", "param"):
-            lines.append(f"{indent}  %{vid} = {n.op} {json.dumps(n.attrs['name'])} : {n.attrs['type']}")
+            # name and type are the declaration; further attributes (e.g. `kernel`) print like any op's
+            extra = ", ".join(f"{k}={_value(n.attrs[k])}" for k in n.attrs if k not in ("name", "type"))
+            extra = f" {{{extra}}}" if extra else ""
+            lines.append(f"{indent}  %{vid} = {n.op} {json.dumps(n.attrs['name'])}{extra} : {n.attrs['type']}")
             continue
         args = ", ".join(f"%{i}" for i in n.inputs)
         attrs = ", ".join(f"{k}={_value(n.attrs[k])}" for k in n.attrs)
@@ -139,7 +142,13 @@ def _parse_node_line(graph: Graph, line: str) -> None:
         if ty is None:
             raise IRParseError(f"{op} %{vid} needs a type")
         t = parse_type(ty)
-        graph.add(vid, Node(op, (), Attrs({"name": json.loads(body), "type": t}), t))
+        try:
+            name, end = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError:
+            raise IRParseError(f"{op} %{vid} needs a quoted name in {line!r}") from None
+        extra = body[end:].strip()
+        attrs = _parse_attrs(extra[1:-1]) if extra else {}
+        graph.add(vid, Node(op, (), Attrs({**attrs, "name": name, "type": t}), t))
         return
     if not body.startswith("("):
         raise IRParseError(f"expected '(' after op in {line!r}")
@@ -150,9 +159,19 @@ def _parse_node_line(graph: Graph, line: str) -> None:
     graph.add(vid, Node(op, inputs, Attrs(attrs), parse_type(ty) if ty else None))
 
 
+def _strip_comment(line: str) -> str:
+    """The line without a trailing `# comment` (a `#` inside a quoted string is kept)."""
+    quote = False
+    for i, ch in enumerate(line):
+        if ch == '"' and (i == 0 or line[i - 1] != "\\"):
+            quote = not quote
+        elif ch == "#" and not quote:
+            return line[:i].strip()
+    return line.strip()
+
+
 def parse_graph(text: str) -> Graph:
-    lines = [ln.split("#", 1)[0].strip() if not ln.strip().startswith("%") else ln.strip()
-             for ln in text.strip().splitlines()]
+    lines = [_strip_comment(ln) for ln in text.strip().splitlines()]
     lines = [ln for ln in lines if ln]
     m = re.fullmatch(r"graph\s+([\w.]+)\s*\{", lines[0])
     if not m or lines[-1] != "}":
@@ -170,7 +189,7 @@ _PARAM = re.compile(r"param\s+([\w.]+)\s*:\s*(\w+\[[^\]]*\])\s+from\s+(\[.*?\])\
 
 
 def parse_program(text: str) -> Program:
-    lines = text.strip().splitlines()
+    lines = [ln for ln in (_strip_comment(raw) for raw in text.strip().splitlines()) if ln]
     m = re.fullmatch(r"program\s+(\w+)\s+dtype=(\w+)\s*\{", lines[0].strip())
     if not m:
         raise IRParseError("a program reads 'program NAME dtype=DT { ... }'")

@@ -1,1 +1,13 @@
-"""kiln.passes."""
+"""kiln.passes: one pass per module (imported here so each registers), and the per-target pipeline."""
+from kiln.passes import (  # noqa: F401 - imported to register the passes
+    dead_code_elimination,
+    fuse_add_rms_norm,
+    fuse_gate_up,
+    fuse_qkv,
+    fuse_silu_mul,
+    kernel_selection,
+    shape_inference,
+)
+from kiln.passes.pipeline import build_pipeline
+
+__all__ = ["build_pipeline"]

@@ -1,0 +1,40 @@
+"""Merges the gate and up projections of a gated MLP into one linear over a fused `wgate_up` param."""
+from __future__ import annotations
+
+from kiln.compiler import Pass, PassContext, Program, register_pass
+from kiln.passes.linear_fusion import fuse_linears, fusible_linears
+from kiln.passes.rewrite import P, Pat, Rewrite, V, apply_rewrites
+
+ROLES = ("gate", "up")
+
+
+def _gated_mlp(bias: bool) -> Pat:
+    def proj(role: str) -> Pat:
+        ins = (V("x"), P("param", name=f"w{role}")) + ((P("param", name=f"b{role}"),) if bias else ())
+        return P("linear", *ins, name=role)
+
+    return P("mul", P("silu", proj("gate")), proj("up"), commutative=True)
+
+
+REWRITES = (
+    # mul(silu(linear(x, w_gate)), linear(x, w_up))
+    #   -> y = linear(x, wgate_up); mul(silu(slice(y, 0, F)), slice(y, F, 2F))
+    Rewrite("gate_up", _gated_mlp(bias=False),
+            replace=lambda m, b: fuse_linears(m, b, ROLES, bias=False, fused="gate_up"),
+            extra_check=lambda m: fusible_linears(m, ROLES, bias=False)),
+    # the same with biases -> bgate_up
+    Rewrite("gate_up_bias", _gated_mlp(bias=True),
+            replace=lambda m, b: fuse_linears(m, b, ROLES, bias=True, fused="gate_up"),
+            extra_check=lambda m: fusible_linears(m, ROLES, bias=True)),
+)
+
+
+@register_pass("fuse_gate_up", requires=("shape_inference",))
+class FuseGateUp(Pass):
+    """Requires: typed IR. Guarantees: every `silu(gate) * up` whose gate and up are projections of one
+    input by plain `param` weights (both with bias or neither) reads them from a single linear over
+    `{block}.wgate_up` (`source` = gate's sources then up's, along dim 0; bias `{block}.bgate_up`), as the
+    slices [0:F] and [F:F+F_up]. The replaced params are dropped once no graph reads them."""
+
+    def run(self, program: Program, ctx: PassContext) -> Program:
+        return apply_rewrites(program, REWRITES, ctx)

@@ -1,0 +1,43 @@
+"""Merges the q, k and v projections of an attention into one linear over a fused `wqkv` param."""
+from __future__ import annotations
+
+from kiln.compiler import Pass, PassContext, Program, register_pass
+from kiln.passes.linear_fusion import fuse_linears, fusible_linears
+from kiln.passes.rewrite import P, Pat, Rewrite, V, apply_rewrites
+
+ROLES = ("q", "k", "v")
+# Between a projection and its attention operand: the head split, qk-norm (Qwen3, Gemma) and rotary embedding.
+PROJECTION_TO_HEADS = ("view", "rms_norm", "rope")
+
+
+def _projection(role: str, bias: bool) -> Pat:
+    ins = (V("x"), P("param", name=f"w{role}")) + ((P("param", name=f"b{role}"),) if bias else ())
+    return P("linear", *ins, name=role, through=PROJECTION_TO_HEADS)
+
+
+def _attention(bias: bool) -> Pat:
+    return P("attention", *(_projection(r, bias) for r in ROLES), name="attention")
+
+
+REWRITES = (
+    # attention(..linear(x, wq).., ..linear(x, wk).., ..linear(x, wv)..)
+    #   -> y = linear(x, wqkv); attention(..slice(y, 0, nq).., ..slice(y, nq, nq+nk).., ..slice(y, nq+nk, n)..)
+    Rewrite("qkv", _attention(bias=False),
+            replace=lambda m, b: fuse_linears(m, b, ROLES, bias=False, fused="qkv"),
+            extra_check=lambda m: fusible_linears(m, ROLES, bias=False)),
+    # the same with biases bq, bk, bv -> bqkv (Qwen2)
+    Rewrite("qkv_bias", _attention(bias=True),
+            replace=lambda m, b: fuse_linears(m, b, ROLES, bias=True, fused="qkv"),
+            extra_check=lambda m: fusible_linears(m, ROLES, bias=True)),
+)
+
+
+@register_pass("fuse_qkv", requires=("shape_inference",))
+class FuseQKV(Pass):
+    """Requires: typed IR. Guarantees: each attention whose q, k and v are projections of one input by
+    plain `param` weights (all with bias or none) reads them from a single linear over `{block}.wqkv`
+    (`source` = q's sources, then k's, then v's, concatenated along dim 0; bias `{block}.bqkv` likewise),
+    sliced back into q, k, v in that order. The replaced params are dropped once no graph reads them."""
+
+    def run(self, program: Program, ctx: PassContext) -> Program:
+        return apply_rewrites(program, REWRITES, ctx)

@@ -1,0 +1,81 @@
+"""Picks the kernel that runs each node on the target, by id (`attrs["kernel"]`)."""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from kiln.compiler import Graph, Pass, PassContext, PassError, Program, register_pass
+
+INLINE = "inline"  # structural ops the generated executor emits inline: no kernel launch
+_STRUCTURAL = ("input", "param", "block", "getitem", "view", "slice")
+
+# target -> op -> kernel id. A target is added by registering its table; kernel source lives in codegen.
+KERNEL_TABLES: dict[str, Mapping[str, str]] = {}
+
+
+def register_kernels(target: str, table: Mapping[str, str]) -> None:
+    """Declares the kernel id of every op on `target` (structural ops are added as `inline`)."""
+    assert target not in KERNEL_TABLES, f"kernels for target {target!r} registered twice"
+    KERNEL_TABLES[target] = {**dict.fromkeys(_STRUCTURAL, INLINE), **table}
+
+
+register_kernels("cpu", {
+    "embedding": "cpu.embedding",
+    "rms_norm": "cpu.rms_norm",
+    "add_rms_norm": "cpu.add_rms_norm",
+    "linear": "cpu.linear",
+    "rope": "cpu.rope",
+    "attention": "cpu.paged_attention",
+    "silu": "cpu.silu",
+    "silu_mul": "cpu.silu_mul",
+    "add": "cpu.add",
+    "mul": "cpu.mul",
+    "logits": "cpu.logits",
+})
+# h100/h200 (Triton + cuBLAS ids) are planned; until their table is registered those targets fail here.
+
+
+class KernelSelectionError(PassError):
+    """An op has no kernel on the target, or the target has no kernels at all."""
+
+
+def kernel_table(target: str) -> Mapping[str, str]:
+    try:
+        return KERNEL_TABLES[target]
+    except KeyError:
+        raise KernelSelectionError(f"target {target!r} has no kernels yet (targets with kernels: "
+                                   f"{', '.join(sorted(KERNEL_TABLES))})") from None
+
+
+@register_pass("kernel_selection", requires=("shape_inference",))
+class KernelSelection(Pass):
+    """Requires: typed IR whose ops all have a kernel on the target (run after fusion). Guarantees: every
+    node of every graph has `attrs["kernel"]`, the target table's id for its op (`inline` for structural
+    ops). The target is the constructor's, else `ctx.target`. Attributes only: the IR's meaning is unchanged."""
+
+    def __init__(self, target: str | None = None):
+        self.target = target
+
+    def run(self, program: Program, ctx: PassContext) -> Program:
+        target = self.target or ctx.target
+        table = kernel_table(target)
+        graphs: dict[str, Graph] = {}
+        used: Counter[str] = Counter()
+        for name, graph in program.graphs.items():
+            g: Graph | None = None
+            for vid, node in graph.items():
+                kernel = table.get(node.op)
+                if kernel is None:
+                    raise KernelSelectionError(f"graph {name!r}: %{vid} = {node.op}: no {target!r} kernel for "
+                                               f"op {node.op!r}" + (f" (at {node.loc})" if node.loc else ""))
+                used[kernel] += 1
+                if node.attrs.get("kernel") != kernel:
+                    g = g or graph.copy()
+                    g.replace(vid, node.with_(attrs=node.attrs.replace(kernel=kernel)))
+            if g is not None:
+                graphs[name] = g
+        ctx.stats["kernels"] = dict(sorted(used.items()))
+        return program.with_graphs(graphs) if graphs else program
+
+    def __repr__(self) -> str:
+        return f"KernelSelection(target={self.target!r})"

@@ -1,0 +1,45 @@
+"""The one ordered pass list per target."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kiln.compiler import Pass, PassError
+from kiln.passes.dead_code_elimination import DeadCodeElimination
+from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
+from kiln.passes.fuse_gate_up import FuseGateUp
+from kiln.passes.fuse_qkv import FuseQKV
+from kiln.passes.fuse_silu_mul import FuseSiLUMul
+from kiln.passes.kernel_selection import KernelSelection
+from kiln.passes.shape_inference import ShapeInference
+
+
+def _cpu(target: str) -> list[Pass]:
+    return [
+        # Phase 1: analysis
+        ShapeInference(),
+        # Phase 2: fusion (gate_up before silu_mul: silu_mul matches the slices gate_up leaves)
+        FuseQKV(),
+        FuseGateUp(),
+        FuseSiLUMul(),
+        FuseAddRMSNorm(),
+        # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
+        DeadCodeElimination(),
+        # Phase 4: lowering
+        KernelSelection(target),
+    ]
+
+
+PIPELINES: dict[str, Callable[[str], list[Pass]]] = {"cpu": _cpu}
+
+
+def build_pipeline(target: str, disable: Iterable[str] = ()) -> list[Pass]:
+    """The passes `target` runs, in order, without those named in `disable`."""
+    if target not in PIPELINES:
+        raise PassError(f"target {target!r} has no pass pipeline yet (known: {', '.join(sorted(PIPELINES))})")
+    passes = PIPELINES[target](target)
+    disable = set(disable)
+    unknown = disable - {p.name for p in passes}
+    if unknown:
+        raise PassError(f"cannot disable {sorted(unknown)}: not in the {target!r} pipeline "
+                        f"({', '.join(p.name for p in passes)})")
+    return [p for p in passes if p.name not in disable]

@@ -1,0 +1,90 @@
+"""kernel_selection: every node gets the target's kernel id for its op."""
+import pytest
+import torch
+from kiln.compiler import PassContext
+from kiln.compiler.interpret import interpret
+from kiln.compiler.ops import OPS
+from kiln.passes import kernel_selection
+from kiln.passes.kernel_selection import KernelSelection, KernelSelectionError
+from pass_testlib import (
+    assert_programs_equal,
+    random_checkpoint,
+    run_pass,
+    tiny_llama_ir,
+    tokens,
+    typed,
+    weights_from_checkpoint,
+)
+
+BEFORE = """
+program p dtype=f32 {
+  config {}
+  param w: f32[16, 8] from ["w"]
+  param g: f32[8] from ["g"]
+  graph entry {
+    %x = input "x" : f32[T, 8]
+    %r = input "r" : f32[T, 8]
+    %g = param "g" : f32[8]
+    %t = add_rms_norm(%x, %r, %g)
+    %n = getitem(%t) {index=0}
+    %w = param "w" : f32[16, 8]
+    %y = linear(%n, %w)
+    %m = silu_mul(%y)
+    return %m
+  }
+}
+"""
+
+EXPECTED = """
+program p dtype=f32 {
+  config {}
+  param w: f32[16, 8] from ["w"]
+  param g: f32[8] from ["g"]
+  graph entry {
+    %x = input "x" {kernel="inline"} : f32[T, 8]
+    %r = input "r" {kernel="inline"} : f32[T, 8]
+    %g = param "g" {kernel="inline"} : f32[8]
+    %t = add_rms_norm(%x, %r, %g) {kernel="cpu.add_rms_norm"}
+    %n = getitem(%t) {index=0, kernel="inline"}
+    %w = param "w" {kernel="inline"} : f32[16, 8]
+    %y = linear(%n, %w) {kernel="cpu.linear"}
+    %m = silu_mul(%y) {kernel="cpu.silu_mul"}
+    return %m
+  }
+}
+"""
+
+
+def test_sets_cpu_kernel_ids():
+    out, ctx = run_pass(KernelSelection("cpu"), typed(BEFORE))
+    assert_programs_equal(out, typed(EXPECTED))
+    assert ctx.stats["kernels"] == {"cpu.add_rms_norm": 1, "cpu.linear": 1, "cpu.silu_mul": 1, "inline": 5}
+
+
+def test_already_selected_returns_the_same_program():
+    before = typed(EXPECTED)
+    out, _ = run_pass(KernelSelection(), before)  # target from ctx.target ("cpu")
+    assert out is before
+
+
+def test_every_op_has_a_cpu_kernel():
+    assert set(OPS) <= set(kernel_selection.kernel_table("cpu")), "a new op needs a cpu kernel id"
+
+
+def test_target_without_kernels_is_a_clear_error():
+    with pytest.raises(KernelSelectionError, match="target 'h200' has no kernels yet"):
+        KernelSelection("h200").run(typed(BEFORE), PassContext())
+
+
+def test_op_without_a_kernel_on_the_target_is_a_clear_error(monkeypatch):
+    table = {k: v for k, v in kernel_selection.kernel_table("cpu").items() if k != "silu_mul"}
+    monkeypatch.setitem(kernel_selection.KERNEL_TABLES, "toy", table)
+    with pytest.raises(KernelSelectionError, match=r"%m = silu_mul: no 'toy' kernel for op 'silu_mul'"):
+        KernelSelection("toy").run(typed(BEFORE), PassContext())
+
+
+def test_interpreter_ignores_the_kernel_attribute():
+    before = typed(tiny_llama_ir())
+    after, _ = run_pass(KernelSelection("cpu"), before)
+    w = weights_from_checkpoint(before, random_checkpoint(before))
+    torch.testing.assert_close(interpret(after, w, tokens()), interpret(before, w, tokens()), atol=0, rtol=0)
