@@ -9,11 +9,11 @@ from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
-from kiln.passes.kernel_selection import KernelSelection
+from kiln.passes.kernel_selection import KERNEL_TABLES, KernelSelection
 from kiln.passes.shape_inference import ShapeInference
 
 
-def _cpu(target: str) -> list[Pass]:
+def _llm(target: str) -> list[Pass]:
     return [
         # Phase 1: analysis
         ShapeInference(),
@@ -24,12 +24,13 @@ def _cpu(target: str) -> list[Pass]:
         FuseAddRMSNorm(),
         # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
-        # Phase 4: lowering
-        KernelSelection(target),
+        # Phase 4: lowering, on targets with a kernel table (h100/h200 tables are planned: until then their
+        # programs can be planned and reported, and codegen refuses them for want of kernel ids)
+        *([KernelSelection(target)] if target in KERNEL_TABLES else []),
     ]
 
 
-PIPELINES: dict[str, Callable[[str], list[Pass]]] = {"cpu": _cpu}
+PIPELINES: dict[str, Callable[[str], list[Pass]]] = {"cpu": _llm, "h100": _llm, "h200": _llm}
 
 
 def build_pipeline(target: str, disable: Iterable[str] = ()) -> list[Pass]:

@@ -3,7 +3,7 @@ import pytest
 import torch
 from kiln.compiler import PassContext, PassError, PassManager, parse_program, print_program
 from kiln.compiler.interpret import interpret
-from kiln.passes import build_pipeline
+from kiln.passes import build_pipeline, kernel_selection
 from pass_testlib import random_checkpoint, tiny_llama_ir, tokens, typed, weights_from_checkpoint
 
 CPU = ["shape_inference", "fuse_qkv", "fuse_gate_up", "fuse_silu_mul", "fuse_add_rms_norm",
@@ -21,10 +21,17 @@ def test_disabled_passes_are_left_out():
 
 
 def test_unknown_target_or_pass_is_an_error():
-    with pytest.raises(PassError, match="target 'h200' has no pass pipeline yet"):
-        build_pipeline("h200")
+    with pytest.raises(PassError, match="target 'tpu' has no pass pipeline yet"):
+        build_pipeline("tpu")
     with pytest.raises(PassError, match="cannot disable"):
         build_pipeline("cpu", disable=["fuse_qvk"])
+
+
+def test_gpu_targets_lower_only_once_their_kernels_are_registered(monkeypatch):
+    assert [p.name for p in build_pipeline("h200")] == CPU[:-1]  # fusion and planning work; no kernels yet
+    monkeypatch.setitem(kernel_selection.KERNEL_TABLES, "h200", {"linear": "cublas.linear"})
+    (last,) = build_pipeline("h200")[-1:]
+    assert last.name == "kernel_selection" and last.target == "h200"
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
