@@ -1,0 +1,228 @@
+"""The artifact writer: a lowered Program (+ checkpoint, recipe) -> a self-contained serving directory.
+
+    ART/manifest.json  __init__.py  __main__.py  model.py  kernels/{__init__,cpu}.py
+        weights/rank0/model-0000k-of-0000n.safetensors  tokenizer/  recipe.dsl  ir.txt
+
+Everything is written to a sibling temp directory and renamed into place at the end, so a failed compile
+leaves no half artifact. The same inputs give byte-identical files: sorted JSON keys, no timestamps, no
+absolute paths.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kiln.compiler.ir import Attrs, Program, TensorType
+from kiln.compiler.text import print_program
+from kiln.dsl.errors import KilnError
+
+from .emitters import KERNEL_MODULES
+from .errors import CodegenError
+from .render import kernels_used, kv_cache_nodes, render_model, template_env
+from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
+
+SCHEMA_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MEMORY_FRACTION = 0.9
+DEFAULT_SCHEDULER = {"max_seqs": 256, "max_batched_tokens": 8192, "chunked_prefill": 512, "policy": "fcfs",
+                     "prefix_cache": "radix"}
+KV_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, Attrs | Mapping):
+        return {str(k): _jsonable(v[k]) for k in v}
+    if isinstance(v, tuple | list):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return str(v)
+
+
+def _section(meta: Mapping[str, Any], key: str) -> dict[str, Any]:
+    v = meta.get(key)
+    return _jsonable(v) if isinstance(v, Mapping) else {}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KilnError(f"{path}: invalid JSON ({e})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_ids(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in v] if isinstance(v, list | tuple) else [int(v)]
+
+
+def _runtime_section(program: Program, hf_config: dict, gen_config: dict, max_model_len: int) -> dict[str, Any]:
+    out = program.entry.node(program.entry.outputs[0]).out
+    vocab = out.shape[-1] if isinstance(out, TensorType) and isinstance(out.shape[-1], int) else None
+    vocab = vocab or program.config.get("vocab") or program.config.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise CodegenError("cannot tell the vocabulary size: the entry graph's output is untyped and the config "
+                           "has no 'vocab'", None)
+    bos = gen_config.get("bos_token_id", hf_config.get("bos_token_id"))
+    eos = _token_ids(gen_config.get("eos_token_id"))
+    eos += [t for t in _token_ids(hf_config.get("eos_token_id")) if t not in eos]
+    return {"vocab_size": vocab, "max_model_len": max_model_len, "bos_token_id": bos, "eos_token_ids": eos}
+
+
+def _kv_cache_section(program: Program) -> dict[str, Any]:
+    nodes = kv_cache_nodes(program)
+    heads = set()
+    for graph, node in nodes:
+        k = graph.node(node.inputs[1]).out
+        if not isinstance(k, TensorType):
+            raise CodegenError("attention keys are untyped; run shape_inference before codegen", node.loc)
+        heads.add((k.shape[1], k.shape[2]))
+    if len(heads) > 1:
+        raise CodegenError(f"attention layers differ in KV shape {sorted(heads)}; the paged KV cache needs one "
+                           "(kv_heads, head_dim) for all layers", None)
+    kv_heads, head_dim = heads.pop() if heads else (0, 0)
+    meta = _section(program.meta, "kv_cache")
+    dtype = TORCH_DTYPE_NAMES[program.dtype]
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return {
+        "num_layers": len(nodes),
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
+        "dtype": dtype,
+        "layout": KV_LAYOUT,
+        "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
+        "num_blocks": meta.get("num_blocks"),
+        "bytes_per_token": len(nodes) * 2 * kv_heads * head_dim * elem,
+    }
+
+
+def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config: Mapping[str, Any]) -> int:
+    """The argument, else the recipe's serve.max_model_len, else the model config's max_position (or the
+    checkpoint's max_position_embeddings), else 4096."""
+    for v in (max_model_len, _section(program.meta, "serve").get("max_model_len"),
+              program.config.get("max_position"), hf_config.get("max_position_embeddings")):
+        if v is not None:
+            return int(v)
+    return DEFAULT_MAX_MODEL_LEN
+
+
+def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
+                   hf_config: dict, gen_config: dict, weight_files: list[str], has_tokenizer: bool,
+                   pass_log: list[dict]) -> dict[str, Any]:
+    if program.dtype not in TORCH_DTYPE_NAMES:
+        raise CodegenError(f"program dtype {program.dtype} is not one of {', '.join(TORCH_DTYPE_NAMES)}", None)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kiln_version": kiln_version,
+        "recipe_hash": recipe_hash,
+        "target": str(program.meta.get("target", "cpu")),
+        "dtype": TORCH_DTYPE_NAMES[program.dtype],
+        "model": {"name": program.name, "config": _jsonable(program.config)},
+        "runtime": _runtime_section(program, hf_config, gen_config, max_model_len),
+        "kv_cache": _kv_cache_section(program),
+        "scheduler": {**DEFAULT_SCHEDULER, **_section(program.meta, "scheduler")},
+        "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), "total_bytes": total_weight_bytes(program)},
+        "tokenizer": {"dir": "tokenizer"} if has_tokenizer else None,
+        "entry": {"module": "model", "class": "Model"},
+        "params": [{"name": s.name, "shape": list(s.shape), "dtype": TORCH_DTYPE_NAMES.get(s.dtype, s.dtype),
+                    "source": list(s.source)} for s in program.params.values()],
+        "kernels": kernels_used(program),
+        "passes": _jsonable(list(pass_log)),
+    }
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+
+
+def _check_destination(out: Path) -> None:
+    if out.is_file() or out.is_symlink():
+        raise KilnError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise KilnError(f"{out} exists, is not empty and is not a kiln artifact; refusing to overwrite it")
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Moves the finished artifact into place, replacing an older artifact at `out`."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    old.rmdir()
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str | Path | None, seed: int = 0,
+                   recipe_text: str, recipe_file: str, pass_log: list[dict], kiln_version: str,
+                   max_model_len: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Writes the serving artifact of a lowered `program` to `out_dir` and returns its manifest.
+
+    `program` is typed and kernel-selected (every compute node has attrs["kernel"]); `program.meta` may carry
+    the recipe's `target`, `kv_cache` {block_size, memory_fraction, num_blocks}, `scheduler` {...} and
+    `serve` {max_model_len}. `checkpoint_dir=None` writes random weights from `seed`. Raises a KilnError
+    (CodegenError, WeightError, CheckpointError) on anything that cannot be compiled; then nothing is left.
+    """
+    out = Path(out_dir)
+    _check_destination(out)
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    hf_config = _read_json(ckpt / "config.json") if ckpt else {}
+    gen_config = _read_json(ckpt / "generation_config.json") if ckpt else {}
+    recipe_hash = hashlib.sha256(recipe_text.encode("utf-8")).hexdigest()
+    max_len = resolve_max_model_len(program, max_model_len, hf_config)
+    model_py = render_model(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
+                            recipe_file=recipe_file)
+    build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
+                   hf_config=hf_config, gen_config=gen_config, weight_files=[], has_tokenizer=False,
+                   pass_log=pass_log)  # fails before the (slow) weight conversion if the manifest cannot be made
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        env = template_env()
+        _write(tmp / "model.py", model_py)
+        for name, template in (("__init__.py", "__init__.py.j2"), ("__main__.py", "__main__.py.j2"),
+                               ("kernels/__init__.py", "kernels_init.py.j2")):
+            _write(tmp / name, env.get_template(template).render(kiln_version=kiln_version,
+                                                                 program_name=program.name))
+        for namespace, (template, _) in sorted(KERNEL_MODULES.items()):
+            _write(tmp / "kernels" / f"{namespace}.py", env.get_template(template).render(kiln_version=kiln_version))
+        _write(tmp / "recipe.dsl", recipe_text)
+        _write(tmp / "ir.txt", print_program(program))
+        copied = []
+        if ckpt is not None:
+            for name in TOKENIZER_FILES:
+                if (ckpt / name).is_file():
+                    (tmp / "tokenizer").mkdir(exist_ok=True)
+                    shutil.copyfile(ckpt / name, tmp / "tokenizer" / name)
+                    copied.append(name)
+        files = convert_weights(program, ckpt, tmp, seed=seed, progress=progress)
+        manifest = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
+                                  hf_config=hf_config, gen_config=gen_config, weight_files=files,
+                                  has_tokenizer=bool(copied), pass_log=pass_log)
+        _write(tmp / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; an artifact is an ordinary directory
+        _install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+__all__ = ["SCHEMA_VERSION", "build_manifest", "resolve_max_model_len", "write_artifact"]

@@ -1,0 +1,32 @@
+"""The emitter table: how model.py calls each kernel id that kernel selection may choose.
+
+A template is a `str.format` string over:
+  {0}, {1}, ...  the node's inputs (local names or expressions), {args} all of them comma-separated;
+  {eps}, ...     the node's attributes as Python literals (op-table defaults filled in);
+  {kv_cache}, {rope_cache}, {scale}  context fields codegen derives for the node (see render.CONTEXT_FIELDS).
+Adding a kernel is one row here (plus its function in a kernels template), never a branch in the renderer.
+"""
+from __future__ import annotations
+
+# kernel module namespace (prefix of a kernel id) -> (kernels template, alias model.py imports it as)
+KERNEL_MODULES: dict[str, tuple[str, str]] = {
+    "cpu": ("cpu/kernels.py.j2", "K"),
+}
+
+EMITTERS: dict[str, str] = {
+    "cpu.embedding": "K.embedding({0}, {1})",
+    "cpu.rms_norm": "K.rms_norm({0}, {1}, eps={eps})",
+    "cpu.add_rms_norm": "K.add_rms_norm({0}, {1}, {2}, eps={eps})",
+    "cpu.linear": "K.linear({args})",
+    "cpu.silu": "K.silu({0})",
+    "cpu.silu_mul": "K.silu_mul({0})",
+    "cpu.add": "K.add({0}, {1})",
+    "cpu.mul": "K.mul({0}, {1})",
+    "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",
+    "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
+                            "sliding_window={sliding_window})"),
+    "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
+}
+
+# Ops that are plumbing, not kernels: model.py spells them as Python (attribute reads, slicing, unpacking).
+STRUCTURAL_OPS = frozenset({"input", "param", "block", "getitem", "view", "slice"})

@@ -1,0 +1,22 @@
+"""Errors codegen reports to a user: a kernel it cannot emit, a checkpoint that does not fit the model."""
+from __future__ import annotations
+
+from kiln.dsl.errors import KilnError, SourceError
+
+
+class CodegenError(SourceError):
+    """The program cannot be turned into an artifact (no emitter for a kernel, an untyped value, ...).
+
+    `loc` is the DSL position of the offending node when known.
+    """
+
+
+class WeightError(SourceError):
+    """A checkpoint tensor is missing or has the wrong shape; `loc` is the DSL `param` declaration."""
+
+
+class CheckpointError(KilnError):
+    """The checkpoint directory cannot be read (missing, no safetensors files, a broken index)."""
+
+
+__all__ = ["CheckpointError", "CodegenError", "KilnError", "WeightError"]

@@ -1,0 +1,388 @@
+"""Renders a typed, kernel-selected Program into the artifact's `model.py`: straight-line kernel calls.
+
+The generated `Model.forward` runs the entry graph, calling one method per block kind inside a layer loop;
+each method is the block graph written out as Python, one line per node in dataflow order. Nothing walks
+the IR at run time.
+"""
+from __future__ import annotations
+
+import json
+import keyword
+import re
+import string
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
+from kiln.compiler.ops import OPS, REQUIRED
+
+from .emitters import EMITTERS, STRUCTURAL_OPS
+from .errors import CodegenError
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+# Names model.py itself uses: a value id never becomes one of these.
+_RESERVED = frozenset({
+    "self", "layer", "batch", "kv_caches", "weights", "device", "K", "torch", "Tensor", "ForwardBatch",
+    "MAX_MODEL_LEN", "TYPE_CHECKING", "annotations", "range", "i", "_",
+})
+
+
+def template_env() -> jinja2.Environment:
+    """The jinja environment of every codegen template (strict: a missing variable is an error)."""
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+    )
+
+
+# ---------------------------------------------------------------- program-wide facts
+
+
+def kernel_of(graph: Graph, vid: str, node: Node) -> str:
+    """The kernel id of a node: "inline" for structural ops, else attrs["kernel"] (set by kernel_selection)."""
+    kernel = node.attrs.get("kernel")
+    if node.op in STRUCTURAL_OPS:
+        return "inline" if kernel is None else kernel
+    if kernel is None:
+        raise CodegenError(f"%{vid} = {node.op}(...) in graph '{graph.name}' has no kernel; the kernel_selection "
+                           f"pass sets attrs['kernel']", node.loc)
+    if kernel not in EMITTERS:
+        raise CodegenError(f"no code emitter for kernel '{kernel}' (%{vid} = {node.op} in graph '{graph.name}'); "
+                           f"known kernels: {', '.join(sorted(EMITTERS))}", node.loc)
+    return kernel
+
+
+def _nodes(graph: Graph) -> Iterator[Node]:
+    return (node for _, node in graph.items())
+
+
+def used_graphs(program: Program) -> list[str]:
+    """The entry graph, then each block graph in order of its first call."""
+    names = ["entry"]
+    for node in _nodes(program.entry):
+        if node.op == "block":
+            g = program.blocks[node.attrs["block"]].graph
+            if g not in names:
+                names.append(g)
+    return names
+
+
+def kernels_used(program: Program) -> list[str]:
+    """Sorted kernel ids the generated model calls (structural "inline" ops excluded)."""
+    ids = set()
+    for name in used_graphs(program):
+        graph = program.graphs[name]
+        for vid, node in graph.items():
+            kernel = kernel_of(graph, vid, node)
+            if kernel != "inline":
+                ids.add(kernel)
+    return sorted(ids)
+
+
+def kv_cache_nodes(program: Program) -> list[tuple[Graph, Node]]:
+    """(graph, attention node) per KV cache, in cache-index order (layer schedule, then dataflow order)."""
+    out: list[tuple[Graph, Node]] = []
+    for node in _nodes(program.entry):
+        if node.op == "attention":
+            out.append((program.entry, node))
+        elif node.op == "block":
+            spec = program.blocks[node.attrs["block"]]
+            graph = program.graphs[spec.graph]
+            out.extend([(graph, n) for _, n in graph.items() if n.op == "attention"] * spec.count)
+    return out
+
+
+def _type_of(graph: Graph, vid: str) -> TensorType:
+    t = graph.node(vid).out
+    if not isinstance(t, TensorType):
+        raise CodegenError(f"%{vid} in graph '{graph.name}' has no tensor type; run shape_inference before codegen",
+                           graph.node(vid).loc)
+    return t
+
+
+def _attrs_with_defaults(node: Node) -> dict[str, Any]:
+    op = OPS.get(node.op)
+    attrs = {k: v for k, v in (op.attrs.items() if op else ()) if v is not REQUIRED}
+    attrs.update(node.attrs)
+    return attrs
+
+
+def rope_key(graph: Graph, vid: str, node: Node) -> tuple:
+    """Ropes sharing this key share one precomputed cos/sin table."""
+    head_dim = _type_of(graph, node.inputs[0]).shape[-1]
+    attrs = _attrs_with_defaults(node)
+    return (head_dim, *((k, attrs[k]) for k in OPS["rope"].attrs))  # op-table order: theta first
+
+
+def literal(v: Any) -> str:
+    """A Python literal for an attribute value."""
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, bool) or v is None or isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, tuple | list):
+        inner = ", ".join(literal(x) for x in v)
+        return f"({inner},)" if len(v) == 1 else f"({inner})"
+    if isinstance(v, Attrs | dict):
+        return "{" + ", ".join(f"{k!r}: {literal(v[k])}" for k in v) + "}"
+    raise CodegenError(f"cannot write attribute value {v!r} as a Python literal", None)
+
+
+def identifier(name: str, taken: set[str]) -> str:
+    """A fresh Python identifier close to `name`, added to `taken`."""
+    base = re.sub(r"\W", "_", name) or "v"
+    if base[0].isdigit():
+        base = f"v{base}"
+    if keyword.iskeyword(base) or base in _RESERVED:
+        base = f"{base}_"
+    ident, n = base, 1
+    while ident in taken:
+        ident, n = f"{base}_{n}", n + 1
+    taken.add(ident)
+    return ident
+
+
+# ---------------------------------------------------------------- the model as a whole
+
+
+@dataclass
+class _Model:
+    program: Program
+    attr_of_param: dict[str, str] = field(default_factory=dict)  # ParamSpec name -> self.<attr>
+    method_of_graph: dict[str, str] = field(default_factory=dict)
+    rope_caches: dict[tuple, str] = field(default_factory=dict)  # rope_key -> self.<attr>
+    init_lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        program = self.program
+        taken = {"forward", "device"}
+        for g in used_graphs(program)[1:]:
+            self.method_of_graph[g] = identifier(g, taken)
+        for spec in program.params.values():
+            self.attr_of_param[spec.name] = identifier(spec.name, taken)
+        ropes = [rope_key(program.graphs[g], vid, n) for g in used_graphs(program)
+                 for vid, n in program.graphs[g].items() if n.op == "rope"]
+        distinct = list(dict.fromkeys(ropes))
+        for k, key in enumerate(distinct):
+            self.rope_caches[key] = identifier("rope_cache" if len(distinct) == 1 else f"rope_cache_{k}", taken)
+        self._init_lines()
+
+    def _init_lines(self) -> None:
+        program, lines = self.program, self.init_lines
+        for spec in program.params.values():
+            if spec.block is None:
+                lines.append(f"self.{self.attr_of_param[spec.name]} = weights[{json.dumps(spec.name)}]")
+        for block in program.blocks.values():
+            specs = [s for s in program.params.values() if s.block == block.name]
+            if not specs:
+                continue
+            lines.append(f"# block {block.name}: {block.count} layers, weights indexed by layer")
+            for spec in specs:
+                name = spec.layer_name(0).replace(f"{block.name}.0.", f"{block.name}.{{i}}.", 1)
+                assert "{" not in spec.name and '"' not in spec.name, f"odd param name {spec.name!r}"
+                lines.append(f'self.{self.attr_of_param[spec.name]} = [weights[f"{name}"] '
+                             f"for i in range({block.count})]")
+        if self.rope_caches:
+            lines.append("# rotary cos/sin tables, one per distinct rope configuration")
+        defaults = {k: v for k, v in OPS["rope"].attrs.items()}
+        for key, attr in self.rope_caches.items():
+            head_dim, *items = key
+            extra = "".join(f", {k}={literal(v)}" for k, v in items if k == "theta" or v != defaults[k])
+            lines.append(f"self.{attr} = K.rope_cache({head_dim}, MAX_MODEL_LEN{extra}).to(self.device)")
+
+
+# ---------------------------------------------------------------- one function per graph
+
+
+ContextField = Callable[["_Function", str, Node], str]
+
+
+def _kv_cache_field(fn: _Function, vid: str, node: Node) -> str:
+    j = fn.next_kv
+    fn.next_kv += 1
+    if fn.layered:
+        m = fn.kv_per_layer
+        return "kv_caches[layer]" if m == 1 else f"kv_caches[layer * {m} + {j}]"
+    return f"kv_caches[{j}]"
+
+
+def _rope_cache_field(fn: _Function, vid: str, node: Node) -> str:
+    return f"self.{fn.model.rope_caches[rope_key(fn.graph, vid, node)]}"
+
+
+def _scale_field(fn: _Function, vid: str, node: Node) -> str:
+    scale = node.attrs.get("scale")
+    if scale is None:
+        scale = _type_of(fn.graph, node.inputs[0]).shape[-1] ** -0.5
+    return literal(float(scale))
+
+
+# Fields a kernel template may name besides inputs and attributes, and how codegen derives each.
+CONTEXT_FIELDS: dict[str, ContextField] = {
+    "kv_cache": _kv_cache_field,  # this attention's KV tensor: running index over the layer schedule
+    "rope_cache": _rope_cache_field,  # the precomputed cos/sin table of this rope's configuration
+    "scale": _scale_field,  # attrs.scale, or head_dim ** -0.5
+}
+
+
+class _Function:
+    """Writes one graph as straight-line Python: `forward` (entry) or a block method (`layered`)."""
+
+    def __init__(self, model: _Model, graph: Graph, *, layered: bool):
+        self.model, self.graph, self.layered = model, graph, layered
+        self.expr: dict[str, str] = {}  # value id -> local name or inline expression
+        self.taken: set[str] = set()
+        self.lines: list[str] = []
+        self.skip: set[str] = set()
+        self.next_kv = 0
+        self.kv_per_layer = graph.count("attention")
+        self.args: list[str] = []
+
+    def emit(self) -> list[str]:
+        handlers = {"input": self._input, "param": self._param, "block": self._block, "getitem": self._getitem,
+                    "view": self._view, "slice": self._slice}
+        for vid, node in self.graph.items():
+            if vid in self.skip:
+                continue
+            handlers.get(node.op, self._kernel)(vid, node)
+        outs = ", ".join(self.expr[o] for o in self.graph.outputs)
+        self.lines.append(f"return {outs}")
+        return self.lines
+
+    def _local(self, vid: str) -> str:
+        self.expr[vid] = identifier(vid, self.taken)
+        return self.expr[vid]
+
+    def _input(self, vid: str, node: Node) -> None:
+        if self.layered:
+            self.args.append(self._local(vid))
+        elif len(self.graph.inputs) == 1:
+            self.expr[vid] = "batch.input_ids"
+        else:
+            raise CodegenError(f"the entry graph takes {len(self.graph.inputs)} inputs; model.py feeds only the "
+                               "token ids (batch.input_ids)", node.loc)
+
+    def _param(self, vid: str, node: Node) -> None:
+        spec = self.model.program.params[node.attrs["name"]]
+        attr = f"self.{self.model.attr_of_param[spec.name]}"
+        if spec.block is not None and not self.layered:
+            raise CodegenError(f"graph '{self.graph.name}' reads block param '{spec.name}' outside its block",
+                               node.loc)
+        self.expr[vid] = f"{attr}[layer]" if spec.block is not None else attr
+
+    def _assign(self, vid: str, rhs: str) -> None:
+        self.lines.append(f"{self._local(vid)} = {rhs}")
+
+    def _view(self, vid: str, node: Node) -> None:
+        self._assign(vid, f"{self.expr[node.inputs[0]]}.unflatten(-1, {literal(tuple(node.attrs['shape']))})")
+
+    def _slice(self, vid: str, node: Node) -> None:
+        self._assign(vid, f"{self.expr[node.inputs[0]]}[..., {node.attrs['start']}:{node.attrs['stop']}]")
+
+    def _getitem(self, vid: str, node: Node) -> None:
+        self._assign(vid, f"{self.expr[node.inputs[0]]}[{node.attrs['index']}]")
+
+    def _block(self, vid: str, node: Node) -> None:
+        if self.layered:
+            raise CodegenError(f"block graph '{self.graph.name}' calls block '{node.attrs['block']}'; blocks nest "
+                               "only in the entry graph", node.loc)
+        program = self.model.program
+        spec = program.blocks[node.attrs["block"]]
+        method = self.model.method_of_graph[spec.graph]
+        per_layer = program.graphs[spec.graph].count("attention")
+        base = self.next_kv
+        self.next_kv += spec.count * per_layer
+        kv = "kv_caches" if base == 0 or per_layer == 0 else f"kv_caches[{base}:]"
+        h = self._local(vid)
+        self.lines.append(f"{h} = {self.expr[node.inputs[0]]}")
+        self.lines.append(f"for layer in range({spec.count}):  # block {spec.name}")
+        self.lines.append(f"    {h} = self.{method}(layer, {h}, batch, {kv})")
+
+    def _kernel(self, vid: str, node: Node) -> None:
+        kernel = kernel_of(self.graph, vid, node)
+        template = EMITTERS[kernel]
+        inputs = [self.expr[i] for i in node.inputs]
+        attrs = _attrs_with_defaults(node)
+        fields: dict[str, str] = {"args": ", ".join(inputs)}
+        for _, name, _, _ in string.Formatter().parse(template):
+            if name is None or name.isdigit() or name == "args":
+                continue
+            if name in CONTEXT_FIELDS:
+                fields[name] = CONTEXT_FIELDS[name](self, vid, node)
+            elif name in attrs:
+                fields[name] = literal(attrs[name])
+            else:
+                raise CodegenError(f"kernel '{kernel}' needs '{name}', which %{vid} = {node.op} does not carry",
+                                   node.loc)
+        try:
+            call = template.format(*inputs, **fields)
+        except IndexError:
+            raise CodegenError(f"kernel '{kernel}' takes more inputs than %{vid} = {node.op} has "
+                               f"({len(inputs)})", node.loc) from None
+        if isinstance(node.out, TupleType):
+            self._assign_tuple(vid, node, call)
+        else:
+            self._assign(vid, call)
+
+    def _assign_tuple(self, vid: str, node: Node, call: str) -> None:
+        users = self.graph.users(vid)
+        index = [self.graph.node(u).attrs.get("index") for u in users]
+        unpack = (vid not in self.graph.outputs and all(self.graph.node(u).op == "getitem" for u in users)
+                  and len(set(index)) == len(index))
+        if not unpack:
+            self._assign(vid, call)
+            return
+        names = ["_"] * len(node.out.items)
+        for u, i in zip(users, index, strict=True):
+            names[i] = self._local(u)
+            self.skip.add(u)
+        self.lines.append(f"{', '.join(names)} = {call}")
+
+
+def _methods(model: _Model) -> Iterator[dict[str, Any]]:
+    program = model.program
+    for g, method in model.method_of_graph.items():
+        fn = _Function(model, program.graphs[g], layered=True)
+        lines = fn.emit()
+        if len(fn.args) != 1:
+            raise CodegenError(f"block graph '{g}' takes {len(fn.args)} inputs; a block maps one hidden state "
+                               "to the next", None)
+        blocks = [b.name for b in program.blocks.values() if b.graph == g]
+        yield {"name": method, "arg": fn.args[0], "lines": lines, "blocks": ", ".join(blocks),
+               "kv_per_layer": fn.kv_per_layer}
+
+
+def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
+                 recipe_file: str | None = None) -> str:
+    """The source of the artifact's `model.py` for `program` (typed, every compute node kernel-selected).
+
+    Deterministic: the same program and arguments give the same text. Raises CodegenError for a node codegen
+    cannot emit (no kernel, unknown kernel id, missing type).
+    """
+    kernels_used(program)  # validates every node's kernel before anything is written
+    model = _Model(program)
+    forward = _Function(model, program.entry, layered=False)
+    forward_lines = forward.emit()
+    return template_env().get_template("model.py.j2").render(
+        kiln_version=kiln_version,
+        recipe_hash=recipe_hash,
+        recipe_file=Path(recipe_file).name if recipe_file else None,
+        program_name=program.name,
+        dtype=program.dtype,
+        max_model_len=int(max_model_len),
+        num_kv_caches=len(kv_cache_nodes(program)),
+        init_lines=model.init_lines,
+        forward_lines=forward_lines,
+        methods=list(_methods(model)),
+    )
+
+
+__all__ = ["CONTEXT_FIELDS", "identifier", "kernel_of", "kernels_used", "kv_cache_nodes", "literal",
+           "render_model", "template_env", "used_graphs"]

@@ -1,0 +1,275 @@
+"""Weight conversion: a Hugging Face safetensors checkpoint (or a seed) -> the artifact's weight shards.
+
+Every ParamSpec is materialised for every layer: its checkpoint sources (`{i}` = layer) are read lazily
+through `safetensors.safe_open`, checked against the declared shape, concatenated along `concat_dim`
+(fused weights), cast to the param dtype, and written as `weights/rank0/model-0000k-of-0000n.safetensors`.
+Output bytes depend only on the program and the checkpoint: tensor order, shard split and metadata are fixed.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kiln.compiler.ir import DTYPE_BYTES, ParamSpec, Program
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .errors import CheckpointError, CodegenError, WeightError
+
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+TORCH_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+SHARD_BYTES = 2 * 1024**3
+WEIGHTS_DIR = "weights/rank0"
+INDEX_FILE = "model.safetensors.index.json"
+INIT_STD = 0.02
+
+
+# ---------------------------------------------------------------- reading a checkpoint
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory, opened lazily: shapes come from headers, data on `get`.
+
+    Layouts: `model.safetensors`; sharded with `model.safetensors.index.json`; or any set of `*.safetensors`.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        self._handles: dict[Path, object] = {}
+        self.file_of: dict[str, Path] = self._index()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            files = {f: self.path / f for f in sorted(set(weight_map.values()))}
+            for f, p in files.items():
+                if not p.is_file():
+                    raise CheckpointError(f"{index} lists {f}, which is not in {self.path}")
+            return {name: files[f] for name, f in weight_map.items()}
+        single = self.path / "model.safetensors"
+        paths = [single] if single.is_file() else sorted(self.path.glob("*.safetensors"))
+        if not paths:
+            raise CheckpointError(f"{self.path}: no safetensors weights (expected model.safetensors, "
+                                  f"{INDEX_FILE}, or *.safetensors files)")
+        file_of: dict[str, Path] = {}
+        for p in paths:
+            for name in self._open(p).keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                if name in file_of:
+                    raise CheckpointError(f"{self.path}: tensor '{name}' is in both {file_of[name].name} and {p.name}")
+                file_of[name] = p
+        return file_of
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self.file_of[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._open(self.file_of[name]).get_tensor(name)
+
+    def close_matches(self, name: str) -> list[str]:
+        return difflib.get_close_matches(name, list(self.file_of), n=1, cutoff=0.75)
+
+
+# ---------------------------------------------------------------- the conversion plan
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One tensor of the artifact: a param at a layer (None for top-level params)."""
+
+    name: str  # artifact tensor name, e.g. "decoder.3.wqkv"
+    spec: ParamSpec
+    layer: int | None
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.spec.dtype]
+        for d in self.spec.shape:
+            n *= d
+        return n
+
+
+def weight_entries(program: Program) -> list[_Entry]:
+    """Every artifact tensor in a fixed order: top-level params, then each block layer by layer."""
+    entries = [_Entry(s.name, s, None) for s in program.params.values() if s.block is None]
+    for block in program.blocks.values():
+        specs = [s for s in program.params.values() if s.block == block.name]
+        for i in range(block.count):
+            entries.extend(_Entry(s.layer_name(i), s, i) for s in specs)
+    for e in entries:
+        if e.spec.dtype not in TORCH_DTYPES:
+            raise CodegenError(f"param '{e.spec.name}' has dtype {e.spec.dtype}; weight conversion writes only "
+                               f"{', '.join(TORCH_DTYPES)} (quantized weights are not converted yet)", e.spec.loc)
+    return entries
+
+
+def total_weight_bytes(program: Program) -> int:
+    return sum(e.nbytes for e in weight_entries(program))
+
+
+def _where(entry: _Entry) -> str:
+    return f"param '{entry.spec.name}'" + (f" (layer {entry.layer})" if entry.layer is not None else "")
+
+
+def _fmt(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_sources(entry: _Entry, ckpt: Checkpoint) -> None:
+    """Raises WeightError unless every source exists and they concatenate to the declared shape."""
+    spec = entry.spec
+    sources = spec.sources_for(entry.layer)
+    if not sources:
+        raise WeightError(f"{_where(entry)} has no checkpoint source ('from \"...\"') and the recipe loads "
+                          f"weights from {ckpt.path}", spec.loc)
+    shapes = []
+    for src in sources:
+        if src not in ckpt:
+            near = ckpt.close_matches(src)
+            notes = (f"did you mean '{near[0]}'?",) if near else ()
+            raise WeightError(f"checkpoint tensor '{src}' for {_where(entry)} is not in {ckpt.path}", spec.loc,
+                              notes)
+        shapes.append(ckpt.shape(src))
+    want, dim = spec.shape, spec.concat_dim
+    if len(sources) == 1:
+        if shapes[0] != want:
+            raise WeightError(f"checkpoint tensor '{sources[0]}' has shape {_fmt(shapes[0])}, but {_where(entry)} "
+                              f"expects {_fmt(want)}", spec.loc)
+        return
+    for src, shape in zip(sources, shapes, strict=True):
+        others = tuple(d for k, d in enumerate(shape) if k != dim)
+        if len(shape) != len(want) or others != tuple(d for k, d in enumerate(want) if k != dim):
+            expected = _fmt(tuple("*" if k == dim else d for k, d in enumerate(want)))
+            raise WeightError(f"checkpoint tensor '{src}' has shape {_fmt(shape)}, but {_where(entry)} (expected "
+                              f"{_fmt(want)}, concatenated along dim {dim}) needs {expected}", spec.loc)
+    if sum(s[dim] for s in shapes) != want[dim]:
+        parts = ", ".join(f"'{s}' {_fmt(sh)}" for s, sh in zip(sources, shapes, strict=True))
+        raise WeightError(f"checkpoint tensors {parts} concatenate along dim {dim} to "
+                          f"{sum(s[dim] for s in shapes)}, but {_where(entry)} expects {_fmt(want)}", spec.loc)
+
+
+def _load(entry: _Entry, ckpt: Checkpoint) -> torch.Tensor:
+    dtype = TORCH_DTYPES[entry.spec.dtype]
+    parts = [ckpt.get(src).to(dtype) for src in entry.spec.sources_for(entry.layer)]
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=entry.spec.concat_dim)
+    return t.contiguous()
+
+
+# ---------------------------------------------------------------- random weights
+
+
+def param_roles(program: Program) -> dict[str, str]:
+    """"norm" for params read as a norm weight, "bias" for those read as a linear bias (from the graphs)."""
+    roles: dict[str, str] = {}
+    slots = {("rms_norm", 1): "norm", ("add_rms_norm", 2): "norm", ("linear", 2): "bias"}
+    for graph in program.graphs.values():
+        for vid in graph.order():
+            node = graph.node(vid)
+            for k, src in enumerate(node.inputs):
+                p = graph.node(src)
+                if p.op == "param" and (node.op, k) in slots:
+                    roles[p.attrs["name"]] = slots[node.op, k]
+    return roles
+
+
+def _random(entry: _Entry, role: str | None, seed: int) -> torch.Tensor:
+    """normal(0, 0.02) for matrices, ones for norm weights, zeros for biases; seeded per tensor name, so a
+    tensor's values do not depend on which other params the program has."""
+    spec, dtype = entry.spec, TORCH_DTYPES[entry.spec.dtype]
+    if len(spec.shape) == 1 and role != "bias" and (role == "norm" or "norm" in spec.local_name):
+        return torch.ones(spec.shape, dtype=dtype)
+    if len(spec.shape) == 1:
+        return torch.zeros(spec.shape, dtype=dtype)
+    digest = hashlib.sha256(f"{seed}:{entry.name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.empty(spec.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=g).to(dtype)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
+def _materialise(entries: list[_Entry], ckpt: Checkpoint | None, roles: dict[str, str], seed: int,
+                 bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+    for e in entries:
+        t = _load(e, ckpt) if ckpt is not None else _random(e, roles.get(e.spec.name), seed)
+        assert tuple(t.shape) == e.spec.shape, f"{e.name}: built {tuple(t.shape)}, declared {e.spec.shape}"
+        bar.update(e.nbytes)
+        yield e.name, t
+
+
+def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir: str | Path, *, seed: int = 0,
+                    progress: bool = True, max_shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Writes every param of `program` for every layer to `out_dir/weights/rank0/`; returns the file names.
+
+    `checkpoint_dir=None` writes deterministic random weights from `seed`. All sources are checked (present,
+    right shape) before anything is read, so a bad checkpoint fails fast with a WeightError at the param's
+    DSL declaration. Shards hold at most `max_shard_bytes` each (one larger tensor gets a shard of its own).
+    """
+    entries = weight_entries(program)
+    ckpt = Checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    if ckpt is not None:
+        for e in entries:
+            check_sources(e, ckpt)
+    roles = param_roles(program)
+    wdir = Path(out_dir) / WEIGHTS_DIR
+    wdir.mkdir(parents=True, exist_ok=True)
+    shards = _shards(entries, max_shard_bytes)
+    names = shard_names(len(shards))
+    show = progress and sys.stderr.isatty()
+    with tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="weights",
+              disable=not show) as bar:
+        for shard, name in zip(shards, names, strict=True):
+            tensors = dict(_materialise(shard, ckpt, roles, seed, bar))
+            save_file(tensors, str(wdir / name), metadata={"format": "pt"})
+    return names
+
+
+__all__ = [
+    "SHARD_BYTES",
+    "TORCH_DTYPES",
+    "TORCH_DTYPE_NAMES",
+    "WEIGHTS_DIR",
+    "Checkpoint",
+    "WeightError",
+    "convert_weights",
+    "param_roles",
+    "shard_names",
+    "total_weight_bytes",
+    "weight_entries",
+]
