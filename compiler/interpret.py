@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
 from kiln.compiler.ir import Graph, Program
 from kiln.compiler.ops import OPS, REQUIRED, RefContext
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
-
 from kiln.dsl.errors import Loc
 
 Dim = int | str  # an int, or a symbol such as "T" (tokens in the step)

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from kiln.compiler.ir import DTYPE_BYTES, Attrs, Dim, TensorType, TupleType, ValueType
 
 

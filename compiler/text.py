@@ -17,8 +17,17 @@ import re
 from typing import Any
 
 import networkx as nx
-
-from kiln.compiler.ir import Attrs, BlockSpec, Graph, Node, ParamSpec, Program, TensorType, TupleType, ValueType
+from kiln.compiler.ir import (
+    Attrs,
+    BlockSpec,
+    Graph,
+    Node,
+    ParamSpec,
+    Program,
+    TensorType,
+    TupleType,
+    ValueType,
+)
 
 
 class IRParseError(Exception):

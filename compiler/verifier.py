@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import networkx as nx
-
 from kiln.compiler.ir import Graph, Program, TupleType
 from kiln.compiler.ops import OPS, REQUIRED, ShapeError
 

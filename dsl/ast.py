@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from kiln.dsl.errors import Loc
 
@@ -44,23 +43,23 @@ class Name:
 @dataclass(frozen=True, slots=True)
 class BinOp:
     op: str  # + - * / // % ** == != < <= > >= && ||
-    left: "Expr"
-    right: "Expr"
+    left: Expr
+    right: Expr
     loc: Loc
 
 
 @dataclass(frozen=True, slots=True)
 class UnaryOp:
     op: str  # - !
-    operand: "Expr"
+    operand: Expr
     loc: Loc
 
 
 @dataclass(frozen=True, slots=True)
 class Ternary:
-    cond: "Expr"
-    then: "Expr"
-    else_: "Expr"
+    cond: Expr
+    then: Expr
+    else_: Expr
     loc: Loc
 
 
@@ -69,8 +68,8 @@ class Call:
     """`f(a, b, k=v)`. The pipe `a |> f(b)` is desugared by the parser into `f(a, b)`."""
 
     func: str
-    args: tuple["Expr", ...]
-    kwargs: tuple[tuple[str, "Expr"], ...]
+    args: tuple[Expr, ...]
+    kwargs: tuple[tuple[str, Expr], ...]
     loc: Loc
     # where each keyword's name is written (parallel to `kwargs`), so errors can point at `hiden=` itself
     kwarg_locs: tuple[Loc, ...] = field(default=(), compare=False)
@@ -78,11 +77,11 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class List:
-    items: tuple["Expr", ...]
+    items: tuple[Expr, ...]
     loc: Loc
 
 
-Expr = Union[Num, Str, Bool, Size, Name, BinOp, UnaryOp, Ternary, Call, List]
+Expr = Num | Str | Bool | Size | Name | BinOp | UnaryOp | Ternary | Call | List
 
 # ---------------------------------------------------------------- forward bodies
 
@@ -100,7 +99,7 @@ class Return:
     loc: Loc
 
 
-Stmt = Union[Assign, Return]
+Stmt = Assign | Return
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,7 +236,7 @@ def apply_rewrites(program: Program, rewrites: Sequence[Rewrite], ctx: PassConte
 def _merge_params(old: Mapping[str, ParamSpec], new: Mapping[str, tuple[ParamSpec, str | None]],
                   dropped: set[str]) -> dict[str, ParamSpec]:
     placed = {}
-    for name, (spec, after) in new.items():
+    for spec, after in new.values():
         placed.setdefault(after if after in old else None, []).append(spec)
     merged: dict[str, ParamSpec] = {}
     for name, spec in old.items():

@@ -3,13 +3,12 @@
 Tiny random configs; the compiler's reference interpreter runs the DSL model on the HF state dict.
 """
 import pytest
+from kiln.dsl import load_recipe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 instantiate = pytest.importorskip("kiln.compiler.instantiate")
 interpret = pytest.importorskip("kiln.compiler.interpret")
-
-from kiln.dsl import load_recipe
 
 SHAPE = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 48, "max_position_embeddings": 128}
