@@ -89,6 +89,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kiln.runtime.server import serve
+
+    serve(args.artifact, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
+          log_level=args.log_level)
+    return 0
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", help="model name of the API (default: the recipe's serve.served_name, "
+                   "else the artifact directory name)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests queued before the server answers 503 (default 1024)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from the manifest)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -129,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text with a compiled artifact")
     p.add_argument("artifact")
     _add_generate_args(p)
+
+    p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
+    p.add_argument("artifact")
+    _add_serve_args(p)
     return parser
 
 
@@ -145,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def artifact_main(artifact_dir: str, argv: list[str]) -> int:
-    """Entry of a compiled artifact's `__main__.py`: `python ART generate "prompt"`."""
-    if not argv or argv[0] not in ("generate",):
-        print("usage: python ARTIFACT generate \"prompt\" [--max-tokens N] [--temperature T] [--seed S]",
+    """Entry of a compiled artifact's `__main__.py`: `python ART generate "prompt"` or `python ART serve`."""
+    if not argv or argv[0] not in ("generate", "serve"):
+        print("usage: python ARTIFACT generate \"prompt\" [--max-tokens N] [--temperature T] [--seed S]\n"
+              "       python ARTIFACT serve [--host H] [--port P] [--api-key K] [--served-model-name N]",
               file=sys.stderr)
         return USER_ERROR_EXIT
     return main([argv[0], artifact_dir, *argv[1:]])

@@ -231,7 +231,9 @@ class LLMEngine:
                 raise RequestError(f"{name}={value} exceeds the vocabulary size {cfg.vocab_size}")
 
     def stats(self) -> dict[str, float]:
+        """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks."""
         pc = self.block_manager.prefix_cache
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_usage": self.block_manager.usage, "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
                 "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0}

@@ -1,0 +1,101 @@
+"""Prometheus metrics of a server (`kiln:` prefix, vLLM-compatible names), in a registry of its own."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .async_engine import EngineStats, RequestObserver
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 300.0)
+
+
+class ServerMetrics(RequestObserver):
+    """Latency histograms and token counters fed by the engine thread; gauges and the engine's own counters
+    (prefix cache, preemptions) read from `stats()` at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], block_size: int) -> None:
+        disable_created_metrics()  # no `*_created` series, as vLLM
+        self.registry = CollectorRegistry()
+        labels, values = ["model_name"], [model_name]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(*values)
+
+        self._ttft = histogram("kiln:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self._itl = histogram("kiln:inter_token_latency_seconds", "Time between two token deliveries.",
+                              _ITL_BUCKETS)
+        self._e2e = histogram("kiln:e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
+        self._queue = histogram("kiln:request_queue_time_seconds", "Arrival to first scheduled.",
+                                _REQUEST_BUCKETS)
+        self._prompt_tokens = counter("kiln:prompt_tokens", "Prompt tokens of accepted requests.")
+        self._generation_tokens = counter("kiln:generation_tokens", "Generated tokens.")
+        self._success = Counter("kiln:request_success", "Requests that finished (not aborted).",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.registry.register(_EngineCollector(model_name, stats, block_size))
+
+    # RequestObserver: called from the engine thread; prometheus_client metrics are thread-safe.
+    def on_queued(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+
+    def on_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def on_tokens(self, num_prompt: int, num_generated: int) -> None:
+        if num_prompt:
+            self._prompt_tokens.inc(num_prompt)
+        if num_generated:
+            self._generation_tokens.inc(num_generated)
+
+    def on_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
+        self._e2e.observe(e2e_seconds)
+        if finish_reason in ("stop", "length"):
+            self._success.labels(self._model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], block_size: int) -> None:
+        self._model_name = model_name
+        self._stats = stats
+        self._block_size = block_size
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        labels, values = ["model_name"], [self._model_name]
+        for name, doc, value in (
+                ("kiln:num_requests_running", "Sequences holding KV blocks and being stepped.",
+                 s.num_requests_running),
+                ("kiln:num_requests_waiting", "Sequences waiting to be scheduled (queued or preempted).",
+                 s.num_requests_waiting),
+                ("kiln:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage)):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            yield family
+        # The prefix cache counts whole blocks; reported in tokens, as vLLM does.
+        for name, doc, value in (
+                ("kiln:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (whole blocks).",
+                 s.prefix_cache_queries * self._block_size),
+                ("kiln:prefix_cache_hits", "Prompt tokens served by the prefix cache (whole blocks).",
+                 s.prefix_cache_hits * self._block_size),
+                ("kiln:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            yield family

@@ -1,0 +1,58 @@
+"""`kiln serve` as a user runs it: a subprocess on a loopback port, stopped with SIGINT."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kiln_serve_subprocess(standin_dir):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", "serve", str(standin_dir), "--port", str(port), "--api-key", "k",
+         "--served-model-name", "tiny", "--max-waiting", "8", "--num-kv-blocks", "64", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "kiln serve did not come up"
+            time.sleep(0.2)
+        headers = {"Authorization": "Bearer k"}
+        assert httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
+        r = httpx.post(url + "/v1/completions", headers=headers,
+                       json={"model": "tiny", "prompt": "The quick", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode is not None
+
+
+def test_serve_parser():
+    from kiln.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "art"])
+    assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks) == (
+        "127.0.0.1", 8000, None, 1024, None)
