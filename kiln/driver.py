@@ -53,6 +53,41 @@ def resolve_weights(recipe: A.RecipeDecl, recipe_file: Path) -> tuple[Path | Non
     raise SourceError('weights must be "hf:DIR" or random(seed=N)', v.loc)
 
 
+# Recipe options kiln parses but cannot build yet: compiling an artifact with them is an error at the
+# option's location (never silently ignored). Planning (`--report` without `-o`) still models them.
+_NOT_YET = {
+    "quantize": "quantization (fp8/int4 weights, fp8 KV cache) is not implemented yet",
+    "speculative": "speculative decoding is not implemented yet",
+    "lora": "LoRA adapters are not implemented yet",
+    "disaggregate": "prefill/decode disaggregation is not implemented yet",
+    "kv_cache.offload": "KV offload to CPU is not implemented yet",
+}
+_CODEGEN_TARGETS = ("cpu",)
+
+
+def check_buildable(recipe: A.RecipeDecl, options: dict[str, Any]) -> None:
+    """Refuses, at the option's location, what this kiln cannot put into an artifact yet."""
+    target = options.get("target", "cpu")
+    if target not in _CODEGEN_TARGETS:
+        s = _setting(recipe, "target")
+        raise SourceError(f"code generation for target {target!r} is not implemented yet (supported: "
+                          f"{', '.join(_CODEGEN_TARGETS)}); `kiln compile --report` without -o plans for it",
+                          s.value.loc if s else recipe.loc)
+    for sec in recipe.sections:
+        if sec.name in _NOT_YET and sec.entries:
+            raise SourceError(_NOT_YET[sec.name], sec.entries[0].loc)
+        for ent in sec.entries:
+            key = f"{sec.name}.{getattr(ent, 'key', '')}"
+            if key in _NOT_YET:
+                raise SourceError(_NOT_YET[key], ent.loc)
+            if sec.name == "parallel" and isinstance(ent, A.Setting) and ent.key in ("tp", "dp", "ep", "pp"):
+                if not (isinstance(ent.value, A.Num) and ent.value.value == 1):
+                    raise SourceError(f"parallel.{ent.key} > 1 is not implemented yet (single device only)",
+                                      ent.value.loc)
+            if sec.name == "cuda_graphs" and target == "cpu":
+                raise SourceError("cuda_graphs needs a GPU target", ent.loc)
+
+
 def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, target: str | None = None,
             recipe_name: str | None = None, dump_ir: str | Path | None = None, progress: bool = True,
             extra_passes: list[tuple[str, str, Any]] | None = None) -> CompileResult:
@@ -72,6 +107,8 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     except ValueError as e:
         s = _setting(recipe, "target")
         raise SourceError(str(e), s.value.loc if s else recipe.loc) from None
+    if out_dir is not None:
+        check_buildable(recipe, options)
     model_setting = _setting(recipe, "model")
     call = model_setting.value
     if call.args:
