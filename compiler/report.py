@@ -138,6 +138,6 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
         f"  TPOT floor, batch 1    {cap.tpot_floor_s * 1e3:.3f} ms  (weights / {target.bandwidth / 1e12:.2f} TB/s);"
         f" {cap.tpot_floor_ctx_s * 1e3:.3f} ms at {cap.context} tokens of context",
         f"  decode compute-bound   from batch ~{cap.compute_bound_batch:.0f} "
-        f"(peak {target.bf16_flops / 1e12:.0f} TFLOP/s / {target.bandwidth / 1e12:.2f} TB/s x bytes per param / 2)",
+        f"(peak {target.bf16_flops / 1e12:.3g} TFLOP/s / {target.bandwidth / 1e12:.3g} TB/s x bytes per param / 2)",
     ]
     return "\n".join(out) + "\n"
