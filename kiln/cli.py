@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(args.artifact, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
-          log_level=args.log_level)
+          log_level=args.log_level, prefix_cache=not args.no_prefix_cache)
     return 0
 
 
@@ -108,6 +108,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests queued before the server answers 503 (default 1024)")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from the manifest)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
     p.set_defaults(func=cmd_serve)
 
 
@@ -155,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
     p.add_argument("artifact")
     _add_serve_args(p)
+
+    from kiln.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

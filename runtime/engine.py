@@ -143,8 +143,9 @@ class LLMEngine:
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs = self._drain_aborted()
         for request in touched.values():
-            outputs.append(self._make_output(request))
-            if request.finished:
+            output = self._make_output(request)
+            outputs.append(output)
+            if output.finished:
                 del self.requests[request.request_id]
         return outputs
 

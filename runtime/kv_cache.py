@@ -59,6 +59,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Iterable[int] = ()) -> bool:
         """Extends `seq.block_table` to cover `computed_blocks` (prefix-cache hits, taken first) and then
         `num_new_tokens` more tokens. Returns False and changes nothing when the pool is too small."""
+        if not computed_blocks and self.num_blocks_needed(seq, num_new_tokens) == 0:
+            return True  # most decode steps: the last block still has room
         computed_blocks = list(computed_blocks)
         assert not computed_blocks or not seq.block_table, "prefix hits are taken only at admission"
         need = self.num_blocks_needed(seq, num_new_tokens, len(computed_blocks))

@@ -59,20 +59,28 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, 2, kv.block_size, kv.kv_heads, kv.head_dim)
+        shape = (num_blocks, *kv.shape)
         self.kv_caches = [torch.zeros(shape, dtype=kv.dtype, device=device) for _ in range(kv.num_layers)]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, LogitsLayout]:
         bs = self.block_size
+        seqs, num_decodes = batch.seqs, batch.num_decodes
+        # Decodes (first in the batch) run one token each, the last one sampled, and never owe prompt
+        # logprobs: their rows are filled without the general per-token loop below.
         input_ids: list[int] = []
-        positions: list[int] = []
+        positions = [seq.num_computed_tokens for seq in seqs[:num_decodes]]
         slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_rows: list[int | None] = []
-        prompt_rows: list[tuple[int, int, int] | None] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, pos in zip(seqs[:num_decodes], positions):
+            table = seq.block_table
+            assert pos // bs < len(table), f"seq {seq.seq_id}: {len(table)} blocks cannot hold {pos + 1} tokens"
+            input_ids.append(seq.token_ids[pos])
+            slots.append(table[pos // bs] * bs + pos % bs)
+        query_start_loc = list(range(num_decodes + 1))
+        seq_lens = [pos + 1 for pos in positions]
+        logits_indices = list(range(num_decodes))
+        sample_rows: list[int | None] = list(range(num_decodes))
+        prompt_rows: list[tuple[int, int, int] | None] = [None] * num_decodes
+        for seq, n in zip(seqs[num_decodes:], batch.num_new_tokens[num_decodes:], strict=True):
             start, end, base = seq.num_computed_tokens, seq.num_computed_tokens + n, query_start_loc[-1]
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -95,20 +103,20 @@ class ModelRunner:
             query_start_loc.append(base + n)
             seq_lens.append(end)
 
+        # One tensor from one padded nested list: a tensor per row costs more than the rest of the step.
         max_blocks = max(cdiv(length, bs) for length in seq_lens)
-        block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
-        for i, seq in enumerate(batch.seqs):
-            used = cdiv(seq_lens[i], bs)
-            block_tables[i, :used] = torch.tensor(seq.block_table[:used], dtype=torch.int32)
+        tables = []
+        for seq, length in zip(seqs, seq_lens):
+            used = cdiv(length, bs)
+            tables.append(seq.block_table[:used] + [-1] * (max_blocks - used))
 
         def i32(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=self.device)
 
         fb = ForwardBatch(input_ids=i32(input_ids), positions=i32(positions),
-                          query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens),
-                          block_tables=block_tables.to(self.device),
+                          query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens), block_tables=i32(tables),
                           slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-                          logits_indices=i32(logits_indices), num_decodes=batch.num_decodes)
+                          logits_indices=i32(logits_indices), num_decodes=num_decodes)
         return fb, LogitsLayout(sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     @torch.inference_mode()

@@ -48,7 +48,9 @@ class Sampler:
         idx = [i for i, r in enumerate(layout.sample_rows) if r is not None]
         if not idx:
             return out
-        rows = logits[[layout.sample_rows[i] for i in idx]]
+        row_ids = [layout.sample_rows[i] for i in idx]
+        # Steady decode samples every logits row in order: no gather (a copy of the whole [B, vocab] block).
+        rows = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
         batch = [seqs[i] for i in idx]
         tokens = self._sample_rows(rows, batch)
         for j, i in enumerate(idx):

@@ -469,10 +469,11 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
 
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
-          log_level: str = "info") -> None:
-    """`kiln serve`: loads the artifact and serves it until interrupted."""
+          log_level: str = "info", prefix_cache: bool = True) -> None:
+    """`kiln serve`: loads the artifact and serves it until interrupted. `prefix_cache=False` turns the
+    artifact's prefix cache off (for A/B measurements)."""
     import uvicorn
 
-    engine = LLMEngine(artifact, num_kv_blocks=num_kv_blocks)
+    engine = LLMEngine(artifact, num_kv_blocks=num_kv_blocks, **({} if prefix_cache else {"prefix_cache": None}))
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
