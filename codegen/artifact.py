@@ -1,6 +1,6 @@
 """The artifact writer: a lowered Program (+ checkpoint, recipe) -> a self-contained serving directory.
 
-    ART/manifest.json  __init__.py  __main__.py  model.py  kernels/{__init__,cpu}.py
+    ART/manifest.json  __init__.py  __main__.py  model.py  kernels/{__init__,cpu}.py (GPU targets: + triton.py)
         weights/rank0/model-0000k-of-0000n.safetensors  tokenizer/  recipe.dsl  ir.txt
 
 Everything is written to a sibling temp directory and renamed into place at the end, so a failed compile
@@ -21,7 +21,7 @@ from kiln.compiler.ir import Attrs, Program, TensorType
 from kiln.compiler.text import print_program
 from kiln.dsl.errors import KilnError
 
-from .emitters import KERNEL_MODULES
+from .emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
 from .errors import CodegenError
 from .render import kernels_used, kv_cache_nodes, render_model, template_env
 from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
@@ -107,6 +107,25 @@ def _kv_cache_section(program: Program) -> dict[str, Any]:
         "num_blocks": meta.get("num_blocks"),
         "bytes_per_token": len(nodes) * 2 * kv_heads * head_dim * elem,
     }
+
+
+def kernel_params(program: Program) -> dict[str, Any]:
+    """What kernel templates are rendered for: the target, the attention shape (first GQA/MHA attention; the
+    triton library picks its tiles from it) and the activation dtype. Extra keys are ignored by a template."""
+    heads = None
+    for graph, node in kv_cache_nodes(program):
+        q, k = graph.node(node.inputs[0]).out, graph.node(node.inputs[1]).out
+        if node.op == "attention" and isinstance(q, TensorType) and isinstance(k, TensorType):
+            heads = (int(q.shape[-1]), int(q.shape[-2]), int(k.shape[-2]))
+            break
+    head_dim, num_heads, num_kv_heads = heads or (128, 1, 1)
+    target = str(program.meta.get("target", "cpu"))
+    if target not in TARGET_KERNEL_MODULES:
+        raise CodegenError(f"no kernel library for target {target!r} (known: {', '.join(TARGET_KERNEL_MODULES)})",
+                           None)
+    return {"target": target, "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+            "dtype": TORCH_DTYPE_NAMES[program.dtype],
+            "block_size": int(_section(program.meta, "kv_cache").get("block_size", DEFAULT_BLOCK_SIZE))}
 
 
 def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config: Mapping[str, Any]) -> int:
@@ -201,8 +220,11 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
                                ("kernels/__init__.py", "kernels_init.py.j2")):
             _write(tmp / name, env.get_template(template).render(kiln_version=kiln_version,
                                                                  program_name=program.name))
-        for namespace, (template, _) in sorted(KERNEL_MODULES.items()):
-            _write(tmp / "kernels" / f"{namespace}.py", env.get_template(template).render(kiln_version=kiln_version))
+        params = kernel_params(program)
+        for namespace in sorted(TARGET_KERNEL_MODULES[params["target"]]):
+            template = KERNEL_MODULES[namespace][0]
+            _write(tmp / "kernels" / f"{namespace}.py", env.get_template(template).render(kiln_version=kiln_version,
+                                                                                           **params))
         _write(tmp / "recipe.dsl", recipe_text)
         _write(tmp / "ir.txt", print_program(program))
         copied = []
@@ -225,4 +247,4 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
     return manifest
 
 
-__all__ = ["SCHEMA_VERSION", "build_manifest", "resolve_max_model_len", "write_artifact"]
+__all__ = ["SCHEMA_VERSION", "build_manifest", "kernel_params", "resolve_max_model_len", "write_artifact"]

@@ -11,6 +11,15 @@ from __future__ import annotations
 # kernel module namespace (prefix of a kernel id) -> (kernels template, alias model.py imports it as)
 KERNEL_MODULES: dict[str, tuple[str, str]] = {
     "cpu": ("cpu/kernels.py.j2", "K"),
+    "triton": ("triton/kernels.py.j2", "K"),  # rendered per model shape and dtype (see artifact.kernel_params)
+}
+
+# target -> kernel modules its artifact carries; model.py imports the first as K. The triton library calls
+# the cpu one (torch) for what it has no kernel for, so GPU artifacts carry both.
+TARGET_KERNEL_MODULES: dict[str, tuple[str, ...]] = {
+    "cpu": ("cpu",),
+    "h100": ("triton", "cpu"),
+    "h200": ("triton", "cpu"),
 }
 
 EMITTERS: dict[str, str] = {
@@ -27,6 +36,23 @@ EMITTERS: dict[str, str] = {
                             "sliding_window={sliding_window})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
 }
+
+# GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.
+EMITTERS.update({
+    "triton.embedding": "K.embedding({0}, {1})",
+    "triton.rms_norm": "K.rms_norm({0}, {1}, eps={eps})",
+    "triton.add_rms_norm": "K.add_rms_norm({0}, {1}, {2}, eps={eps})",
+    "triton.silu_mul": "K.silu_mul({0})",
+    "triton.rope": "K.rope({0}, batch.positions, {rope_cache})",
+    "triton.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
+                               "sliding_window={sliding_window})"),
+    "torch.linear": "K.linear({args})",  # cuBLAS
+    "torch.logits": "K.logits({0}, {1}, batch.logits_indices)",  # cuBLAS, fp32 out
+})
+# Every other cpu kernel runs on a GPU target as its torch implementation: `torch.X` calls K.X, which the
+# triton library forwards to the cpu library (module __getattr__) unless it defines X itself.
+EMITTERS.update({f"torch.{k[4:]}": v for k, v in list(EMITTERS.items())
+                 if k.startswith("cpu.") and f"torch.{k[4:]}" not in EMITTERS})
 
 # Ops that are plumbing, not kernels: model.py spells them as Python (attribute reads, slicing, unpacking).
 STRUCTURAL_OPS = frozenset({"input", "param", "block", "getitem", "view", "slice"})

@@ -19,7 +19,7 @@ import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
 from kiln.compiler.ops import OPS, REQUIRED
 
-from .emitters import EMITTERS, STRUCTURAL_OPS
+from .emitters import EMITTERS, STRUCTURAL_OPS, TARGET_KERNEL_MODULES
 from .errors import CodegenError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -381,6 +381,7 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         init_lines=model.init_lines,
         forward_lines=forward_lines,
         methods=list(_methods(model)),
+        kernels_module=TARGET_KERNEL_MODULES[str(program.meta.get("target", "cpu"))][0],
     )
 
 

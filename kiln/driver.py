@@ -62,7 +62,7 @@ _NOT_YET = {
     "disaggregate": "prefill/decode disaggregation is not implemented yet",
     "kv_cache.offload": "KV offload to CPU is not implemented yet",
 }
-_CODEGEN_TARGETS = ("cpu",)
+_CODEGEN_TARGETS = ("cpu", "h100", "h200")
 
 
 def check_buildable(recipe: A.RecipeDecl, options: dict[str, Any]) -> None:

@@ -32,7 +32,23 @@ register_kernels("cpu", {
     "mul": "cpu.mul",
     "logits": "cpu.logits",
 })
-# h100/h200 (Triton + cuBLAS ids) are planned; until their table is registered those targets fail here.
+
+# GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op
+# as its torch implementation (`torch.<cpu kernel name>`): the same table for h100 and h200.
+_TRITON_KERNELS = {
+    "embedding": "triton.embedding",
+    "rms_norm": "triton.rms_norm",
+    "add_rms_norm": "triton.add_rms_norm",
+    "rope": "triton.rope",
+    "attention": "triton.paged_attention",
+    "silu_mul": "triton.silu_mul",
+    "linear": "torch.linear",
+    "logits": "torch.logits",
+}
+_GPU_TABLE = {op: _TRITON_KERNELS.get(op, "torch." + kernel.split(".", 1)[1])
+              for op, kernel in KERNEL_TABLES["cpu"].items() if kernel != INLINE}
+register_kernels("h100", _GPU_TABLE)
+register_kernels("h200", _GPU_TABLE)
 
 
 class KernelSelectionError(PassError):

@@ -24,8 +24,7 @@ def _llm(target: str) -> list[Pass]:
         FuseAddRMSNorm(),
         # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
-        # Phase 4: lowering, on targets with a kernel table (h100/h200 tables are planned: until then their
-        # programs can be planned and reported, and codegen refuses them for want of kernel ids)
+        # Phase 4: lowering, on targets with a kernel table (cpu, h100, h200)
         *([KernelSelection(target)] if target in KERNEL_TABLES else []),
     ]
 

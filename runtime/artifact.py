@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from .errors import ArtifactError
 SCHEMA_VERSION = 1
 _REQUIRED_SECTIONS = ("runtime", "kv_cache", "weights", "entry")
 _package_ids = itertools.count()
+_CUDA_TARGETS = ("h100", "h200")  # artifacts whose kernels are Triton, for NVIDIA GPUs
 
 
 @dataclass
@@ -67,6 +69,7 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
     art = Path(path).resolve()
     manifest = read_manifest(art)
     device = torch.device(device)
+    _check_device(art, manifest, device)
     model_cls = _import_entry(art, manifest)
     weights = _load_weights(art, manifest, device)
     try:
@@ -82,6 +85,19 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
                           model_config=model_config_from_manifest(manifest),
                           kv_cache_config=kv_cache_config_from_manifest(manifest),
                           scheduler_config=scheduler_config_from_manifest(manifest))
+
+
+def _check_device(art: Path, manifest: dict, device: torch.device) -> None:
+    """A GPU artifact loads on a CUDA device (or on CPU under Triton's interpreter, TRITON_INTERPRET=1, which
+    is how kiln tests its kernels without a GPU); anything else is refused here, before weights load."""
+    target = manifest.get("target", "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ArtifactError(f"{art}: asked to load on {device}, but this machine has no CUDA device")
+    if target in _CUDA_TARGETS and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        why = ("this machine has no CUDA device" if not torch.cuda.is_available()
+               else f"it was asked to load on {device}")
+        raise ArtifactError(f"{art}: compiled for target {target!r} (Triton kernels for NVIDIA GPUs), but {why}; "
+                            "load it with device='cuda' on a GPU machine, or compile the recipe with --target cpu")
 
 
 def _import_entry(art: Path, manifest: dict) -> type:

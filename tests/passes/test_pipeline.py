@@ -27,11 +27,14 @@ def test_unknown_target_or_pass_is_an_error():
         build_pipeline("cpu", disable=["fuse_qvk"])
 
 
-def test_gpu_targets_lower_only_once_their_kernels_are_registered(monkeypatch):
-    assert [p.name for p in build_pipeline("h200")] == CPU[:-1]  # fusion and planning work; no kernels yet
-    monkeypatch.setitem(kernel_selection.KERNEL_TABLES, "h200", {"linear": "cublas.linear"})
-    (last,) = build_pipeline("h200")[-1:]
-    assert last.name == "kernel_selection" and last.target == "h200"
+def test_gpu_targets_lower_with_their_kernel_tables():
+    for target in ("h100", "h200"):
+        assert [p.name for p in build_pipeline(target)] == CPU
+        (last,) = build_pipeline(target)[-1:]
+        assert last.name == "kernel_selection" and last.target == target
+    table = kernel_selection.kernel_table("h200")
+    assert table["attention"] == "triton.paged_attention" and table["linear"] == "torch.linear"
+    assert set(table) == set(kernel_selection.kernel_table("cpu"))  # every cpu op has a GPU kernel id
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2-bias"])
