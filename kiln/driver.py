@@ -84,8 +84,9 @@ def check_buildable(recipe: A.RecipeDecl, options: dict[str, Any]) -> None:
                 if not (isinstance(ent.value, A.Num) and ent.value.value == 1):
                     raise SourceError(f"parallel.{ent.key} > 1 is not implemented yet (single device only)",
                                       ent.value.loc)
-            if sec.name == "cuda_graphs" and target == "cpu":
-                raise SourceError("cuda_graphs needs a GPU target", ent.loc)
+            if sec.name == "cuda_graphs":
+                raise SourceError("cuda_graphs needs a GPU target" if target == "cpu" else
+                                  "CUDA-graph capture is not implemented yet (decode runs eagerly)", ent.loc)
 
 
 def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, target: str | None = None,
