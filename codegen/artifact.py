@@ -35,6 +35,7 @@ DEFAULT_MEMORY_FRACTION = 0.9
 DEFAULT_SCHEDULER = {"max_seqs": 256, "max_batched_tokens": 8192, "chunked_prefill": 512, "policy": "fcfs",
                      "prefix_cache": "radix"}
 KV_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
+MLA_KV_LAYOUT = ["num_blocks", "block_size", "latent_dim"]  # per token [c_kv (kv_lora_rank) | k_pe (rope dim)]
 
 
 def _jsonable(v: Any) -> Any:
@@ -81,8 +82,39 @@ def _runtime_section(program: Program, hf_config: dict, gen_config: dict, max_mo
     return {"vocab_size": vocab, "max_model_len": max_model_len, "bos_token_id": bos, "eos_token_ids": eos}
 
 
+def _mla_kv_cache_section(program: Program, nodes: list) -> dict[str, Any]:
+    """MLA caches only the latent: layers · (kv_lora_rank + qk_rope_head_dim) elements per token."""
+    dims = set()
+    for graph, node in nodes:
+        if node.op != "mla_attention":
+            raise CodegenError("a model mixing MLA and MHA attention layers needs two KV layouts; the runtime has "
+                               "one per model", node.loc)
+        c_kv, k_pe = graph.node(node.inputs[2]).out, graph.node(node.inputs[3]).out
+        dims.add((int(c_kv.shape[-1]), int(k_pe.shape[-1])))
+    if len(dims) > 1:
+        raise CodegenError(f"MLA layers differ in latent shape {sorted(dims)}; the paged cache needs one", None)
+    kv_lora_rank, rope_dim = dims.pop()
+    meta = _section(program.meta, "kv_cache")
+    dtype = TORCH_DTYPE_NAMES[program.dtype]
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return {
+        "num_layers": len(nodes),
+        "kv_lora_rank": kv_lora_rank,
+        "qk_rope_head_dim": rope_dim,
+        "latent_dim": kv_lora_rank + rope_dim,
+        "block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
+        "dtype": dtype,
+        "layout": MLA_KV_LAYOUT,
+        "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
+        "num_blocks": meta.get("num_blocks"),
+        "bytes_per_token": len(nodes) * (kv_lora_rank + rope_dim) * elem,
+    }
+
+
 def _kv_cache_section(program: Program) -> dict[str, Any]:
     nodes = kv_cache_nodes(program)
+    if any(node.op == "mla_attention" for _, node in nodes):
+        return _mla_kv_cache_section(program, nodes)
     heads = set()
     for graph, node in nodes:
         k = graph.node(node.inputs[1]).out

@@ -35,6 +35,9 @@ EMITTERS: dict[str, str] = {
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
                             "sliding_window={sliding_window})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
+    "cpu.deinterleave": "K.deinterleave({0})",
+    "cpu.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
+                          "absorb={absorb})"),
 }
 
 # GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.

@@ -86,16 +86,24 @@ def kernels_used(program: Program) -> list[str]:
     return sorted(ids)
 
 
+# Ops that own a paged KV cache (one tensor per node per layer): MHA/GQA K/V, or MLA's latent [c_kv | k_pe].
+KV_CACHE_OPS = ("attention", "mla_attention")
+
+
+def _kv_count(graph: Graph) -> int:
+    return sum(graph.count(op) for op in KV_CACHE_OPS)
+
+
 def kv_cache_nodes(program: Program) -> list[tuple[Graph, Node]]:
     """(graph, attention node) per KV cache, in cache-index order (layer schedule, then dataflow order)."""
     out: list[tuple[Graph, Node]] = []
     for node in _nodes(program.entry):
-        if node.op == "attention":
+        if node.op in KV_CACHE_OPS:
             out.append((program.entry, node))
         elif node.op == "block":
             spec = program.blocks[node.attrs["block"]]
             graph = program.graphs[spec.graph]
-            out.extend([(graph, n) for _, n in graph.items() if n.op == "attention"] * spec.count)
+            out.extend([(graph, n) for _, n in graph.items() if n.op in KV_CACHE_OPS] * spec.count)
     return out
 
 
@@ -220,7 +228,10 @@ def _rope_cache_field(fn: _Function, vid: str, node: Node) -> str:
 def _scale_field(fn: _Function, vid: str, node: Node) -> str:
     scale = node.attrs.get("scale")
     if scale is None:
-        scale = _type_of(fn.graph, node.inputs[0]).shape[-1] ** -0.5
+        scale = _type_of(fn.graph, node.inputs[0]).shape[-1]
+        if node.op == "mla_attention":  # q is [q_nope | q_pe]
+            scale += _type_of(fn.graph, node.inputs[1]).shape[-1]
+        scale = scale ** -0.5
     return literal(float(scale))
 
 
@@ -242,7 +253,7 @@ class _Function:
         self.lines: list[str] = []
         self.skip: set[str] = set()
         self.next_kv = 0
-        self.kv_per_layer = graph.count("attention")
+        self.kv_per_layer = _kv_count(graph)
         self.args: list[str] = []
 
     def emit(self) -> list[str]:
@@ -296,7 +307,7 @@ class _Function:
         program = self.model.program
         spec = program.blocks[node.attrs["block"]]
         method = self.model.method_of_graph[spec.graph]
-        per_layer = program.graphs[spec.graph].count("attention")
+        per_layer = _kv_count(program.graphs[spec.graph])
         base = self.next_kv
         self.next_kv += spec.count * per_layer
         kv = "kv_caches" if base == 0 or per_layer == 0 else f"kv_caches[{base}:]"

@@ -341,5 +341,87 @@ register_op(OpDef("logits", 2, 2, infer=_infer_logits,
                   doc="fp32 logits of the rows the runtime asks for (all rows in the reference)."))
 
 
+# ---------------------------------------------------------------- multi-head latent attention (DeepSeek-V2/V3)
+
+
+def _infer_deinterleave(ins: list[TensorType], a: Attrs) -> TensorType:
+    (x,) = ins
+    _check(isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0, f"deinterleave needs an even last dim, got {x}")
+    return x
+
+
+register_op(OpDef("deinterleave", 1, 1, infer=_infer_deinterleave,
+                  reference=lambda ctx, x: torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1),
+                  cost=_elementwise_cost(0),
+                  doc="Rotary pairs (x0, x1), (x2, x3), ... laid out as halves [x0, x2, ... | x1, x3, ...]: "
+                      "interleaved rope (DeepSeek `rope_interleave`) is rope(deinterleave(x))."))
+
+MLA_ABSORB = ("none", "decode")
+
+
+def _mla_dims(ins: list[TensorType]) -> tuple[int, int, int, int, int]:
+    """(heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim) of an mla_attention's inputs."""
+    q_nope, q_pe, c_kv, k_pe, w_kv_b = ins
+    _check(q_nope.rank == 3 and q_pe.rank == 3 and q_nope.shape[:2] == q_pe.shape[:2],
+           f"mla_attention q_nope {q_nope} and q_pe {q_pe} must be [T, heads, dim] alike")
+    _check(c_kv.rank == 2 and _same(c_kv.shape[0], q_nope.shape[0]), f"mla_attention c_kv {c_kv} must be [T, kv_lora_rank]")
+    _check(k_pe.rank == 3 and k_pe.shape[1] == 1 and _same(k_pe.shape[2], q_pe.shape[2]),
+           f"mla_attention k_pe {k_pe} must be [T, 1, qk_rope_head_dim] (one rope key shared by all heads), q_pe {q_pe}")
+    heads, dn, dr, lora = q_nope.shape[1], q_nope.shape[2], q_pe.shape[2], c_kv.shape[1]
+    _check(all(isinstance(d, int) for d in (heads, dn, dr, lora)), "mla_attention needs static head dims")
+    _check(w_kv_b.rank == 2 and _same(w_kv_b.shape[1], lora) and isinstance(w_kv_b.shape[0], int)
+           and w_kv_b.shape[0] % heads == 0 and w_kv_b.shape[0] // heads > dn,
+           f"mla_attention w_kv_b {w_kv_b} must be [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] "
+           f"with heads={heads}, qk_nope_head_dim={dn}, kv_lora_rank={lora}")
+    return heads, dn, dr, lora, w_kv_b.shape[0] // heads - dn
+
+
+def _infer_mla_attention(ins: list[TensorType], a: Attrs) -> TensorType:
+    heads, _, _, _, dv = _mla_dims(ins)
+    _check(a.get("absorb", "none") in MLA_ABSORB, f"mla_attention absorb={a.get('absorb')!r}; expected one of {MLA_ABSORB}")
+    return TensorType((ins[0].shape[0], heads * dv), ins[0].dtype)
+
+
+def _ref_mla_attention(ctx: RefContext, q_nope, q_pe, c_kv, k_pe, w_kv_b, scale: float | None = None,
+                       absorb: str = "none"):
+    t, heads, dn = q_nope.shape
+    dr, lora = q_pe.shape[2], c_kv.shape[1]
+    scale = (dn + dr) ** -0.5 if scale is None else scale
+    w = w_kv_b.float().view(heads, -1, lora)
+    w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, L], [H, dv, L]
+    pos = ctx.positions.long()
+    mask = pos[None, :] <= pos[:, None]
+    rope_scores = torch.einsum("qhr,kr->hqk", q_pe.float(), k_pe[:, 0].float())
+    if absorb == "decode":  # the reference absorbs every query: same meaning, the decode kernel's arithmetic
+        q_lat = torch.einsum("qhd,hdl->qhl", q_nope.float(), w_uk)
+        s = (torch.einsum("qhl,kl->hqk", q_lat, c_kv.float()) + rope_scores) * scale
+        p = s.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        o = torch.einsum("hqk,kl,hvl->qhv", p, c_kv.float(), w_uv)
+    else:  # expand per-head keys and values from the latent
+        k_nope = torch.einsum("kl,hdl->khd", c_kv.float(), w_uk)
+        v = torch.einsum("kl,hvl->khv", c_kv.float(), w_uv)
+        s = (torch.einsum("qhd,khd->hqk", q_nope.float(), k_nope) + rope_scores) * scale
+        p = s.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        o = torch.einsum("hqk,khv->qhv", p, v)
+    return o.to(q_nope.dtype).reshape(t, -1)
+
+
+def _mla_attention_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    heads, dn, dr, lora, dv = _mla_dims(ins)
+    t = ins[0].numel() // (heads * dn)
+    if a.get("absorb", "none") == "decode":  # q_nope·W_UK, one latent "head" of width L + dr, ·W_UV
+        flops = t * heads * (2 * dn * lora + 4 * (lora + dr) + 2 * lora * dv)
+    else:
+        flops = t * heads * (2 * lora * (dn + dv) + 2 * (dn + dr) + 2 * dv)
+    return Cost(flops, sum(_nbytes(x) for x in ins) + _nbytes(out))  # per token of context; see report
+
+
+register_op(OpDef("mla_attention", 5, 5, infer=_infer_mla_attention, reference=_ref_mla_attention,
+                  cost=_mla_attention_cost, attrs={"scale": None, "absorb": "none"},
+                  doc="Multi-head latent attention (DeepSeek-V2/V3): q_nope [T, H, dn], q_pe [T, H, dr] (roped), "
+                      "c_kv [T, L] (normed latent), k_pe [T, 1, dr] (roped), w_kv_b [H*(dn+dv), L] -> [T, H*dv]. "
+                      "Only [c_kv | k_pe] is cached. absorb='decode': decode queries run in latent space "
+                      "(q_nope·W_UK, ·W_UV on the output); prefills expand K/V from the latent."))
+
 def infer(op: str, ins: Sequence[ValueType], attrs: Attrs) -> ValueType:
     return OPS[op].infer(list(ins), attrs)

@@ -65,12 +65,30 @@ def kv_geometry(program: Program) -> tuple[int, int, int]:
     return layers, kv_heads, head_dim
 
 
+def mla_kv_geometry(program: Program) -> tuple[int, int]:
+    """(MLA layers, latent_dim = kv_lora_rank + qk_rope_head_dim) over the layer schedule; MLA caches only
+    the latent, so KV bytes per token = layers · latent_dim · bytes per element."""
+    layers, latent = 0, 0
+    for spec in program.blocks.values():
+        g = program.graphs[spec.graph]
+        for _, n in g.items():
+            if n.op == "mla_attention":
+                c_kv, k_pe = g.node(n.inputs[2]).out, g.node(n.inputs[3]).out
+                assert isinstance(c_kv, TensorType) and isinstance(k_pe, TensorType)
+                layers += spec.count
+                latent = int(c_kv.shape[-1]) + int(k_pe.shape[-1])
+    return layers, latent
+
+
 def capacity(program: Program, target: Target, *, memory_fraction: float = 0.9, kv_dtype: str | None = None,
              context: int = 1024) -> Capacity:
     num_params, param_bytes = _param_count(program)
     layers, kv_heads, head_dim = kv_geometry(program)
     kv_elem = DTYPE_BYTES[kv_dtype or program.dtype]
     kv_per_token = layers * kv_heads * head_dim * 2 * kv_elem
+    mla_layers, latent_dim = mla_kv_geometry(program)
+    if mla_layers:
+        layers, kv_per_token = layers + mla_layers, kv_per_token + mla_layers * latent_dim * kv_elem
     pool = max(0, int(target.memory_bytes * memory_fraction) - param_bytes)
     # Embedding rows are gathered, not streamed, in a decode step; the planner still counts all weights,
     # the conservative (and customary) floor.
@@ -118,6 +136,9 @@ def _gb(n: float) -> str:
 def format_report(program: Program, target: Target, pass_log: list[dict[str, Any]], *, memory_fraction: float,
                   kv_dtype: str | None = None) -> str:
     cap = capacity(program, target, memory_fraction=memory_fraction, kv_dtype=kv_dtype)
+    mla_layers, latent_dim = mla_kv_geometry(program)
+    kv_formula = (f"{cap.kv_layers} layers x kv_heads x head_dim x 2" if not mla_layers else
+                  f"{mla_layers} MLA layers x latent {latent_dim} (kv_lora_rank + rope dim)")
     out = [f"kiln compile report — {program.name} for {target.name} ({target.description})", "", "passes:"]
     for rec in pass_log:
         nb, na = rec["nodes"]
@@ -130,7 +151,7 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
         "",
         "capacity plan:",
         f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {program.dtype})",
-        f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {cap.kv_layers} layers x kv_heads x head_dim x 2"
+        f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {kv_formula}"
         f" x {DTYPE_BYTES[kv_dtype or program.dtype]} B)",
         f"  device memory          {_gb(cap.memory_bytes)} x {cap.memory_fraction} = "
         f"{_gb(cap.memory_bytes * cap.memory_fraction)}; minus weights -> KV pool {_gb(cap.kv_pool_bytes)}",

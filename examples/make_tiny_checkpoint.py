@@ -55,6 +55,12 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+DEEPSEEK_MLA = {
+    "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "n_shared_experts": 1,
+}
+
 # arch -> (config class name, overrides on top of TINY)
 ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
@@ -64,6 +70,10 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", {"sliding_window": 16, "head_dim": 16}),
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "use_sliding_window": False}),
+    # MLA: q LoRA 24, latent 32, rope 8, nope 16, v 16; MLA expands K/V to every head (kv heads = heads).
+    # first_k_dense_replace = layers: all layers dense until kiln's DeepSeek model has MoE layers.
+    "deepseek_v3": ("DeepseekV3Config", {**DEEPSEEK_MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}),
+    "deepseek_v2": ("DeepseekV2Config", {**DEEPSEEK_MLA, "q_lora_rank": None}),
 }
 
 CORPUS = """\

@@ -80,11 +80,44 @@ def _qwen3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "qwen3", args
 
 
+def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
+    """DeepSeek-V3 / V2 multi-head latent attention (models/deepseek_v3.dsl)."""
+    rp = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind not in ("default", None):
+        raise UnsupportedCheckpoint(f"DeepSeek rope scaling {kind!r} is not supported yet: kiln's rope has no yarn "
+                                    "frequencies (and yarn's mscale on the softmax scale); only unscaled rope")
+    layers = cfg["num_hidden_layers"]
+    first_dense = min(int(cfg.get("first_k_dense_replace") or 0), layers)
+    if first_dense < layers:
+        raise UnsupportedCheckpoint(f"DeepSeek layers {first_dense}..{layers - 1} are mixture-of-experts "
+                                    f"(first_k_dense_replace={cfg.get('first_k_dense_replace')}); "
+                                    "models/deepseek_v3.dsl has dense layers only so far")
+    args: dict[str, Any] = {
+        "vocab": cfg["vocab_size"], "hidden": cfg["hidden_size"], "layers": layers,
+        "heads": cfg["num_attention_heads"], "ffn": cfg["intermediate_size"],
+        "q_lora_rank": int(cfg.get("q_lora_rank") or 0), "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]), "qk_rope_head_dim": int(cfg["qk_rope_head_dim"]),
+        "v_head_dim": int(cfg["v_head_dim"]),
+        "rope_theta": float(rp.get("rope_theta", cfg.get("rope_theta") or 10000.0)),
+        # V2 rotates interleaved pairs (complex multiply); V3 does so unless rope_interleave is false
+        "rope_interleave": True if v2 else bool(cfg.get("rope_interleave", True)),
+        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "max_position": int(cfg.get("max_position_embeddings", 4096)),
+    }
+    if cfg.get("attention_bias"):
+        args["attention_bias"] = True
+    return "deepseek_v3", args
+
+
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "DeepseekV3ForCausalLM": lambda cfg: _deepseek(cfg, v2=False),
+    "DeepseekV2ForCausalLM": lambda cfg: _deepseek(cfg, v2=True),
 }
 
 

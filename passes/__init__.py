@@ -6,6 +6,7 @@ from kiln.passes import (  # noqa: F401 - imported to register the passes
     fuse_qkv,
     fuse_silu_mul,
     kernel_selection,
+    mla_absorption,
     shape_inference,
 )
 from kiln.passes.pipeline import build_pipeline

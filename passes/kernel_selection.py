@@ -31,6 +31,8 @@ register_kernels("cpu", {
     "add": "cpu.add",
     "mul": "cpu.mul",
     "logits": "cpu.logits",
+    "deinterleave": "cpu.deinterleave",
+    "mla_attention": "cpu.mla_attention",
 })
 
 # GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op

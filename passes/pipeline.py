@@ -10,6 +10,7 @@ from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
 from kiln.passes.kernel_selection import KERNEL_TABLES, KernelSelection
+from kiln.passes.mla_absorption import MLAAbsorption
 from kiln.passes.shape_inference import ShapeInference
 
 
@@ -22,6 +23,7 @@ def _llm(target: str) -> list[Pass]:
         FuseGateUp(),
         FuseSiLUMul(),
         FuseAddRMSNorm(),
+        MLAAbsorption(),  # decode attends over the MLA latent; prefill keeps per-head K/V
         # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
         # Phase 4: lowering, on targets with a kernel table (cpu, h100, h200)

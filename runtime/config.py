@@ -1,6 +1,7 @@
 """Runtime configuration read from an artifact's manifest, with per-launch overrides."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +33,8 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheConfig:
-    """Shape of the paged KV cache: `num_layers` tensors of [num_blocks, 2, block_size, kv_heads, head_dim]."""
+    """Shape of the paged KV cache: `num_layers` tensors of [num_blocks, 2, block_size, kv_heads, head_dim], or
+    for MLA (`latent_dim` > 0) [num_blocks, block_size, latent_dim]."""
 
     num_layers: int
     kv_heads: int
@@ -40,11 +42,19 @@ class KVCacheConfig:
     block_size: int
     dtype: torch.dtype
     num_blocks: int | None  # None: sized from a memory budget at load time
+    latent_dim: int = 0  # MLA: > 0, and each tensor is [num_blocks, block_size, latent_dim] (kv_lora_rank + rope dim)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """One layer's KV tensor shape, without the leading num_blocks."""
+        if self.latent_dim:
+            return (self.block_size, self.latent_dim)
+        return (2, self.block_size, self.kv_heads, self.head_dim)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * elem
+        return self.num_layers * math.prod(self.shape) * elem
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +84,24 @@ def model_config_from_manifest(manifest: dict) -> ModelConfig:
                        bos_token_id=rt.get("bos_token_id"), eos_token_ids=tuple(eos))
 
 
+MHA_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
+MLA_LAYOUT = ["num_blocks", "block_size", "latent_dim"]
+
+
 def kv_cache_config_from_manifest(manifest: dict) -> KVCacheConfig:
     kv = manifest["kv_cache"]
-    layout = kv.get("layout", ["num_blocks", 2, "block_size", "kv_heads", "head_dim"])
-    if list(layout) != ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]:
-        raise ArtifactError(f"manifest.json: kv_cache.layout {layout} is not supported by this runtime")
+    layout = kv.get("layout", MHA_LAYOUT)
     num_blocks = kv.get("num_blocks")
+    if list(layout) == MLA_LAYOUT:
+        return KVCacheConfig(num_layers=int(_get(kv, "num_layers", "kv_cache")), kv_heads=1,
+                             head_dim=int(_get(kv, "latent_dim", "kv_cache")),
+                             block_size=int(_get(kv, "block_size", "kv_cache")),
+                             dtype=torch_dtype(kv.get("dtype", manifest.get("dtype", "float32"))),
+                             num_blocks=None if num_blocks is None else int(num_blocks),
+                             latent_dim=int(_get(kv, "latent_dim", "kv_cache")))
+    if list(layout) != MHA_LAYOUT:
+        raise ArtifactError(f"manifest.json: kv_cache.layout {layout} is not supported by this runtime "
+                            f"(supported: {MHA_LAYOUT}, {MLA_LAYOUT})")
     return KVCacheConfig(num_layers=int(_get(kv, "num_layers", "kv_cache")),
                          kv_heads=int(_get(kv, "kv_heads", "kv_cache")),
                          head_dim=int(_get(kv, "head_dim", "kv_cache")),

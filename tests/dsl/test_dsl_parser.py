@@ -65,8 +65,9 @@ def test_bundled_models_parse_and_check(path: Path):
     decoder = model.blocks[0]
     assert decoder.forward.args == ("h",)
     assert isinstance(decoder.forward.body[-1], A.Return)
-    rope = [s for s in decoder.forward.body if isinstance(s, A.Assign) and s.targets == ("q", "k")]
-    assert len(rope) == 1 and rope[0].value.func == "rope"
+    rope = [s for s in decoder.forward.body if isinstance(s, A.Assign) and len(s.targets) == 2
+            and isinstance(s.value, A.Call) and s.value.func == "rope"]  # q, k (MLA: q_pe, k_pe)
+    assert len(rope) == 1
     assert all("{i}" in p.source.value for p in decoder.params)
     assert {p.name for p in model.params} == {"embed", "norm", "lm_head"}
     assert [c.name for c in model.config[:4]] == ["vocab", "hidden", "layers", "heads"]

@@ -7,7 +7,7 @@ from kiln.passes import build_pipeline, kernel_selection
 from pass_testlib import random_checkpoint, tiny_llama_ir, tokens, typed, weights_from_checkpoint
 
 CPU = ["shape_inference", "fuse_qkv", "fuse_gate_up", "fuse_silu_mul", "fuse_add_rms_norm",
-       "dead_code_elimination", "kernel_selection"]
+       "mla_absorption", "dead_code_elimination", "kernel_selection"]
 
 
 def test_cpu_pipeline_order():

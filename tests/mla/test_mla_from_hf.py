@@ -1,0 +1,35 @@
+"""`kiln recipe from-hf` for DeepSeek: the MLA config it writes, and what it refuses with a clear message."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.recipe_from_hf import UnsupportedCheckpoint, recipe_from_hf
+
+V3 = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "intermediate_size": 128, "q_lora_rank": 24, "kv_lora_rank": 32,
+      "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 2,
+      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_interleave": True}
+
+
+def _recipe(tmp_path, **changes):
+    (tmp_path / "config.json").write_text(json.dumps({**V3, **changes}))
+    return recipe_from_hf(tmp_path)
+
+
+def test_v3_and_v2_configs(tmp_path):
+    text = _recipe(tmp_path)
+    assert "deepseek_v3(" in text and "q_lora_rank=24" in text and "kv_lora_rank=32" in text
+    assert "rope_interleave=true" in text
+    v2 = _recipe(tmp_path, architectures=["DeepseekV2ForCausalLM"], q_lora_rank=None, rope_interleave=None)
+    assert "q_lora_rank=0" in v2 and "rope_interleave=true" in v2
+
+
+def test_refuses_yarn_and_moe_layers_clearly(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+    with pytest.raises(UnsupportedCheckpoint, match="rope scaling 'yarn' is not supported yet"):
+        _recipe(tmp_path, rope_parameters=yarn)
+    with pytest.raises(UnsupportedCheckpoint, match="mixture-of-experts"):
+        _recipe(tmp_path, first_k_dense_replace=1)
