@@ -70,7 +70,8 @@ def make_requests(num_prompts: int, *, input_len: int = 128, output_len: int = 1
     shared prefix) and `output_len` output tokens. `sharegpt-like`: lognormal lengths whose medians are
     `input_len` and `output_len` (sigma 0.9 and 0.8, roughly ShareGPT's spread), so a few requests are long
     and most are short; same seed, same lengths. With `shared_prefix_len`, each request starts with one of
-    `num_prefixes` fixed random prefixes (round robin), the workload a prefix cache is for."""
+    `num_prefixes` fixed random prefixes (round robin), the workload a prefix cache is for. `max_model_len`
+    clips sharegpt-like lengths so that prompt + output fit the model (random lengths are never changed)."""
     assert num_prompts >= 1 and input_len >= 1 and output_len >= 1, "lengths and counts must be positive"
     rng = random.Random(seed)
     lo, hi = (DEFAULT_ID_RANGE if vocab_size is None else (min(8, vocab_size - 1), vocab_size))
@@ -89,7 +90,7 @@ def make_requests(num_prompts: int, *, input_len: int = 128, output_len: int = 1
         else:
             raise ValueError(f"unknown dataset {dataset!r} (known: random, sharegpt-like)")
         prefix = prefixes[i % len(prefixes)]
-        if max_model_len is not None:  # keep prompt + output within the model: trim the tail, never the prefix
+        if dataset != "random" and max_model_len is not None:  # fit the model: trim the tail, never the prefix
             n_out = min(n_out, max(1, max_model_len // 4))
             n_in = max(1, min(n_in, max_model_len - n_out - len(prefix) - 1))
         specs.append(RequestSpec(prompt=prefix + ids(n_in), output_len=n_out))
@@ -434,6 +435,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a shared prompt prefix")
     p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (round robin)")
     p.add_argument("--vocab-size", type=int, help="draw prompt token ids from [8, V) (default: [8, 256))")
+    p.add_argument("--max-model-len", type=int, help="clip sharegpt-like lengths to fit (default: the server's, "
+                   "from /v1/models)")
     p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:30 (e2e also)")
@@ -473,11 +476,27 @@ def _workload(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     config = {k: getattr(args, k) for k in ("num_prompts", "dataset", "input_len", "output_len",
                                               "shared_prefix_len", "num_prefixes", "vocab_size")}
 
+    max_model_len = args.max_model_len
+    if max_model_len is None and args.dataset != "random":
+        max_model_len = _server_max_model_len(args.base_url)
+    config["max_model_len"] = max_model_len
+
     def make() -> list[RequestSpec]:
         return make_requests(args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                              dataset=args.dataset, shared_prefix_len=args.shared_prefix_len,
-                             num_prefixes=args.num_prefixes, vocab_size=args.vocab_size, seed=args.seed)
+                             num_prefixes=args.num_prefixes, vocab_size=args.vocab_size,
+                             max_model_len=max_model_len, seed=args.seed)
     return make, config
+
+
+def _server_max_model_len(base_url: str) -> int | None:
+    import httpx
+
+    try:
+        card = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10).json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+    return card.get("max_model_len")
 
 
 def _write_json(path: str | None, payload: Any) -> None:
