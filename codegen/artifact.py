@@ -185,6 +185,7 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "runtime": _runtime_section(program, hf_config, gen_config, max_model_len),
         "kv_cache": _kv_cache_section(program),
         "scheduler": {**DEFAULT_SCHEDULER, **_section(program.meta, "scheduler")},
+        "serve": _section(program.meta, "serve") or None,
         "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), "total_bytes": total_weight_bytes(program)},
         "tokenizer": {"dir": "tokenizer"} if has_tokenizer else None,
         "entry": {"module": "model", "class": "Model"},

@@ -1,13 +1,33 @@
 #!/usr/bin/env bash
-# Sets up kiln and runs the main job on the embedded default: build a small Llama-architecture
-# checkpoint, write its recipe, compile it for the cpu target, and generate text with the artifact.
+# Sets up kiln and runs the main job on the embedded default model (examples/embedded, a small Llama
+# trained on Debian's fortune cookies): compile its recipe for the cpu target, generate, then serve it
+# behind the OpenAI-compatible API and ask it something.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
 python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-mkdir -p build
-[ -f build/tiny-llama/config.json ] || python3 examples/make_tiny_checkpoint.py build/tiny-llama --arch llama
-kiln recipe from-hf build/tiny-llama -o build/tiny_llama.dsl
-kiln compile build/tiny_llama.dsl -o build/tiny_llama --report
-kiln generate build/tiny_llama "Once upon a time" --max-tokens 24
-python3 build/tiny_llama generate "The quick brown fox" --max-tokens 16 --temperature 0.8 --seed 1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # small models on few cores: one torch thread is fastest
+
+echo "== kiln compile examples/embedded.dsl -o build/embedded --report"
+kiln compile examples/embedded.dsl -o build/embedded --report
+
+echo "== kiln generate build/embedded"
+kiln generate build/embedded "A wise man once said" --max-tokens 40 --temperature 0.8 --top-p 0.95 --seed 7
+
+port=${PORT:-8123}
+echo "== kiln serve build/embedded --port $port"
+kiln serve build/embedded --port "$port" > build/serve.log 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do
+  curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
+  kill -0 $server 2>/dev/null || { cat build/serve.log; exit 1; }
+  sleep 0.5
+done
+curl -sf "http://127.0.0.1:$port/v1/models"; echo
+curl -sf "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' -d '{
+  "model": "kiln-embedded",
+  "messages": [{"role": "user", "content": "Tell me a fortune."}],
+  "max_tokens": 48, "temperature": 0.8, "seed": 3}'
+echo
+curl -sf "http://127.0.0.1:$port/metrics" | grep -E '^kiln:(request_success_total|generation_tokens_total)' || true
