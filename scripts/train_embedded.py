@@ -282,8 +282,18 @@ def train(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.time()
-    tok = train_tokenizer(train_docs, args.vocab)
-    ids = save_tokenizer_files(tok, out)
+    if args.init_from:
+        # Continue from an earlier checkpoint of this script: same tokenizer, weights as the starting point
+        # (fresh optimizer state and a fresh warmup + cosine schedule over this run's budget).
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(Path(args.init_from) / "tokenizer.json"))
+        if Path(args.init_from).resolve() != out.resolve():
+            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy(Path(args.init_from) / f, out / f)
+        ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    else:
+        tok = train_tokenizer(train_docs, args.vocab)
+        ids = save_tokenizer_files(tok, out)
     vocab = tok.get_vocab_size()
     rng = random.Random(args.seed)
     train_ids = torch.tensor(encode_docs(tok, train_docs, rng, CHAT_FRACTION), dtype=torch.long)
@@ -292,6 +302,13 @@ def train(args) -> None:
           f"val tokens={len(val_ids)} ({sum(map(len, train_docs)) / len(train_ids):.2f} chars/token)", flush=True)
 
     model = build_model(vocab, ids)
+    prev = None
+    if args.init_from:
+        from transformers import LlamaForCausalLM
+        init = LlamaForCausalLM.from_pretrained(args.init_from, local_files_only=True, dtype=torch.float32)
+        model.load_state_dict(init.state_dict())
+        prev = json.loads((Path(args.init_from) / "training_meta.json").read_text())
+        print(f"initialised from {args.init_from} (step {prev.get('step', prev.get('steps'))})", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -358,16 +375,45 @@ def train(args) -> None:
             "train_tokens": len(train_ids), "val_tokens": len(val_ids),
             "final_train_loss": round(train_loss, 4), "final_val_loss": round(val_loss, 4),
             "uniform_loss": round(math.log(vocab), 4), "history": history,
-            "save_dtype": args.save_dtype}
+            "save_dtype": args.save_dtype, "init_from": args.init_from, "init_meta": prev}
     print(json.dumps(meta, indent=1), flush=True)
     save_checkpoint(model, ids, out, args.save_dtype, meta)
     print(f"wrote {out}", flush=True)
+
+
+SAMPLE_PROMPTS = ["The meaning of life is", "A computer is", "Never trust a man who"]
+
+
+def samples(args) -> None:
+    """Greedy and sampled continuations from the saved HF checkpoint (as quoted in docs/embedded_model.md)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    model = LlamaForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+    for prompt in SAMPLE_PROMPTS:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            greedy = model.generate(ids, max_new_tokens=48, do_sample=False, repetition_penalty=1.0)
+            torch.manual_seed(args.seed)
+            sampled = model.generate(ids, max_new_tokens=48, do_sample=True, temperature=0.8, top_p=0.95)
+        for kind, o in (("greedy", greedy), ("sampled", sampled)):
+            print(f"--- {kind}: {prompt!r}\n{prompt}{tok.decode(o[0, ids.shape[1]:], skip_special_tokens=True)}")
+    msgs = [{"role": "user", "content": "Tell me a fortune."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        o = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95)
+    print(f"--- chat (sampled): 'Tell me a fortune.'\n{tok.decode(o[0, ids.shape[1]:], skip_special_tokens=True)}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare-data", action="store_true")
     ap.add_argument("--train", action="store_true")
+    ap.add_argument("--samples", action="store_true", help="print greedy/sampled continuations from --out")
     ap.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     ap.add_argument("--out", default=str(OUT_DIR))
     ap.add_argument("--minutes", type=float, default=40.0)
@@ -380,18 +426,22 @@ def main(argv=None) -> int:
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads; use 1 on a machine whose cores are busy (OpenMP barriers stall when oversubscribed)")
+    ap.add_argument("--init-from", default=None, help="start from this checkpoint dir (and its tokenizer)")
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                     help="bf16 autocast for the forward pass (fp32 master weights and optimizer state)")
     ap.add_argument("--save-dtype", choices=["fp32", "bf16"], default="bf16")
     args = ap.parse_args(argv)
-    if not (args.prepare_data or args.train):
-        ap.error("nothing to do: pass --prepare-data and/or --train")
+    if not (args.prepare_data or args.train or args.samples):
+        ap.error("nothing to do: pass --prepare-data, --train and/or --samples")
     if args.prepare_data:
         prepare_data(Path(args.data_dir), args.seed)
     if args.train:
         train(args)
+    if args.samples:
+        samples(args)
     return 0
 
 
