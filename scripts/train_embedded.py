@@ -21,7 +21,6 @@ bit-for-bit reproducible on the same machine and a --minutes run is reproducible
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import math
