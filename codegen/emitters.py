@@ -35,6 +35,11 @@ EMITTERS: dict[str, str] = {
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
                             "sliding_window={sliding_window})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
+    "cpu.moe_topk_softmax": "K.moe_topk_softmax({0}, top_k={top_k}, renormalize={renormalize})",
+    "cpu.moe_topk_grouped": ("K.moe_topk_grouped({args}, top_k={top_k}, n_group={n_group}, topk_group={topk_group}, "
+                             "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
+                             "group_score={group_score})"),
+    "cpu.moe_experts": "K.moe_experts({args})",
     "cpu.deinterleave": "K.deinterleave({0})",
     "cpu.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
                           "absorb={absorb})"),

@@ -1,6 +1,7 @@
 """Weight conversion: a Hugging Face safetensors checkpoint (or a seed) -> the artifact's weight shards.
 
-Every ParamSpec is materialised for every layer: its checkpoint sources (`{i}` = layer) are read lazily
+Every ParamSpec is materialised for every layer: its checkpoint sources (`{i}` = layer; `{e}` = expert, one
+tensor per expert stacked along dim 0) are read lazily
 through `safetensors.safe_open`, checked against the declared shape, concatenated along `concat_dim`
 (fused weights), cast to the param dtype, and written as `weights/rank0/model-0000k-of-0000n.safetensors`.
 Output bytes depend only on the program and the checkpoint: tensor order, shard split and metadata are fixed.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from kiln.compiler.ir import DTYPE_BYTES, ParamSpec, Program
+from kiln.compiler.ir import DTYPE_BYTES, EXPERT_INDEX, ParamSpec, Program
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -143,13 +144,21 @@ def check_sources(entry: _Entry, ckpt: Checkpoint) -> None:
         raise WeightError(f"{_where(entry)} has no checkpoint source ('from \"...\"') and the recipe loads "
                           f"weights from {ckpt.path}", spec.loc)
     shapes = []
-    for src in sources:
-        if src not in ckpt:
-            near = ckpt.close_matches(src)
-            notes = (f"did you mean '{near[0]}'?",) if near else ()
-            raise WeightError(f"checkpoint tensor '{src}' for {_where(entry)} is not in {ckpt.path}", spec.loc,
-                              notes)
-        shapes.append(ckpt.shape(src))
+    for src, names in zip(sources, _source_tensors(entry), strict=True):
+        for name in names:
+            if name not in ckpt:
+                near = ckpt.close_matches(name)
+                notes = (f"did you mean '{near[0]}'?",) if near else ()
+                raise WeightError(f"checkpoint tensor '{name}' for {_where(entry)} is not in {ckpt.path}", spec.loc,
+                                  notes)
+        if EXPERT_INDEX in src:
+            per_expert = {ckpt.shape(n) for n in names}
+            if len(per_expert) != 1:
+                raise WeightError(f"the experts of '{src}' for {_where(entry)} differ in shape: "
+                                  f"{', '.join(_fmt(sh) for sh in sorted(per_expert))}", spec.loc)
+            shapes.append((len(names), *per_expert.pop()))
+        else:
+            shapes.append(ckpt.shape(src))
     want, dim = spec.shape, spec.concat_dim
     if len(sources) == 1:
         if shapes[0] != want:
@@ -168,9 +177,17 @@ def check_sources(entry: _Entry, ckpt: Checkpoint) -> None:
                           f"{sum(s[dim] for s in shapes)}, but {_where(entry)} expects {_fmt(want)}", spec.loc)
 
 
+def _source_tensors(entry: _Entry) -> list[tuple[str, ...]]:
+    """Per source, the checkpoint tensors it reads: itself, or one per expert (`{e}`) to stack along dim 0."""
+    experts = entry.spec.shape[0] if entry.spec.shape else 0
+    return [tuple(src.replace(EXPERT_INDEX, str(e)) for e in range(experts)) if EXPERT_INDEX in src else (src,)
+            for src in entry.spec.sources_for(entry.layer)]
+
+
 def _load(entry: _Entry, ckpt: Checkpoint) -> torch.Tensor:
     dtype = TORCH_DTYPES[entry.spec.dtype]
-    parts = [ckpt.get(src).to(dtype) for src in entry.spec.sources_for(entry.layer)]
+    parts = [torch.stack([ckpt.get(n).to(dtype) for n in names]) if EXPERT_INDEX in src else ckpt.get(src).to(dtype)
+             for src, names in zip(entry.spec.sources_for(entry.layer), _source_tensors(entry), strict=True)]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=entry.spec.concat_dim)
     return t.contiguous()
 

@@ -11,7 +11,7 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.compiler.ir import Attrs, BlockSpec, Graph, Node, ParamSpec, Program, TensorType
+from kiln.compiler.ir import Attrs, BlockSpec, Graph, Node, ParamSpec, Program, TensorType, TupleType
 from kiln.compiler.ops import OPS, ShapeError
 from kiln.dsl import ast as A
 from kiln.dsl import eval_config, eval_expr
@@ -83,6 +83,9 @@ class _Lowering:
             env[stmt.targets[0]] = self.expr(g, env, scope, stmt.value, hint=stmt.targets[0])
             return
         call = stmt.value
+        if isinstance(call, A.Call) and call.func in OPS and not OPS[call.func].per_tensor:
+            self.unpack(g, env, scope, stmt)  # `weights, ids = moe_topk_softmax(...)`: a tuple-valued op
+            return
         if not (isinstance(call, A.Call) and call.func in OPS and OPS[call.func].per_tensor):
             raise SourceError(f"{len(stmt.targets)} targets need an op applied per tensor (such as rope)",
                               stmt.loc)
@@ -92,6 +95,16 @@ class _Lowering:
         outs = [self.call(g, env, scope, A.Call(call.func, (a,), call.kwargs, call.loc), hint=t)
                 for a, t in zip(call.args, stmt.targets, strict=True)]
         env.update(zip(stmt.targets, outs, strict=True))
+
+    def unpack(self, g: Graph, env: dict[str, Any], scope: str, stmt: A.Assign) -> None:
+        """`a, b = op(...)` for a tuple-valued op: one `getitem` per target."""
+        value = self.call(g, env, scope, stmt.value, hint=stmt.targets[0] + "_" + stmt.targets[-1])
+        out = g.node(value).out
+        if not isinstance(out, TupleType) or len(out.items) != len(stmt.targets):
+            have = f"{len(out.items)} values" if isinstance(out, TupleType) else "one tensor"
+            raise SourceError(f"{len(stmt.targets)} targets but {stmt.value.func} returns {have}", stmt.loc)
+        for k, target in enumerate(stmt.targets):
+            env[target] = self.emit(g, "getitem", (value,), {"index": k}, stmt.loc, target)
 
     def expr(self, g: Graph, env: dict[str, Any], scope: str, e: A.Expr, hint: str | None = None) -> Any:
         if isinstance(e, A.Num | A.Str | A.Bool | A.Size):

@@ -10,6 +10,7 @@ import networkx as nx
 from kiln.dsl.errors import Loc
 
 Dim = int | str  # an int, or a symbol such as "T" (tokens in the step)
+EXPERT_INDEX = "{e}"  # in a ParamSpec source: one checkpoint tensor per expert, stacked along dim 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +218,11 @@ class ParamSpec:
     `name` is "embed" for a top-level param or "decoder.wq" for a block param (instantiated per layer as
     "decoder.{i}.wq"). `source` lists checkpoint tensor name templates (`{i}` = layer index); several
     sources are concatenated along `concat_dim` at compile time (fused weights).
+
+    Expert stacks: a source naming `{e}` is one checkpoint tensor per expert, stacked along a new dim 0 over
+    e in range(shape[0]) (`param w_gate: [experts, ffn, hidden] from "...experts.{e}.w1.weight"`). Stacking
+    happens per source, before the concatenation, so a fused per-expert gate_up is the gate stack and the
+    up stack concatenated along dim 1. A source without `{e}` on such a param is an already-stacked tensor.
     """
 
     name: str
@@ -239,6 +245,11 @@ class ParamSpec:
 
     def sources_for(self, i: int | None) -> tuple[str, ...]:
         return tuple(s.replace("{i}", str(i)) for s in self.source) if i is not None else self.source
+
+    @property
+    def expert_stacked(self) -> bool:
+        """Whether dim 0 is an expert stack: some source names the expert index `{e}`."""
+        return any(EXPERT_INDEX in s for s in self.source)
 
 
 @dataclass(frozen=True, slots=True)

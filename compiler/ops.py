@@ -425,3 +425,161 @@ register_op(OpDef("mla_attention", 5, 5, infer=_infer_mla_attention, reference=_
 
 def infer(op: str, ins: Sequence[ValueType], attrs: Attrs) -> ValueType:
     return OPS[op].infer(list(ins), attrs)
+
+
+# ---------------------------------------------------------------- mixture of experts
+#
+# Routing contract (one for every router and every consumer): a router returns
+# (weights f32 [T, top_k], ids i32 [T, top_k]). The verifier holds IR values to exactly these dtypes, so a
+# router whose ids are typed i64, or a float "ids" value, is rejected at compile time. At run time, the
+# references and kernels accept int32 *and* int64 ids from any caller (an i64 tensor from torch.topk, an
+# i32 one from a fused router kernel) and index with `.long()` themselves: the dtype that reaches an
+# indexing op is never the caller's problem.
+
+MOE_IDS_DTYPE = "i32"
+MOE_WEIGHTS_DTYPE = "f32"
+
+
+def _infer_moe_router(ins: list[TensorType], a: Attrs) -> TupleType:
+    logits = ins[0]
+    _check(logits.rank == 2 and isinstance(logits.shape[1], int), f"router logits must be [T, experts], got {logits}")
+    experts, top_k = logits.shape[1], a["top_k"]
+    _check(isinstance(top_k, int) and 0 < top_k <= experts, f"top_k={top_k} must be in 1..{experts} (experts)")
+    if len(ins) == 2:
+        bias = ins[1]
+        _check(bias.rank == 1 and bias.shape[0] == experts, f"router correction bias {bias} must be [{experts}]")
+    t = logits.shape[0]
+    return TupleType((TensorType((t, top_k), MOE_WEIGHTS_DTYPE), TensorType((t, top_k), MOE_IDS_DTYPE)))
+
+
+def _infer_moe_grouped(ins: list[TensorType], a: Attrs) -> TupleType:
+    out = _infer_moe_router(ins, a)
+    experts, top_k = ins[0].shape[1], a["top_k"]
+    n_group, topk_group = a.get("n_group", 1), a.get("topk_group", 1)
+    _check(isinstance(n_group, int) and n_group > 0 and experts % n_group == 0,
+           f"{experts} experts do not split into n_group={n_group}")
+    _check(isinstance(topk_group, int) and 0 < topk_group <= n_group,
+           f"topk_group={topk_group} must be in 1..n_group={n_group}")
+    _check(top_k <= topk_group * (experts // n_group),
+           f"top_k={top_k} exceeds the {topk_group} groups x {experts // n_group} experts it may choose from")
+    _check(a.get("scoring", "sigmoid") in ("sigmoid", "softmax"), f"unknown scoring {a.get('scoring')!r}")
+    _check(a.get("group_score", "top2_sum") in ("top2_sum", "max"), f"unknown group_score {a.get('group_score')!r}")
+    return out
+
+
+def _ref_moe_topk_softmax(ctx: RefContext | None, logits: torch.Tensor, top_k: int, renormalize: bool = True):
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def _router_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    return Cost(flops=8 * ins[0].numel(), bytes=sum(_nbytes(t) for t in ins) + _nbytes(out))
+
+
+register_op(OpDef(
+    "moe_topk_softmax", 1, 1, infer=_infer_moe_router, reference=_ref_moe_topk_softmax, cost=_router_cost,
+    attrs={"top_k": REQUIRED, "renormalize": True},
+    doc="Mixtral/Qwen-MoE router: softmax over experts (fp32), top_k, optionally renormalised to sum 1. "
+        "Returns (weights f32 [T, k], ids i32 [T, k])."))
+
+
+def _ref_moe_topk_grouped(ctx: RefContext | None, logits: torch.Tensor, bias: torch.Tensor | None = None, *,
+                          top_k: int, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
+                          renormalize: bool = False, scoring: str = "sigmoid", group_score: str = "top2_sum"):
+    num_tokens, experts = logits.shape
+    logits = logits.float()
+    scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        grouped = choice.view(num_tokens, n_group, experts // n_group)
+        if group_score == "top2_sum":
+            gscore = grouped.topk(min(2, experts // n_group), dim=-1).values.sum(dim=-1)
+        else:
+            gscore = grouped.max(dim=-1).values
+        keep = torch.zeros_like(gscore, dtype=torch.bool)
+        keep.scatter_(1, gscore.topk(topk_group, dim=-1).indices, True)
+        keep = keep[:, :, None].expand(-1, -1, experts // n_group).reshape(num_tokens, experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)  # the correction bias steers selection only, never the weights
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling, ids.to(torch.int32)
+
+
+register_op(OpDef(
+    "moe_topk_grouped", 1, 2, infer=_infer_moe_grouped, reference=_ref_moe_topk_grouped, cost=_router_cost,
+    attrs={"top_k": REQUIRED, "n_group": 1, "topk_group": 1, "routed_scaling": 1.0, "renormalize": False,
+           "scoring": "sigmoid", "group_score": "top2_sum"},
+    doc="DeepSeek router. scores = sigmoid (V3) or softmax (V2) of fp32 logits; selection uses scores + the "
+        "optional correction bias [E], restricted to the best `topk_group` of `n_group` expert groups (group "
+        "score: sum of its top-2 (V3) or its max (V2 group_limited_greedy); n_group=1 is plain greedy top-k); "
+        "weights are the unbiased scores of the chosen experts, renormalised if asked, times routed_scaling. "
+        "Returns (weights f32 [T, k], ids i32 [T, k])."))
+
+
+def _infer_moe_experts(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, weights, ids, *mats = ins
+    _check(x.rank == 2 and isinstance(x.shape[1], int), f"moe_experts input must be [T, hidden], got {x}")
+    _check(ids.dtype == MOE_IDS_DTYPE,
+           f"moe_experts ids must be {MOE_IDS_DTYPE} (the router contract), got {ids}")
+    _check(weights.dtype == MOE_WEIGHTS_DTYPE,
+           f"moe_experts routing weights must be {MOE_WEIGHTS_DTYPE} (the router contract), got {weights}")
+    _check(ids.rank == 2 and weights.shape == ids.shape and _same(ids.shape[0], x.shape[0]),
+           f"moe_experts routing weights {weights} and ids {ids} must both be [T, top_k] over input {x}")
+    hidden = x.shape[1]
+    down = mats[-1]
+    _check(all(m.rank == 3 for m in mats), f"expert weights must be 3-D [experts, out, in], got {', '.join(map(str, mats))}")
+    experts = down.shape[0]
+    _check(all(m.shape[0] == experts for m in mats), f"expert weights disagree on the expert count: "
+                                                       f"{', '.join(map(str, mats))}")
+    ffn = down.shape[2]
+    _check(down.shape[1] == hidden, f"expert down projection {down} must be [experts, {hidden}, ffn]")
+    if len(mats) == 2:
+        _check(mats[0].shape == (experts, 2 * ffn, hidden),
+               f"fused expert gate_up {mats[0]} must be [{experts}, {2 * ffn}, {hidden}] for down {down}")
+    else:
+        for m in mats[:2]:
+            _check(m.shape == (experts, ffn, hidden),
+                   f"expert gate/up {m} must be [{experts}, {ffn}, {hidden}] for down {down}")
+    return x
+
+
+def _ref_moe_experts(ctx: RefContext | None, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     *mats: torch.Tensor) -> torch.Tensor:
+    """Σ_k weights[t, k] · down_e(silu(gate_e(x_t)) · up_e(x_t)), e = ids[t, k]; experts in ascending order."""
+    if len(mats) == 3:
+        mats = (torch.cat([mats[0], mats[1]], dim=1), mats[2])
+    gate_up, down = mats
+    ids = ids.long()
+    out = torch.zeros_like(x)
+    for e in range(down.shape[0]):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = F.linear(x[token], gate_up[e])
+        f = h.shape[-1] // 2
+        y = F.linear(F.silu(h[:, :f]) * h[:, f:], down[e])
+        out.index_add_(0, token, (y.float() * weights[token, slot, None].float()).to(x.dtype))
+    return out
+
+
+def _moe_experts_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    x, weights, ids, *mats = ins
+    tokens, top_k, experts = x.shape[0], ids.shape[1], mats[-1].shape[0]
+    tokens = tokens if isinstance(tokens, int) else 1
+    per_expert = sum(m.numel() // experts for m in mats)
+    touched = min(experts, tokens * top_k)  # distinct experts a step can read at most
+    wbytes = touched * per_expert * DTYPE_BYTES.get(mats[-1].dtype, 4)
+    return Cost(flops=2 * tokens * top_k * per_expert,
+                bytes=wbytes + _nbytes(x) + _nbytes(weights) + _nbytes(ids) + _nbytes(out))
+
+
+register_op(OpDef(
+    "moe_experts", 5, 6, infer=_infer_moe_experts, reference=_ref_moe_experts, cost=_moe_experts_cost,
+    doc="Routed SwiGLU experts: moe_experts(x, weights, ids, w_gate_up [E, 2F, H], w_down [E, H, F]) or with "
+        "separate w_gate, w_up [E, F, H] (what checkpoints store; fuse_expert_gate_up merges them). "
+        "Σ_k weights[:, k] · down_e(silu(gate_e(x)) · up_e(x)) for e = ids[:, k]."))

@@ -80,6 +80,32 @@ def mla_kv_geometry(program: Program) -> tuple[int, int]:
     return layers, latent
 
 
+def expert_param_bytes(program: Program) -> tuple[int, int]:
+    """(bytes of routed-expert weights, of them the bytes one token reads) over the layer schedule.
+
+    An expert weight is a `moe_experts` weight input ([E, ...]); a token reads top_k of its E experts, top_k
+    being the routing ids' width. Dense programs give (0, 0).
+    """
+    total = active = 0
+    for spec in program.blocks.values():
+        g = program.graphs[spec.graph]
+        for _, n in g.items():
+            if n.op != "moe_experts":
+                continue
+            top_k = g.node(n.inputs[2]).out.shape[1]
+            for w in n.inputs[3:]:
+                p = g.node(w)
+                if p.op != "param":
+                    continue
+                ps = program.params[p.attrs["name"]]
+                nbytes = DTYPE_BYTES[ps.dtype] * spec.count
+                for d in ps.shape:
+                    nbytes *= d
+                total += nbytes
+                active += nbytes * top_k // ps.shape[0]
+    return total, active
+
+
 def capacity(program: Program, target: Target, *, memory_fraction: float = 0.9, kv_dtype: str | None = None,
              context: int = 1024) -> Capacity:
     num_params, param_bytes = _param_count(program)
@@ -133,6 +159,14 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
+def _moe_lines(program: Program, param_bytes: int) -> list[str]:
+    experts, active = expert_param_bytes(program)
+    if not experts:
+        return []
+    return [f"  active per token       {_gb(param_bytes - experts + active)} of {_gb(param_bytes)} "
+            f"(non-expert {_gb(param_bytes - experts)} + routed experts {_gb(active)} of {_gb(experts)}: top_k/E)"]
+
+
 def format_report(program: Program, target: Target, pass_log: list[dict[str, Any]], *, memory_fraction: float,
                   kv_dtype: str | None = None) -> str:
     cap = capacity(program, target, memory_fraction=memory_fraction, kv_dtype=kv_dtype)
@@ -151,6 +185,7 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
         "",
         "capacity plan:",
         f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {program.dtype})",
+        *_moe_lines(program, cap.param_bytes),
         f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {kv_formula}"
         f" x {DTYPE_BYTES[kv_dtype or program.dtype]} B)",
         f"  device memory          {_gb(cap.memory_bytes)} x {cap.memory_fraction} = "

@@ -158,9 +158,14 @@ def _check_param(p: ast.ParamDecl, config: _Scope, model: ast.ModelDecl, in_bloc
         _check_config_expr(p.cond, config, model, f"the condition of '{p.name}'")
     if p.source is not None:
         for m in re.finditer(r"\{([^}]*)\}", p.source.value):
+            if m.group(1) == "e":  # expert index: the param is a stack over experts along its dim 0
+                if len(p.shape) < 2:
+                    raise SourceError(f"'{{e}}' (the expert index) stacks one tensor per expert along dim 0, so "
+                                      f"'{p.name}' needs a shape [experts, ...] of rank >= 2", p.source.loc)
+                continue
             if m.group(1) != "i":
                 raise SourceError(f"unknown placeholder '{{{m.group(1)}}}' in a tensor name: only '{{i}}', "
-                                  "the layer index, is defined", p.source.loc)
+                                  "the layer index, and '{e}', the expert index, are defined", p.source.loc)
             if not in_block:
                 raise SourceError("'{i}' (the layer index) is defined only for params inside a block",
                                   p.source.loc)
@@ -405,6 +410,11 @@ def _draft(expr: ast.Expr, key: str) -> None:
         raise SourceError("'draft' must be a checkpoint string or a model instantiation", expr.loc)
 
 
+def _size(expr: ast.Expr, key: str) -> None:
+    if not (isinstance(expr, ast.Size) and expr.value > 0):
+        raise SourceError(f"'{key}' must be a byte size such as 4GiB", expr.loc)
+
+
 def _disable(expr: ast.Expr, key: str) -> None:
     if not isinstance(expr, ast.List) or not all(isinstance(i, (ast.Name, ast.Str)) for i in expr.items):
         raise SourceError("'disable' must be a list of pass names, e.g. [fuse_qkv]", expr.loc)
@@ -423,7 +433,8 @@ _SECTIONS: dict[str, dict[str, Validator]] = {
     "kv_cache": {"block_size": _power_of_two, "memory_fraction": _fraction, "offload": _offload,
                  "num_blocks": _pos_int},
     "scheduler": {"max_seqs": _pos_int, "max_batched_tokens": _pos_int, "chunked_prefill": _chunked_prefill,
-                  "policy": _choice("fcfs", "priority"), "prefix_cache": _choice("radix", "none")},
+                  "policy": _choice("fcfs", "priority"), "prefix_cache": _choice("radix", "none"),
+                  "preemption": _choice("recompute", "swap"), "swap_space": _size},
     "speculative": {"method": _symbol, "tokens": _pos_int, "draft": _draft},
     "lora": {"max_loras": _pos_int, "max_rank": _pos_int},
     "cuda_graphs": {"batch_sizes": _batch_sizes},

@@ -74,6 +74,10 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # first_k_dense_replace = layers: all layers dense until kiln's DeepSeek model has MoE layers.
     "deepseek_v3": ("DeepseekV3Config", {**DEEPSEEK_MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}),
     "deepseek_v2": ("DeepseekV2Config", {**DEEPSEEK_MLA, "q_lora_rank": None}),
+    # 4 experts, top-2; expert width 32 (Qwen3-MoE: moe_intermediate_size; its dense width is unused)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "use_sliding_window": False, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
 }
 
 CORPUS = """\
@@ -237,7 +241,8 @@ def build_tiny_checkpoint(
     """Write a tiny random `arch` checkpoint into `out_dir` and return its path.
 
     archs: llama (GQA 4:2), llama3_rope (Llama-3.1 rope scaling, original context 64 of 256), llama_tied,
-    llama_head_dim (head_dim 32 != 64/4), mistral (sliding window 16), qwen2 (q/k/v bias), qwen3 (q/k norm).
+    llama_head_dim (head_dim 32 != 64/4), mistral (sliding window 16), qwen2 (q/k/v bias), qwen3 (q/k norm),
+    mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
     transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
     rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.

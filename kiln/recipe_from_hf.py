@@ -80,6 +80,42 @@ def _qwen3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "qwen3", args
 
 
+def _experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not experts or not top_k:
+        raise UnsupportedCheckpoint("a mixture-of-experts config needs num_local_experts (or num_experts) and "
+                                    "num_experts_per_tok")
+    return {"experts": int(experts), "top_k": int(top_k)}
+
+
+def _mixtral(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    args = _common(cfg, 1000000.0)
+    args.update(_experts(cfg))
+    if cfg.get("sliding_window"):
+        args["sliding_window"] = int(cfg["sliding_window"])
+    return "mixtral", args
+
+
+def _qwen3_moe(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    args = _common(cfg, 1000000.0)
+    del args["ffn"]  # dense-MLP width; every layer of a supported config is sparse
+    moe = _experts(cfg)
+    step, mlp_only = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
+    dense = [i for i in range(cfg["num_hidden_layers"]) if i in mlp_only or (i + 1) % step != 0]
+    if dense:
+        raise UnsupportedCheckpoint(
+            f"Qwen3-MoE with dense MLP layers {dense} (decoder_sparse_step={step}, mlp_only_layers="
+            f"{sorted(mlp_only)}) is not supported yet: kiln's qwen3_moe model makes every layer sparse")
+    args.update(moe, moe_ffn=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    args["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        raise UnsupportedCheckpoint("Qwen3-MoE with use_sliding_window=true is not supported yet")
+    if cfg.get("attention_bias"):
+        args["attention_bias"] = True
+    return "qwen3_moe", args
+
+
 def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
     """DeepSeek-V3 / V2 multi-head latent attention (models/deepseek_v3.dsl)."""
     rp = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
@@ -118,6 +154,8 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]]
     "Qwen3ForCausalLM": _qwen3,
     "DeepseekV3ForCausalLM": lambda cfg: _deepseek(cfg, v2=False),
     "DeepseekV2ForCausalLM": lambda cfg: _deepseek(cfg, v2=True),
+    "MixtralForCausalLM": _mixtral,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
 }
 
 

@@ -2,6 +2,7 @@
 from kiln.passes import (  # noqa: F401 - imported to register the passes
     dead_code_elimination,
     fuse_add_rms_norm,
+    fuse_expert_gate_up,
     fuse_gate_up,
     fuse_qkv,
     fuse_silu_mul,

@@ -31,6 +31,9 @@ register_kernels("cpu", {
     "add": "cpu.add",
     "mul": "cpu.mul",
     "logits": "cpu.logits",
+    "moe_topk_softmax": "cpu.moe_topk_softmax",
+    "moe_topk_grouped": "cpu.moe_topk_grouped",
+    "moe_experts": "cpu.moe_experts",
     "deinterleave": "cpu.deinterleave",
     "mla_attention": "cpu.mla_attention",
 })

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from kiln.compiler import Pass, PassError
 from kiln.passes.dead_code_elimination import DeadCodeElimination
 from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
+from kiln.passes.fuse_expert_gate_up import FuseExpertGateUp
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
@@ -21,6 +22,7 @@ def _llm(target: str) -> list[Pass]:
         # Phase 2: fusion (gate_up before silu_mul: silu_mul matches the slices gate_up leaves)
         FuseQKV(),
         FuseGateUp(),
+        FuseExpertGateUp(),
         FuseSiLUMul(),
         FuseAddRMSNorm(),
         MLAAbsorption(),  # decode attends over the MLA latent; prefill keeps per-head K/V

@@ -1,0 +1,55 @@
+# Qwen3-MoE (HF Qwen3MoeForCausalLM): Qwen3 attention (per-head q/k RMSNorm) with a sparse mixture of SwiGLU
+# experts in every layer. `norm_topk_prob` renormalises the top-k routing weights. Configs whose
+# decoder_sparse_step / mlp_only_layers make some layers dense are refused by `kiln recipe from-hf`.
+model qwen3_moe(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = heads,
+                head_dim: int = hidden // heads, moe_ffn: int, experts: int, top_k: int = 8,
+                norm_topk_prob: bool = true, rope_theta: float = 1000000.0, norm_eps: float = 1e-6,
+                tie_embeddings: bool = false, max_position: int = 40960, rope_scaling: str = "none",
+                rope_factor: float = 1.0, rope_low_freq_factor: float = 1.0, rope_high_freq_factor: float = 4.0,
+                rope_original_max_position: int = 8192, sliding_window: int = 0, attention_bias: bool = false) {
+  param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
+
+  block decoder[layers] {                       # {i} is the layer index, {e} the expert index
+    param attn_norm: [hidden]                   from "model.layers.{i}.input_layernorm.weight"
+    param wq: [heads * head_dim, hidden]        from "model.layers.{i}.self_attn.q_proj.weight"
+    param wk: [kv_heads * head_dim, hidden]     from "model.layers.{i}.self_attn.k_proj.weight"
+    param wv: [kv_heads * head_dim, hidden]     from "model.layers.{i}.self_attn.v_proj.weight"
+    param wo: [hidden, heads * head_dim]        from "model.layers.{i}.self_attn.o_proj.weight"
+    param bq: [heads * head_dim]                from "model.layers.{i}.self_attn.q_proj.bias" if attention_bias
+    param bk: [kv_heads * head_dim]             from "model.layers.{i}.self_attn.k_proj.bias" if attention_bias
+    param bv: [kv_heads * head_dim]             from "model.layers.{i}.self_attn.v_proj.bias" if attention_bias
+    param bo: [hidden]                          from "model.layers.{i}.self_attn.o_proj.bias" if attention_bias
+    param q_norm: [head_dim]                    from "model.layers.{i}.self_attn.q_norm.weight"
+    param k_norm: [head_dim]                    from "model.layers.{i}.self_attn.k_norm.weight"
+    param mlp_norm: [hidden]                    from "model.layers.{i}.post_attention_layernorm.weight"
+    param w_router: [experts, hidden]           from "model.layers.{i}.mlp.gate.weight"
+    param w_gate: [experts, moe_ffn, hidden]    from "model.layers.{i}.mlp.experts.{e}.gate_proj.weight"
+    param w_up: [experts, moe_ffn, hidden]      from "model.layers.{i}.mlp.experts.{e}.up_proj.weight"
+    param w_down: [experts, hidden, moe_ffn]    from "model.layers.{i}.mlp.experts.{e}.down_proj.weight"
+
+    forward(h) {
+      x = rms_norm(h, attn_norm, eps=norm_eps)
+      q = (attention_bias ? linear(x, wq, bq) : linear(x, wq)) |> view(heads, head_dim)
+      k = (attention_bias ? linear(x, wk, bk) : linear(x, wk)) |> view(kv_heads, head_dim)
+      v = (attention_bias ? linear(x, wv, bv) : linear(x, wv)) |> view(kv_heads, head_dim)
+      q = rms_norm(q, q_norm, eps=norm_eps)     # per head, over head_dim
+      k = rms_norm(k, k_norm, eps=norm_eps)
+      q, k = rope(q, k, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
+                  low_freq_factor=rope_low_freq_factor, high_freq_factor=rope_high_freq_factor,
+                  original_max_position=rope_original_max_position)
+      a = attention(q, k, v, sliding_window=sliding_window)
+      h = h + (attention_bias ? linear(a, wo, bo) : linear(a, wo))
+      x = rms_norm(h, mlp_norm, eps=norm_eps)
+      weights, ids = moe_topk_softmax(linear(x, w_router), top_k=top_k, renormalize=norm_topk_prob)
+      return h + moe_experts(x, weights, ids, w_gate, w_up, w_down)
+    }
+  }
+
+  param norm: [hidden]                          from "model.norm.weight"
+  param lm_head: [vocab, hidden]                from "lm_head.weight" if !tie_embeddings
+
+  forward(tokens) {
+    h = decoder(embedding(tokens, embed))
+    return logits(rms_norm(h, norm, eps=norm_eps), tie_embeddings ? embed : lm_head)
+  }
+}
