@@ -64,6 +64,8 @@ class SchedulerConfig:
     chunked_prefill: int | None = 512  # max prompt tokens of one sequence per step; None = only the budget
     policy: str = "fcfs"
     prefix_cache: str | None = "radix"  # None / "none" disables
+    preemption: str = "recompute"  # recompute | swap: a preempted sequence's KV is copied to CPU memory
+    swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV blocks (preemption = swap)
 
     def with_overrides(self, **overrides: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -119,4 +121,6 @@ def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
                            max_batched_tokens=int(s.get("max_batched_tokens", default.max_batched_tokens)),
                            chunked_prefill=int(chunk) if chunk else None,
                            policy=str(s.get("policy", default.policy)),
-                           prefix_cache=None if prefix in (None, False, "none") else str(prefix))
+                           prefix_cache=None if prefix in (None, False, "none") else str(prefix),
+                           preemption=str(s.get("preemption", default.preemption)),
+                           swap_space=int(s.get("swap_space", default.swap_space)))

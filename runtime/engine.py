@@ -9,7 +9,7 @@ import torch
 
 from .artifact import LoadedArtifact, load_artifact
 from .errors import RequestError
-from .kv_cache import BlockManager, cdiv
+from .kv_cache import BlockManager, SwapSpace, cdiv
 from .model_runner import ModelRunner, resolve_num_blocks
 from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .prefix_cache import make_prefix_cache
@@ -46,7 +46,8 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
-                 policy: str | None = None, seed: int = 0) -> None:
+                 policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
+                 seed: int = 0) -> None:
         if not isinstance(artifact, LoadedArtifact):
             artifact = load_artifact(artifact, device)
         self.artifact = artifact
@@ -55,15 +56,18 @@ class LLMEngine:
         kv = artifact.kv_cache_config
         sched = artifact.scheduler_config.with_overrides(
             max_seqs=max_num_seqs, max_batched_tokens=max_num_batched_tokens,
-            chunked_prefill=chunked_prefill, policy=policy)
+            chunked_prefill=chunked_prefill, policy=policy, preemption=preemption, swap_space=swap_space_bytes)
+        if sched.preemption not in ("recompute", "swap"):
+            raise RequestError(f"unknown preemption mode {sched.preemption!r} (known: recompute, swap)")
         if prefix_cache is not _UNSET:
             sched = replace(sched, prefix_cache=None if prefix_cache in (None, "none") else prefix_cache)
         num_blocks = resolve_num_blocks(
             kv, artifact.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
             memory_fraction=float(artifact.manifest["kv_cache"].get("memory_fraction", 0.9)))
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
-        self.scheduler = Scheduler(sched, self.block_manager)
-        self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device)
+        num_swap_blocks = sched.swap_space // kv.bytes_per_block if sched.preemption == "swap" else 0
+        self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(num_swap_blocks))
+        self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device, num_swap_blocks)
         self.sampler = Sampler(seed)
         eos = set(self.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -120,7 +124,9 @@ class LLMEngine:
         """Runs one forward pass; returns the cumulative output of every request that progressed."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            assert not self.scheduler.waiting or self.scheduler.running, \
+            self.runner.swap(batch)  # everything running was swapped out this step
+            assert not (self.scheduler.waiting or self.scheduler.swapped) or self.scheduler.running \
+                or batch.swap_out, \
                 "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
             return self._drain_aborted()
         logits, layout = self.runner.execute(batch)
@@ -236,5 +242,6 @@ class LLMEngine:
         pc = self.block_manager.prefix_cache
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_usage": self.block_manager.usage, "num_preemptions": self.scheduler.num_preemptions,
+                "num_swapped_out": self.scheduler.num_swapped_out,
                 "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
                 "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0}

@@ -123,3 +123,29 @@ class BlockManager:
             assert not (self.prefix_cache and self.prefix_cache.is_cached(b)), f"free block {b} is cached"
         assert len(free) + sum(1 for r in self.ref_counts if r) + (
             self.prefix_cache.num_evictable if self.prefix_cache else 0) == self.num_blocks, "blocks leaked"
+
+
+class SwapSpace:
+    """Block ids of the CPU swap pool `[0, num_blocks)` (bookkeeping only; the runner owns the tensors).
+
+    A sequence preempted by swap takes `len(block_table)` CPU blocks; they are returned when it is swapped
+    back in or finished. No sharing, so no ref counts.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 0, f"bad swap space: {num_blocks} blocks"
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self._free), f"need {n} swap blocks, {len(self._free)} free"
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+        assert len(self._free) <= self.num_blocks, "a swap block was freed twice"
+

@@ -54,13 +54,29 @@ class ModelRunner:
     it returns float32 logits with one row per `logits_indices` entry.
     """
 
-    def __init__(self, model: Any, kv: KVCacheConfig, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, model: Any, kv: KVCacheConfig, num_blocks: int, device: torch.device,
+                 num_swap_blocks: int = 0) -> None:
         self.model = model
         self.device = device
         self.block_size = kv.block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, *kv.shape)
         self.kv_caches = [torch.zeros(shape, dtype=kv.dtype, device=device) for _ in range(kv.num_layers)]
+        # CPU swap space for preemption by swap, same layout; pinned so copies to a GPU can overlap.
+        pin = device.type == "cuda"
+        self.cpu_caches = [torch.zeros((num_swap_blocks, *kv.shape), dtype=kv.dtype, pin_memory=pin)
+                           for _ in range(kv.num_layers)] if num_swap_blocks else []
+
+    def swap(self, batch: ScheduledBatch) -> None:
+        """Copies the step's swapped-out blocks to CPU and swapped-in blocks back (before the forward pass)."""
+        if batch.swap_out:
+            dev, cpu = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*batch.swap_out, strict=True))
+            for gpu_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches, strict=True):
+                cpu_cache[cpu] = gpu_cache[dev.to(self.device)].to("cpu")
+        if batch.swap_in:
+            cpu, dev = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*batch.swap_in, strict=True))
+            for gpu_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches, strict=True):
+                gpu_cache[dev.to(self.device)] = cpu_cache[cpu].to(self.device, non_blocking=True)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, LogitsLayout]:
         bs = self.block_size
@@ -121,6 +137,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout]:
+        self.swap(batch)
         fb, layout = self.prepare(batch)
         logits = self.model.forward(fb, self.kv_caches)
         assert logits.dim() == 2 and logits.shape[0] == fb.logits_indices.shape[0], (

@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler: token budget, chunked prefill, decodes first, preemption by recompute."""
+"""Continuous-batching scheduler: token budget, chunked prefill, decodes first, preemption by recompute
+or by swapping KV blocks to CPU memory."""
 from __future__ import annotations
 
 import bisect
@@ -6,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import SchedulerConfig
-from .kv_cache import BlockManager
+from .kv_cache import BlockManager, SwapSpace
 from .sequence import Sequence, SequenceStatus
 
 
@@ -19,6 +20,10 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     num_decodes: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+    # KV block copies the runner performs before the forward pass: (device block, cpu block) to swap out,
+    # (cpu block, device block) to swap in. A step never does both (see Scheduler.schedule).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -41,11 +46,15 @@ class Scheduler:
     """Owns the waiting and running queues (both kept sorted by the policy key) and the block manager.
 
     `schedule()` picks the step's work and allocates its KV slots; `update()` advances the sequences after
-    the forward pass; `finish()` releases a sequence. A preempted sequence loses its blocks and returns to
-    the waiting queue with `num_computed_tokens = 0`: it is recomputed (prompt + tokens so far) when readmitted.
+    the forward pass; `finish()` releases a sequence. A preempted sequence loses its device blocks. With
+    `preemption = "recompute"` (or when the swap space is full) it returns to the waiting queue with
+    `num_computed_tokens = 0` and is recomputed (prompt + tokens so far) when readmitted. With
+    `preemption = "swap"` its blocks' contents are copied to CPU blocks and it waits in `swapped`, ahead of
+    new requests, until enough device blocks are free to copy them back and continue where it stopped.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 swap_space: SwapSpace | None = None) -> None:
         if config.policy not in POLICIES:
             from .errors import ArtifactError
             raise ArtifactError(f"unknown scheduler policy {config.policy!r} (known: {', '.join(POLICIES)})")
@@ -54,22 +63,27 @@ class Scheduler:
         self.block_manager = block_manager
         self._key = POLICIES[config.policy]
         self._chunk = config.chunked_prefill or config.max_batched_tokens
+        self.swap_space = swap_space if config.preemption == "swap" else None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self._key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_batched_tokens
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         # Running sequences first, in policy order; victims come from the tail, which is not scheduled yet.
         i = 0
@@ -78,7 +92,7 @@ class Scheduler:
             n = self._num_new_tokens(seq, budget)
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, swap_out)
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -87,8 +101,25 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # Then admit waiting sequences, unless this step already had to evict someone.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs and not preempted:
+        # Swapped-out sequences come back before new requests, in policy order — but never in a step that
+        # swapped something out: the blocks just freed may be the ones a swap-in would overwrite.
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_seqs and not preempted:
+            seq = self.swapped[0]
+            n = self._num_new_tokens(seq, budget)
+            if not self.block_manager.allocate_slots(seq, n):
+                break
+            self.swapped.pop(0)
+            swap_in.extend(zip(seq.cpu_blocks, seq.block_table, strict=False))
+            self.swap_space.free(seq.cpu_blocks)
+            seq.cpu_blocks = []
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=self._key)
+            (decodes if seq.is_decoding else prefills).append((seq, n))
+            budget -= n
+
+        # Then admit waiting sequences, unless this step had to evict someone or someone waits swapped out.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs and not preempted \
+                and not self.swapped:
             seq = self.waiting[0]
             hits = [] if seq.needs_prompt_logprobs() else self.block_manager.get_computed_blocks(seq)
             num_cached = len(hits) * self.block_manager.block_size
@@ -105,7 +136,7 @@ class Scheduler:
 
         work = decodes + prefills
         return ScheduledBatch(seqs=[s for s, _ in work], num_new_tokens=[n for _, n in work],
-                              num_decodes=len(decodes), preempted=preempted)
+                              num_decodes=len(decodes), preempted=preempted, swap_out=swap_out, swap_in=swap_in)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Marks the batch's tokens computed and appends each sampled token; returns the sequences that grew."""
@@ -126,6 +157,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_space.free(seq.cpu_blocks)
+            seq.cpu_blocks = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -134,9 +169,21 @@ class Scheduler:
         assert remaining > 0, f"running seq {seq.seq_id} has nothing to compute"
         return min(remaining, budget) if remaining == 1 else min(remaining, self._chunk, budget)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(seq)
+        self.num_preemptions += 1
+        # Every block of a running sequence holds computed K/V (allocation is all-or-nothing per step).
+        assert len(seq.block_table) == -(-seq.num_computed_tokens // self.block_manager.block_size), \
+            f"seq {seq.seq_id}: {len(seq.block_table)} blocks for {seq.num_computed_tokens} computed tokens"
+        if self.swap_space is not None and seq.num_computed_tokens and \
+                len(seq.block_table) <= self.swap_space.num_free_blocks:
+            seq.cpu_blocks = self.swap_space.allocate(len(seq.block_table))
+            swap_out.extend(zip(seq.block_table, seq.cpu_blocks, strict=True))
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=self._key)
+            self.num_swapped_out += 1
+            return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        self.num_preemptions += 1
         self.add(seq)

@@ -13,6 +13,7 @@ from .sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted: holds no KV blocks
     RUNNING = "running"  # holds KV blocks for its first `num_computed_tokens` tokens
+    SWAPPED = "swapped"  # preempted by swap: its computed tokens' K/V wait in CPU blocks `cpu_blocks`
     FINISHED = "finished"
 
 
@@ -22,7 +23,8 @@ class Sequence:
     of `block_table`; a decoding sequence has exactly one uncomputed token (the last one sampled).
 
     Mutated by: the scheduler (status, num_computed_tokens, block_table through the block manager), the
-    engine (token_ids, text, logprobs, finish). Preemption by recompute resets num_computed_tokens to 0.
+    engine (token_ids, text, logprobs, finish). Preemption by recompute resets num_computed_tokens to 0;
+    preemption by swap keeps it and moves the blocks' contents to `cpu_blocks`.
     """
 
     seq_id: int
@@ -40,6 +42,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
+    cpu_blocks: list[int] = field(default_factory=list)  # swap space holding the KV of a SWAPPED sequence
     block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
     output_text: str = ""

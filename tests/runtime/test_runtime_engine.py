@@ -243,3 +243,46 @@ def test_penalties_change_output_and_stay_deterministic(llm, greedy_reference):
     b = llm.generate(PROMPTS, params)
     assert token_lists(a) == token_lists(b)
     assert token_lists(a) != greedy_reference
+
+
+@pytest.mark.parametrize("swap_blocks", [64, 3])
+def test_swap_preemption_gives_same_tokens(artifact_dir, greedy_reference, swap_blocks):
+    # Same tiny pool as the recompute test, preempting by swapping KV blocks to CPU memory. With a swap
+    # space of 3 blocks the victims do not fit and fall back to recompute.
+    probe = LLM(str(artifact_dir), num_kv_blocks=1, prefix_cache=None)
+    block_bytes = probe.engine.artifact.kv_cache_config.bytes_per_block
+    llm = LLM(str(artifact_dir), num_kv_blocks=40, prefix_cache=None, preemption="swap",
+              swap_space_bytes=swap_blocks * block_bytes)
+    assert token_lists(llm.generate(PROMPTS * 2, GREEDY)) == greedy_reference * 2
+    engine = llm.engine
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0
+    if swap_blocks == 64:
+        assert stats["num_swapped_out"] > 0
+    else:
+        assert stats["num_preemptions"] > stats["num_swapped_out"]  # fell back to recompute
+    assert engine.block_manager.num_free_blocks == 40 and not engine.requests
+    assert engine.scheduler.swap_space.num_free_blocks == swap_blocks
+    engine.block_manager.check_invariants([])
+
+
+def test_swapped_request_abort_frees_swap_space(artifact_dir):
+    probe = LLM(str(artifact_dir), num_kv_blocks=1, prefix_cache=None)
+    block_bytes = probe.engine.artifact.kv_cache_config.bytes_per_block
+    llm = LLM(str(artifact_dir), num_kv_blocks=30, prefix_cache=None, preemption="swap",
+              swap_space_bytes=64 * block_bytes)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tok = llm.get_tokenizer()
+    for i, p in enumerate(PROMPTS * 2):
+        engine.add_request(str(i), tok.encode(p), params)
+    for _ in range(200):
+        engine.step()
+        if engine.scheduler.swapped:
+            break
+    assert engine.scheduler.swapped, "the tiny pool should have forced a swap-out"
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    engine.step()
+    assert engine.scheduler.swap_space.num_free_blocks == 64
+    assert engine.block_manager.num_free_blocks == 30 and not engine.scheduler.has_unfinished()
