@@ -240,7 +240,8 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks."""
         pc = self.block_manager.prefix_cache
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        return {"num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.swapped),
                 "kv_usage": self.block_manager.usage, "num_preemptions": self.scheduler.num_preemptions,
                 "num_swapped_out": self.scheduler.num_swapped_out,
                 "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
