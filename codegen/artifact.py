@@ -127,7 +127,13 @@ def _kv_cache_section(program: Program) -> dict[str, Any]:
     kv_heads, head_dim = heads.pop() if heads else (0, 0)
     meta = _section(program.meta, "kv_cache")
     dtype = TORCH_DTYPE_NAMES[program.dtype]
-    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    fp8 = {node.attrs.get("kv_dtype") == "fp8e4m3" for _, node in nodes}
+    if len(fp8) > 1:
+        raise CodegenError("some attention layers cache K/V in fp8 and some do not; the runtime allocates one "
+                           "KV dtype", None)
+    if fp8 == {True}:  # e4m3 with per-layer, per-KV-head scales (params `*.k_scale`, `*.v_scale`)
+        dtype = "float8_e4m3fn"
+    elem = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[dtype]
     return {
         "num_layers": len(nodes),
         "kv_heads": kv_heads,
@@ -193,6 +199,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
                     "source": list(s.source)} for s in program.params.values()],
         "kernels": kernels_used(program),
         "passes": _jsonable(list(pass_log)),
+        # the recipe's `quantize` section, only when there is one (readers: kiln eval, humans)
+        **({"quantization": _section(program.meta, "quantize")} if _section(program.meta, "quantize") else {}),
     }
 
 

@@ -33,16 +33,21 @@ EMITTERS: dict[str, str] = {
     "cpu.mul": "K.mul({0}, {1})",
     "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                            "sliding_window={sliding_window})"),
+                            "sliding_window={sliding_window}{kv_scales})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
+    "cpu.deinterleave": "K.deinterleave({0})",
+    "cpu.dequant_fp8": "K.dequant_fp8({0}, {1}, granularity={granularity}, block={block}, dtype={dtype})",
+    "cpu.linear_fp8": "K.linear_fp8({args}, granularity={granularity}, block={block}, act={act})",
+    "cpu.dequant_int4": ("K.dequant_int4({args}, format={format}, group={group}, zero_offset={zero_offset}, "
+                         "dtype={dtype})"),
+    "cpu.linear_w4a16": "K.linear_w4a16({args}, format={format}, group={group}, zero_offset={zero_offset})",
+    "cpu.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
+                          "absorb={absorb})"),
     "cpu.moe_topk_softmax": "K.moe_topk_softmax({0}, top_k={top_k}, renormalize={renormalize})",
     "cpu.moe_topk_grouped": ("K.moe_topk_grouped({args}, top_k={top_k}, n_group={n_group}, topk_group={topk_group}, "
                              "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
                              "group_score={group_score})"),
     "cpu.moe_experts": "K.moe_experts({args})",
-    "cpu.deinterleave": "K.deinterleave({0})",
-    "cpu.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
-                          "absorb={absorb})"),
 }
 
 # GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.
@@ -53,7 +58,7 @@ EMITTERS.update({
     "triton.silu_mul": "K.silu_mul({0})",
     "triton.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "triton.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                               "sliding_window={sliding_window})"),
+                               "sliding_window={sliding_window}{kv_scales})"),
     "torch.linear": "K.linear({args})",  # cuBLAS
     "torch.logits": "K.logits({0}, {1}, batch.logits_indices)",  # cuBLAS, fp32 out
 })

@@ -235,8 +235,17 @@ def _scale_field(fn: _Function, vid: str, node: Node) -> str:
     return literal(float(scale))
 
 
+def _kv_scales_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, k_scale=..., v_scale=...` for an attention over an fp8 KV cache (inputs 4 and 5), else nothing."""
+    if not node.attrs.get("kv_dtype"):
+        return ""
+    k_scale, v_scale = (fn.expr[i] for i in node.inputs[3:5])
+    return f", k_scale={k_scale}, v_scale={v_scale}"
+
+
 # Fields a kernel template may name besides inputs and attributes, and how codegen derives each.
 CONTEXT_FIELDS: dict[str, ContextField] = {
+    "kv_scales": _kv_scales_field,  # an fp8 KV cache's per-head scales, as keyword arguments
     "kv_cache": _kv_cache_field,  # this attention's KV tensor: running index over the layer schedule
     "rope_cache": _rope_cache_field,  # the precomputed cos/sin table of this rope's configuration
     "scale": _scale_field,  # attrs.scale, or head_dim ** -0.5

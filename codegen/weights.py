@@ -23,8 +23,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .errors import CheckpointError, CodegenError, WeightError
+from .quant_weights import QuantizedWeights, calibrate_kv_scales, calibration_tokens
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+QUANT_DTYPES = {"fp8e4m3": torch.float8_e4m3fn, "i32": torch.int32}  # quantized params only (ParamSpec.quant)
 TORCH_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 SHARD_BYTES = 2 * 1024**3
 WEIGHTS_DIR = "weights/rank0"
@@ -118,7 +120,7 @@ def weight_entries(program: Program) -> list[_Entry]:
         for i in range(block.count):
             entries.extend(_Entry(s.layer_name(i), s, i) for s in specs)
     for e in entries:
-        if e.spec.dtype not in TORCH_DTYPES:
+        if e.spec.dtype not in TORCH_DTYPES and not (e.spec.quant is not None and e.spec.dtype in QUANT_DTYPES):
             raise CodegenError(f"param '{e.spec.name}' has dtype {e.spec.dtype}; weight conversion writes only "
                                f"{', '.join(TORCH_DTYPES)} (quantized weights are not converted yet)", e.spec.loc)
     return entries
@@ -242,9 +244,17 @@ def shard_names(n: int) -> list[str]:
 
 
 def _materialise(entries: list[_Entry], ckpt: Checkpoint | None, roles: dict[str, str], seed: int,
-                 bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+                 bar: tqdm, quant: QuantizedWeights | None = None,
+                 ready: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     for e in entries:
-        t = _load(e, ckpt) if ckpt is not None else _random(e, roles.get(e.spec.name), seed)
+        if ready is not None and e.name in ready:
+            t = ready.pop(e.name)
+        elif e.spec.quant is not None:
+            t = quant.load(e)
+            if t is None:
+                raise WeightError(f"{_where(e)}: no KV scale in the checkpoint and none calibrated", e.spec.loc)
+        else:
+            t = _load(e, ckpt) if ckpt is not None else _random(e, roles.get(e.spec.name), seed)
         assert tuple(t.shape) == e.spec.shape, f"{e.name}: built {tuple(t.shape)}, declared {e.spec.shape}"
         bar.update(e.nbytes)
         yield e.name, t
@@ -260,10 +270,14 @@ def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir
     """
     entries = weight_entries(program)
     ckpt = Checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
-    if ckpt is not None:
-        for e in entries:
-            check_sources(e, ckpt)
     roles = param_roles(program)
+    quant = QuantizedWeights(program, ckpt, lambda name, spec, layer: _random(_Entry(name, spec, layer),
+                                                                              roles.get(spec.name), seed))
+    for e in entries:
+        if e.spec.quant is not None:
+            quant.check(e)
+        elif ckpt is not None:
+            check_sources(e, ckpt)
     wdir = Path(out_dir) / WEIGHTS_DIR
     wdir.mkdir(parents=True, exist_ok=True)
     shards = _shards(entries, max_shard_bytes)
@@ -271,10 +285,30 @@ def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir
     show = progress and sys.stderr.isatty()
     with tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="weights",
               disable=not show) as bar:
+        ready = _calibrated(program, entries, ckpt, roles, seed, bar, quant, checkpoint_dir)
         for shard, name in zip(shards, names, strict=True):
-            tensors = dict(_materialise(shard, ckpt, roles, seed, bar))
+            tensors = dict(_materialise(shard, ckpt, roles, seed, bar, quant, ready))
             save_file(tensors, str(wdir / name), metadata={"format": "pt"})
     return names
+
+
+def _calibrated(program: Program, entries: list[_Entry], ckpt: Checkpoint | None, roles: dict[str, str], seed: int,
+                bar: tqdm, quant: QuantizedWeights, checkpoint_dir: str | Path | None) -> dict[str, torch.Tensor] | None:
+    """Every tensor, with the fp8 KV scales the checkpoint lacks calibrated (codegen/quant_weights.py), when
+    some are missing; None (stream shard by shard) otherwise. Calibration needs the whole model in memory."""
+    kv = [e for e in entries if e.spec.quant is not None and e.spec.quant["role"] == "kv_scale"]
+    loaded = {e.name: quant.load(e) for e in kv}
+    if all(t is not None for t in loaded.values()):
+        return {name: t for name, t in loaded.items()} or None
+    others = [e for e in entries if e.name not in loaded]
+    ready = dict(_materialise(others, ckpt, roles, seed, bar, quant))
+    missing = {name for name, t in loaded.items() if t is None}
+    calibrated = calibrate_kv_scales(program, ready, calibration_tokens(program, checkpoint_dir))
+    for name in missing:
+        loaded[name] = calibrated[name]
+    ready.update(loaded)
+    bar.reset()
+    return ready
 
 
 __all__ = [

@@ -5,7 +5,7 @@ artifact tests compare against it; it is slow and simple on purpose.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,8 +24,12 @@ def reference_attrs(op: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# observe(graph, value id, node, layer, input values) is called before each compute node runs (calibration).
+Observer = Callable[[Graph, str, Any, int | None, tuple[Any, ...]], None]
+
+
 def run_graph(program: Program, graph: Graph, args: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
-              ctx: RefContext, layer: int | None = None) -> list[Any]:
+              ctx: RefContext, layer: int | None = None, observe: Observer | None = None) -> list[Any]:
     env: dict[str, Any] = {}
     for vid, node in graph.items():
         if node.op == "input":
@@ -38,19 +42,22 @@ def run_graph(program: Program, graph: Graph, args: Mapping[str, torch.Tensor], 
             (arg_name,) = [block_graph.node(i).attrs["name"] for i in block_graph.inputs]
             h = env[node.inputs[0]]
             for i in range(spec.count):
-                (h,) = run_graph(program, block_graph, {arg_name: h}, weights, ctx, layer=i)
+                (h,) = run_graph(program, block_graph, {arg_name: h}, weights, ctx, layer=i, observe=observe)
             env[vid] = h
         else:
             ref = OPS[node.op].reference
             assert ref is not None, f"op {node.op!r} has no reference implementation"
+            if observe is not None:
+                observe(graph, vid, node, layer, tuple(env[i] for i in node.inputs))
             env[vid] = ref(ctx, *(env[i] for i in node.inputs), **reference_attrs(node.op, node.attrs))
     return [env[o] for o in graph.outputs]
 
 
 @torch.no_grad()
-def interpret(program: Program, weights: Mapping[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+def interpret(program: Program, weights: Mapping[str, torch.Tensor], tokens: torch.Tensor,
+              observe: Observer | None = None) -> torch.Tensor:
     """fp32 logits [T, vocab] of a single sequence `tokens` (prefill from position 0)."""
     ctx = RefContext(positions=torch.arange(tokens.shape[0]))
     (logits,) = run_graph(program, program.entry, {program.entry.node(program.entry.inputs[0]).attrs["name"]: tokens},
-                          weights, ctx)
+                          weights, ctx, observe=observe)
     return logits

@@ -262,7 +262,13 @@ register_op(OpDef("rope", 1, 1, infer=_infer_rope, reference=_ref_rope, cost=_el
 
 
 def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
-    q, k, v = ins
+    q, k, v = ins[:3]
+    _check(len(ins) == (5 if a.get("kv_dtype") else 3),
+           f"attention takes q, k, v (and k_scale, v_scale with kv_dtype set), got {len(ins)} inputs")
+    if a.get("kv_dtype"):
+        _check(a["kv_dtype"] == "fp8e4m3", f"attention kv_dtype={a['kv_dtype']!r}; only fp8e4m3 is supported")
+        for s in ins[3:]:
+            _check(s.shape == (k.shape[1],) and s.dtype == "f32", f"KV scales must be f32[{k.shape[1]}] (per kv head), got {s}")
     _check(q.rank == 3 and k.rank == 3 and v.rank == 3, f"attention expects [T, heads, head_dim], got {q}, {k}, {v}")
     _check(k.shape == v.shape, f"attention k {k} and v {v} differ")
     _check(_same(q.shape[2], k.shape[2]), f"attention head_dim differs: q {q}, k {k}")
@@ -272,7 +278,12 @@ def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
     return TensorType((q.shape[0], hq * q.shape[2]), q.dtype)
 
 
-def _ref_attention(ctx: RefContext, q, k, v, sliding_window: int = 0, scale: float | None = None):
+def _ref_attention(ctx: RefContext, q, k, v, k_scale=None, v_scale=None, sliding_window: int = 0,
+                   scale: float | None = None, kv_dtype: str | None = None):
+    if kv_dtype is not None:  # the cache holds K/V rounded through e4m3 with one scale per KV head
+        from kiln.compiler.quant import fp8_fake_quantize
+
+        k, v = fp8_fake_quantize(k, k_scale, dim=1), fp8_fake_quantize(v, v_scale, dim=1)
     t, hq, d = q.shape
     rep = hq // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -288,13 +299,14 @@ def _ref_attention(ctx: RefContext, q, k, v, sliding_window: int = 0, scale: flo
 
 
 def _attention_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
-    q, k, _ = ins
+    q, k, _ = ins[:3]
     return Cost(4 * q.numel(), sum(_nbytes(t) for t in ins) + _nbytes(out))  # per token of context; see report
 
 
-register_op(OpDef("attention", 3, 3, infer=_infer_attention, reference=_ref_attention, cost=_attention_cost,
-                  attrs={"sliding_window": 0, "scale": None},
-                  doc="Causal attention over this step's tokens and the sequence's cached K/V (GQA)."))
+register_op(OpDef("attention", 3, 5, infer=_infer_attention, reference=_ref_attention, cost=_attention_cost,
+                  attrs={"sliding_window": 0, "scale": None, "kv_dtype": None},
+                  doc="Causal attention over this step's tokens and the sequence's cached K/V (GQA). With "
+                      "kv_dtype='fp8e4m3' the cache stores K/V in e4m3 with per-KV-head scales (inputs 4, 5)."))
 
 
 def _infer_unary(ins: list[TensorType], a: Attrs) -> TensorType:
@@ -422,6 +434,133 @@ register_op(OpDef("mla_attention", 5, 5, infer=_infer_mla_attention, reference=_
                       "c_kv [T, L] (normed latent), k_pe [T, 1, dr] (roped), w_kv_b [H*(dn+dv), L] -> [T, H*dv]. "
                       "Only [c_kv | k_pe] is cached. absorb='decode': decode queries run in latent space "
                       "(q_nope·W_UK, ·W_UV on the output); prefills expand K/V from the latent."))
+
+
+# ---------------------------------------------------------------- quantized weights (fp8, int4 weight-only)
+#
+# A quantized weight is several params (the packed/fp8 tensor and its scales) that a dequant op turns back
+# into the [N, K] float weight a `linear` reads; `fuse_dequant_linear` then fuses each dequant into its GEMM
+# (linear_fp8, linear_w4a16). Numerics: kiln.compiler.quant.
+
+FP8_ACTS = ("none", "dynamic_per_token")
+
+
+def _infer_fp8_weight(w: TensorType, scale: TensorType, a: Attrs) -> None:
+    _check(w.rank == 2 and w.dtype == "fp8e4m3", f"fp8 weight must be fp8e4m3[N, K], got {w}")
+    n, k = w.shape
+    g, block = a.get("granularity", "tensor"), a.get("block", 0)
+    want = {"tensor": (1,), "channel": (n,),
+            "block": (-(-n // block), -(-k // block)) if isinstance(block, int) and block > 0 else None}.get(g)
+    _check(want is not None, f"fp8 granularity {g!r} (block={block}) is not one of tensor, channel, block=B")
+    _check(scale.shape == want and scale.dtype == "f32", f"fp8 {g} scale must be f32{list(want)} for {w}, got {scale}")
+
+
+def _infer_dequant_fp8(ins: list[TensorType], a: Attrs) -> TensorType:
+    w, scale = ins
+    _infer_fp8_weight(w, scale, a)
+    return TensorType(w.shape, a["dtype"])
+
+
+def _ref_dequant_fp8(ctx: RefContext, w, scale, granularity: str, block: int, dtype: str):
+    from kiln.compiler.quant import fp8_dequantize
+
+    return fp8_dequantize(w, scale, block if granularity == "block" else 0).to(_TORCH_FLOAT[dtype])
+
+
+_TORCH_FLOAT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+register_op(OpDef("dequant_fp8", 2, 2, infer=_infer_dequant_fp8, reference=_ref_dequant_fp8, cost=_io_bytes,
+                  attrs={"granularity": "tensor", "block": 0, "dtype": REQUIRED},
+                  doc="fp8e4m3 weight [N, K] x scale (tensor [1], channel [N], block [ceil(N/B), ceil(K/B)]) "
+                      "-> float weight [N, K] of `dtype`."))
+
+
+def _int4_shapes(ins: list[TensorType], a: Attrs) -> tuple[int, int]:
+    """(N, K) of an int4 weight from its packed params; checks the published layout's shapes."""
+    fmt, group = a.get("format"), a.get("group")
+    _check(fmt in ("awq", "gptq"), f"int4 format {fmt!r} is not awq or gptq")
+    qweight, qzeros, scales = ins[:3]
+    _check(qweight.dtype == "i32" and qzeros.dtype == "i32", f"int4 qweight/qzeros must be i32, got {qweight}, {qzeros}")
+    if fmt == "awq":
+        k, n = qweight.shape[0], qweight.shape[1] * 8
+    else:
+        k, n = qweight.shape[0] * 8, qweight.shape[1]
+    _check(isinstance(group, int) and group > 0 and k % group == 0, f"int4 group {group} must divide K={k}")
+    _check(qzeros.shape == (k // group, n // 8), f"{fmt} qzeros must be i32[{k // group}, {n // 8}], got {qzeros}")
+    _check(scales.shape == (k // group, n), f"{fmt} scales must be [{k // group}, {n}], got {scales}")
+    if fmt == "gptq":
+        _check(len(ins) > 3 and ins[3].shape == (k,) and ins[3].dtype == "i32", f"gptq needs g_idx i32[{k}]")
+    return n, k
+
+
+def _infer_dequant_int4(ins: list[TensorType], a: Attrs) -> TensorType:
+    n, k = _int4_shapes(ins, a)
+    _check(len(ins) == (4 if a["format"] == "gptq" else 3), f"dequant_int4 {a['format']} takes {len(ins)} inputs")
+    return TensorType((n, k), a["dtype"])
+
+
+def _ref_dequant_int4(ctx: RefContext, qweight, qzeros, scales, g_idx=None, *, format: str, group: int,
+                      zero_offset: int, dtype: str):
+    from kiln.compiler.quant import dequant_awq, dequant_gptq
+
+    w = (dequant_awq(qweight, qzeros, scales, group) if format == "awq"
+         else dequant_gptq(qweight, qzeros, scales, g_idx, zero_offset))
+    return w.to(_TORCH_FLOAT[dtype])
+
+
+register_op(OpDef("dequant_int4", 3, 4, infer=_infer_dequant_int4, reference=_ref_dequant_int4, cost=_io_bytes,
+                  attrs={"format": REQUIRED, "group": 128, "zero_offset": 1, "dtype": REQUIRED},
+                  doc="Packed int4 weight as published -> float [N, K]. awq: (qweight [K, N/8], qzeros [K/g, N/8], "
+                      "scales [K/g, N]); gptq: (qweight [K/8, N], qzeros, scales, g_idx [K]), zero + zero_offset."))
+
+
+def _infer_linear_fp8(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, w, scale = ins[:3]
+    _infer_fp8_weight(w, scale, a)
+    _check(a.get("act", "none") in FP8_ACTS, f"linear_fp8 act={a.get('act')!r}; expected one of {FP8_ACTS}")
+    return _infer_linear([x, TensorType(w.shape, x.dtype), *ins[3:]], a)
+
+
+def _ref_linear_fp8(ctx: RefContext, x, w, scale, bias=None, *, granularity: str, block: int, act: str):
+    from kiln.compiler.quant import fp8_dequantize, fp8_scaled_matmul
+
+    block = block if granularity == "block" else 0
+    if act == "dynamic_per_token":
+        y = fp8_scaled_matmul(x.reshape(-1, x.shape[-1]), w, scale, block).to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+    return F.linear(x, fp8_dequantize(w, scale, block).to(x.dtype), bias)
+
+
+register_op(OpDef("linear_fp8", 3, 4, infer=_infer_linear_fp8, reference=_ref_linear_fp8, cost=_linear_cost,
+                  attrs={"granularity": "tensor", "block": 0, "act": "none"},
+                  doc="x @ dequant(w_q, scale).T (+ b). act='dynamic_per_token' also quantizes x to e4m3 per "
+                      "token (per token and B columns for block scales) and multiplies in fp8, as torch._scaled_mm."))
+
+
+def _infer_linear_w4a16(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, rest = ins[0], ins[1:]
+    n, k = _int4_shapes(rest, a)
+    packed = 4 if a["format"] == "gptq" else 3
+    _check(len(rest) in (packed, packed + 1), f"linear_w4a16 {a['format']} takes x, {packed} weight params, [bias]")
+    return _infer_linear([x, TensorType((n, k), x.dtype), *rest[packed:]], a)
+
+
+def _ref_linear_w4a16(ctx: RefContext, x, *ins, format: str, group: int, zero_offset: int):
+    packed = 4 if format == "gptq" else 3
+    w = _ref_dequant_int4(ctx, *ins[:packed], format=format, group=group, zero_offset=zero_offset, dtype="f32")
+    return F.linear(x, w.to(x.dtype), ins[packed] if len(ins) > packed else None)
+
+
+def _int4_linear_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    x = ins[0]
+    n, k = _int4_shapes(ins[1:], a)
+    rows = x.numel() // max(1, x.shape[-1]) if isinstance(x.shape[-1], int) else 1
+    return Cost(2 * rows * n * k, sum(_nbytes(t) for t in ins) + _nbytes(out))
+
+
+register_op(OpDef("linear_w4a16", 4, 6, infer=_infer_linear_w4a16, reference=_ref_linear_w4a16,
+                  cost=_int4_linear_cost, attrs={"format": REQUIRED, "group": 128, "zero_offset": 1},
+                  doc="x @ dequant_int4(...).T (+ b): weights int4 (AWQ or GPTQ layout), activations 16/32-bit. "
+                      "Inputs: x, the format's packed params (dequant_int4's), then an optional bias."))
 
 def infer(op: str, ins: Sequence[ValueType], attrs: Attrs) -> ValueType:
     return OPS[op].infer(list(ins), attrs)

@@ -39,6 +39,11 @@ class Capacity:
         return dict(self.__dict__)
 
 
+# Quantized params (ParamSpec.quant): how many model parameters one element stands for. Scales, zeros and
+# group indices count as bytes only; a packed int4 word holds eight weights.
+_QUANT_PARAMS_PER_ELEM = {"weight": 1, "qweight": 8}
+
+
 def _param_count(program: Program) -> tuple[int, int]:
     count = nbytes = 0
     for spec in program.params.values():
@@ -46,9 +51,18 @@ def _param_count(program: Program) -> tuple[int, int]:
         n = 1
         for d in spec.shape:
             n *= d
-        count += n * layers
+        count += n * layers * (1 if spec.quant is None else _QUANT_PARAMS_PER_ELEM.get(spec.quant.get("role"), 0))
         nbytes += n * layers * DTYPE_BYTES[spec.dtype]
     return count, nbytes
+
+
+def kv_cache_dtype(program: Program) -> str | None:
+    """"fp8e4m3" when the quantize_kv_cache pass stored the attention KV in fp8, else None (activation dtype)."""
+    for g in program.graphs.values():
+        for _, n in g.items():
+            if n.op == "attention" and n.attrs.get("kv_dtype"):
+                return n.attrs["kv_dtype"]
+    return None
 
 
 def kv_geometry(program: Program) -> tuple[int, int, int]:
@@ -110,6 +124,7 @@ def capacity(program: Program, target: Target, *, memory_fraction: float = 0.9, 
              context: int = 1024) -> Capacity:
     num_params, param_bytes = _param_count(program)
     layers, kv_heads, head_dim = kv_geometry(program)
+    kv_dtype = kv_dtype or kv_cache_dtype(program)
     kv_elem = DTYPE_BYTES[kv_dtype or program.dtype]
     kv_per_token = layers * kv_heads * head_dim * 2 * kv_elem
     mla_layers, latent_dim = mla_kv_geometry(program)
@@ -167,8 +182,16 @@ def _moe_lines(program: Program, param_bytes: int) -> list[str]:
             f"(non-expert {_gb(param_bytes - experts)} + routed experts {_gb(active)} of {_gb(experts)}: top_k/E)"]
 
 
+def _weight_dtypes(program: Program) -> str:
+    """The program dtype, or e.g. "f32 + fp8 (channel) weights" when weights are quantized."""
+    schemes = sorted({f"{s.quant['scheme']}" + (f" ({s.quant['granularity']})" if s.quant.get("granularity") else "")
+                      for s in program.params.values() if s.quant is not None and s.quant.get("role") != "kv_scale"})
+    return program.dtype + (f" + {', '.join(schemes)} weights with scales" if schemes else "")
+
+
 def format_report(program: Program, target: Target, pass_log: list[dict[str, Any]], *, memory_fraction: float,
                   kv_dtype: str | None = None) -> str:
+    kv_dtype = kv_dtype or kv_cache_dtype(program)
     cap = capacity(program, target, memory_fraction=memory_fraction, kv_dtype=kv_dtype)
     mla_layers, latent_dim = mla_kv_geometry(program)
     kv_formula = (f"{cap.kv_layers} layers x kv_heads x head_dim x 2" if not mla_layers else
@@ -184,7 +207,7 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
     out += [
         "",
         "capacity plan:",
-        f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {program.dtype})",
+        f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {_weight_dtypes(program)})",
         *_moe_lines(program, cap.param_bytes),
         f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {kv_formula}"
         f" x {DTYPE_BYTES[kv_dtype or program.dtype]} B)",

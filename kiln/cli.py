@@ -98,6 +98,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from kiln.eval import eval_compare, eval_ppl
+
+    kw = {"max_tokens": args.max_tokens, "stride": args.stride, "limit": args.limit}
+    if args.eval_command == "ppl":
+        r = eval_ppl(args.artifact, args.text, **kw)
+        print(f"{args.artifact}: perplexity {r.ppl:.4f} (nll {r.nll:.5f} nats/token over {r.tokens} tokens)")
+        return 0
+    c = eval_compare(args.a, args.b, args.text, **kw)
+    print(f"A {args.a}: perplexity {c.a.ppl:.4f}\nB {args.b}: perplexity {c.b.ppl:.4f}\n"
+          f"KL(A || B) mean {c.kl:.6f} nats/token, max {c.max_kl:.5f}; top-1 agreement {c.top1_agreement:.4f} "
+          f"over {c.a.tokens} tokens")
+    return 0
+
+
+def _add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", required=True, help="UTF-8 text file to score (tokenized with the artifact's tokenizer)")
+    p.add_argument("--max-tokens", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--stride", type=int, help="window start every S tokens (default: max-tokens / 2)")
+    p.add_argument("--limit", type=int, help="score only the first N tokens of the text")
+    p.set_defaults(func=cmd_eval)
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -156,6 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
     p.add_argument("artifact")
     _add_serve_args(p)
+
+    p = sub.add_parser("eval", help="quality checks: perplexity, and KL divergence between two artifacts")
+    esub = p.add_subparsers(dest="eval_command", required=True)
+    e = esub.add_parser("ppl", help="sliding-window perplexity of an artifact on a text")
+    e.add_argument("artifact")
+    _add_eval_args(e)
+    e = esub.add_parser("compare", help="perplexities of A and B and mean KL(A || B) of their next-token distributions")
+    e.add_argument("a", help="reference artifact (e.g. unquantized)")
+    e.add_argument("b", help="artifact to compare (e.g. quantized)")
+    _add_eval_args(e)
 
     from kiln.bench import add_bench_parser
 

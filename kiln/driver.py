@@ -56,7 +56,6 @@ def resolve_weights(recipe: A.RecipeDecl, recipe_file: Path) -> tuple[Path | Non
 # Recipe options kiln parses but cannot build yet: compiling an artifact with them is an error at the
 # option's location (never silently ignored). Planning (`--report` without `-o`) still models them.
 _NOT_YET = {
-    "quantize": "quantization (fp8/int4 weights, fp8 KV cache) is not implemented yet",
     "speculative": "speculative decoding is not implemented yet",
     "lora": "LoRA adapters are not implemented yet",
     "disaggregate": "prefill/decode disaggregation is not implemented yet",
@@ -74,6 +73,8 @@ def check_buildable(recipe: A.RecipeDecl, options: dict[str, Any]) -> None:
                           f"{', '.join(_CODEGEN_TARGETS)}); `kiln compile --report` without -o plans for it",
                           s.value.loc if s else recipe.loc)
     for sec in recipe.sections:
+        if sec.name == "quantize":
+            _check_quantize(recipe, sec, options)
         if sec.name in _NOT_YET and sec.entries:
             raise SourceError(_NOT_YET[sec.name], sec.entries[0].loc)
         for ent in sec.entries:
@@ -87,6 +88,37 @@ def check_buildable(recipe: A.RecipeDecl, options: dict[str, Any]) -> None:
             if sec.name == "cuda_graphs":
                 raise SourceError("cuda_graphs needs a GPU target" if target == "cpu" else
                                   "CUDA-graph capture is not implemented yet (decode runs eagerly)", ent.loc)
+
+
+def _check_quantize(recipe: A.RecipeDecl, sec: A.Section, options: dict[str, Any]) -> None:
+    """Each `quantize` entry names a scheme kiln implements (passes/quantize_*.py parse them)."""
+    from kiln.passes.quantize_kv_cache import parse_kv_scheme
+    from kiln.passes.quantize_weights import parse_weight_scheme
+
+    values = options.get("quantize", {})
+    for ent in sec.entries:
+        if not isinstance(ent, A.Setting):
+            continue
+        try:
+            if ent.key == "weights":
+                scheme = parse_weight_scheme(values[ent.key])
+                weights = _setting(recipe, "weights")
+                if (scheme.kind in ("awq", "gptq") and weights is not None and isinstance(weights.value, A.Call)
+                        and weights.value.func == "random"):
+                    raise ValueError(f"{scheme.kind} loads a pre-quantized checkpoint (weights = \"hf:DIR\"); "
+                                     "random weights have none (fp8 quantizes them at compile time)")
+            else:
+                parse_kv_scheme(values[ent.key])
+        except ValueError as e:
+            raise SourceError(f"quantize.{ent.key}: {e}", ent.value.loc) from None
+
+
+def _check_compiled(recipe: A.RecipeDecl, program: Program) -> None:
+    """What only the lowered program shows cannot be built: fp8 KV for an MLA (latent) cache."""
+    sec = next((s for s in recipe.sections if s.name == "quantize"), None)
+    ent = next((e for e in (sec.entries if sec else ()) if getattr(e, "key", None) == "kv_cache"), None)
+    if ent is not None and any(g.count("mla_attention") for g in program.graphs.values()):
+        raise SourceError("quantize.kv_cache = fp8 is not implemented for MLA latent caches yet", ent.loc)
 
 
 def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, target: str | None = None,
@@ -136,6 +168,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
                            kv_dtype=kv_dtype)
     manifest = None
     if out_dir is not None:
+        _check_compiled(recipe, program)
         text = recipe_file.read_text(encoding="utf-8")
         manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, seed=seed, recipe_text=text,
                                   recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),

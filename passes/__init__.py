@@ -2,12 +2,15 @@
 from kiln.passes import (  # noqa: F401 - imported to register the passes
     dead_code_elimination,
     fuse_add_rms_norm,
+    fuse_dequant_linear,
     fuse_expert_gate_up,
     fuse_gate_up,
     fuse_qkv,
     fuse_silu_mul,
     kernel_selection,
     mla_absorption,
+    quantize_kv_cache,
+    quantize_weights,
     shape_inference,
 )
 from kiln.passes.pipeline import build_pipeline

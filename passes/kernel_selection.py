@@ -31,11 +31,15 @@ register_kernels("cpu", {
     "add": "cpu.add",
     "mul": "cpu.mul",
     "logits": "cpu.logits",
+    "deinterleave": "cpu.deinterleave",
+    "mla_attention": "cpu.mla_attention",
+    "dequant_fp8": "cpu.dequant_fp8",
+    "linear_fp8": "cpu.linear_fp8",
+    "dequant_int4": "cpu.dequant_int4",
+    "linear_w4a16": "cpu.linear_w4a16",
     "moe_topk_softmax": "cpu.moe_topk_softmax",
     "moe_topk_grouped": "cpu.moe_topk_grouped",
     "moe_experts": "cpu.moe_experts",
-    "deinterleave": "cpu.deinterleave",
-    "mla_attention": "cpu.mla_attention",
 })
 
 # GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op

@@ -6,12 +6,15 @@ from collections.abc import Callable, Iterable
 from kiln.compiler import Pass, PassError
 from kiln.passes.dead_code_elimination import DeadCodeElimination
 from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
+from kiln.passes.fuse_dequant_linear import FuseDequantLinear
 from kiln.passes.fuse_expert_gate_up import FuseExpertGateUp
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
 from kiln.passes.kernel_selection import KERNEL_TABLES, KernelSelection
 from kiln.passes.mla_absorption import MLAAbsorption
+from kiln.passes.quantize_kv_cache import QuantizeKVCache
+from kiln.passes.quantize_weights import QuantizeWeights
 from kiln.passes.shape_inference import ShapeInference
 
 
@@ -19,6 +22,9 @@ def _llm(target: str) -> list[Pass]:
     return [
         # Phase 1: analysis
         ShapeInference(),
+        # Phase 2: quantization (recipe `quantize { }`; no-ops without it). Before fusion: fusions leave
+        # quantized weights alone, so quantized q/k/v and gate/up stay separate GEMMs
+        QuantizeWeights(),
         # Phase 2: fusion (gate_up before silu_mul: silu_mul matches the slices gate_up leaves)
         FuseQKV(),
         FuseGateUp(),
@@ -26,6 +32,8 @@ def _llm(target: str) -> list[Pass]:
         FuseSiLUMul(),
         FuseAddRMSNorm(),
         MLAAbsorption(),  # decode attends over the MLA latent; prefill keeps per-head K/V
+        FuseDequantLinear(),  # linear(x, dequant(w_q...)) -> one quantized GEMM
+        QuantizeKVCache(),  # after fuse_qkv, which matches the plain three-input attention
         # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
         # Phase 4: lowering, on targets with a kernel table (cpu, h100, h200)

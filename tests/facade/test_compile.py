@@ -90,7 +90,7 @@ def test_disable_pass_in_recipe(recipe, tmp_path):
 
 
 @pytest.mark.parametrize("old,new,needle", [
-    ("  serve ", "  quantize { weights = fp8 }\n  serve ", "quantization"),
+    ("  serve ", "  quantize { weights = int8 }\n  serve ", "unknown weight quantization 'int8'"),
     ("  serve ", "  speculative { method = ngram; tokens = 4 }\n  serve ", "speculative decoding"),
     ("  serve ", "  parallel { tp = 2 }\n  serve ", "parallel.tp"),
     ("kv_cache  {", "kv_cache  { offload = cpu(16GiB);", "offload"),

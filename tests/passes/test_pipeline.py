@@ -6,8 +6,9 @@ from kiln.compiler.interpret import interpret
 from kiln.passes import build_pipeline, kernel_selection
 from pass_testlib import random_checkpoint, tiny_llama_ir, tokens, typed, weights_from_checkpoint
 
-CPU = ["shape_inference", "fuse_qkv", "fuse_gate_up", "fuse_expert_gate_up", "fuse_silu_mul", "fuse_add_rms_norm",
-       "mla_absorption", "dead_code_elimination", "kernel_selection"]
+CPU = ["shape_inference", "quantize_weights", "fuse_qkv", "fuse_gate_up", "fuse_expert_gate_up", "fuse_silu_mul",
+       "fuse_add_rms_norm", "mla_absorption", "fuse_dequant_linear", "quantize_kv_cache", "dead_code_elimination",
+       "kernel_selection"]
 
 
 def test_cpu_pipeline_order():
@@ -57,7 +58,8 @@ def test_full_pipeline_keeps_logits_and_selects_every_kernel(bias, tmp_path):
     fused = {"decoder.wqkv", "decoder.wgate_up"} | ({"decoder.bqkv"} if bias else set())
     assert fused <= set(after.params)
     assert {r.name: r.stats.get("matches") for r in ctx.log if r.name.startswith("fuse_")} == {
-        "fuse_qkv": 1, "fuse_gate_up": 1, "fuse_expert_gate_up": 0, "fuse_silu_mul": 1, "fuse_add_rms_norm": 1}
+        "fuse_qkv": 1, "fuse_gate_up": 1, "fuse_expert_gate_up": 0, "fuse_silu_mul": 1, "fuse_add_rms_norm": 1,
+        "fuse_dequant_linear": 0}
 
     # the dump after the last pass reads back as the same program
     last = max(tmp_path.glob("*.ir"))

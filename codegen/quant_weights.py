@@ -1,0 +1,258 @@
+"""Materialising quantized params (those with `ParamSpec.quant`, declared by the quantize_* passes).
+
+* fp8 weights (`role` weight / weight_scale, sources = the float weight's): a checkpoint that already holds
+  e4m3 weights is loaded as is, with its scales — compressed-tensors `<stem>.weight_scale` ([1] / [N, 1])
+  or DeepSeek `<stem>.weight_scale_inv` ([ceil(N/128), ceil(K/128)]); an optional `input_scale` is not read
+  (activations are quantized dynamically, if at all). A float checkpoint (or random weights) is quantized here,
+  at compile time. Either way the granularity must be the recipe's.
+* int4 (`role` qweight / qzeros / scales / g_idx): AutoAWQ / AutoGPTQ tensors exactly as published (a missing
+  GPTQ `g_idx` is the identity grouping k // group). Never re-quantized; random weights are refused.
+* KV scales (`role` kv_scale): the checkpoint's `<attn>.k_scale` / `v_scale` (per tensor, broadcast to every
+  KV head, or per head), else — unless the recipe says scales=checkpoint — calibrated: the reference interpreter
+  runs calibration tokens through the model and each layer's scale is absmax(K or V) / 448 per KV head.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.compiler.interpret import interpret
+from kiln.compiler.ir import ParamSpec, Program
+from kiln.compiler.quant import FP8_DTYPE, FP8_MAX, fp8_quantize
+
+from .errors import WeightError
+
+CALIBRATION_TEXT = (
+    "The history of the city begins with a small settlement on the river, where traders stopped to rest their "
+    "horses and exchange grain, salt and cloth. Over the centuries the market grew into a town, and the town "
+    "into a city of bridges, workshops and schools. Today visitors walk along the old walls, read the carved "
+    "names of the guilds above the doors, and eat bread baked in ovens that are older than the cathedral. "
+    "In the evening the lights come on one by one, and the river carries them slowly towards the sea. "
+    "Question: how many bridges cross the river? Answer: there are seven, and the oldest one is made of stone. "
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5\n"
+)
+CALIBRATION_TOKENS = 256
+
+
+def _fmt(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _granularity_of(shape: tuple[int, ...], n: int) -> str:
+    if len(shape) == 0 or (len(shape) == 1 and shape[0] == 1) or shape == (1, 1):
+        return "tensor"
+    if shape in ((n,), (n, 1)):
+        return "channel"
+    return "block"
+
+
+class QuantizedWeights:
+    """Builds the tensors of quantized params, one entry at a time (fp8 weight and scale share one
+    quantization). `random_weight(name, spec, layer)` makes the float weight of a random-weights artifact."""
+
+    def __init__(self, program: Program, ckpt: Any, random_weight: Callable[[str, ParamSpec, int | None], torch.Tensor]):
+        self.program = program
+        self.ckpt = ckpt
+        self.random_weight = random_weight
+        self._fp8: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------ checks before anything is read
+    def check(self, entry: Any) -> None:
+        spec, q, ckpt = entry.spec, entry.spec.quant, self.ckpt
+        if ckpt is None:
+            if q["role"] in ("qweight", "qzeros", "scales", "g_idx"):
+                raise WeightError(f"param '{q['of']}': {q['scheme']} loads pre-quantized checkpoints; "
+                                  "weights = random(...) has none", spec.loc)
+            return
+        sources = spec.sources_for(entry.layer)
+        if q["role"] == "kv_scale":
+            if q["scales"] == "checkpoint" and self._kv_source(entry) is None:
+                raise WeightError(f"kv_cache = fp8(scales=checkpoint), but {ckpt.path} has no "
+                                  f"'{sources[0] if sources else spec.name}' (or its k_proj/v_proj.output_scale); "
+                                  "use fp8 or fp8(scales=calibrate) to calibrate them at compile time", spec.loc)
+            return
+        if q["role"] == "g_idx" and sources[0] not in ckpt:
+            return  # synthesized: no act-order
+        if not sources or sources[0] not in ckpt:
+            what = {"awq": "an AutoAWQ (GEMM) checkpoint: <layer>.qweight, .qzeros, .scales",
+                    "gptq": "an AutoGPTQ/GPTQModel checkpoint: <layer>.qweight, .qzeros, .scales[, .g_idx]"}
+            near = ckpt.close_matches(sources[0]) if sources else []
+            notes = ((f"did you mean '{near[0]}'?",) if near else ()) + (
+                (f"{q['scheme']} loads {what[q['scheme']]}",) if q["scheme"] in what else ())
+            raise WeightError(f"checkpoint tensor '{sources[0] if sources else '?'}' for {q['role']} of param "
+                              f"'{q['of']}' is not in {ckpt.path}", spec.loc, notes)
+        if q["scheme"] == "fp8":
+            shape = ckpt.shape(sources[0])
+            if shape != tuple(q["weight_shape"]):
+                raise WeightError(f"checkpoint tensor '{sources[0]}' has shape {_fmt(shape)}, but param '{q['of']}' "
+                                  f"expects {_fmt(q['weight_shape'])}", spec.loc)
+        elif q["role"] != "g_idx" and ckpt.shape(sources[0]) != spec.shape:
+            raise WeightError(f"checkpoint tensor '{sources[0]}' has shape {_fmt(ckpt.shape(sources[0]))}, but the "
+                              f"{q['scheme']} {q['role']} of param '{q['of']}' (group {q['group']}) is "
+                              f"{_fmt(spec.shape)}", spec.loc)
+
+    # ------------------------------------------------------------ materialising
+    def load(self, entry: Any) -> torch.Tensor | None:
+        """The entry's tensor; None for a KV scale that must be calibrated."""
+        q = entry.spec.quant
+        if q["scheme"] == "fp8" and q["role"] in ("weight", "weight_scale"):
+            return self._fp8_part(entry)
+        if q["role"] == "kv_scale":
+            return self._kv_scale(entry)
+        return self._int4_part(entry)
+
+    def _fp8_part(self, entry: Any) -> torch.Tensor:
+        q, spec = entry.spec.quant, entry.spec
+        key = (q["of"], entry.layer)
+        if key not in self._fp8:
+            self._fp8[key] = self._fp8_pair(entry)
+        parts = self._fp8[key]
+        t = parts.pop(q["role"])
+        if not parts:
+            del self._fp8[key]
+        assert tuple(t.shape) == spec.shape, f"{entry.name}: built {tuple(t.shape)}, declared {spec.shape}"
+        return t
+
+    def _fp8_pair(self, entry: Any) -> dict[str, torch.Tensor]:
+        q, spec = entry.spec.quant, entry.spec
+        n, k = q["weight_shape"]
+        if self.ckpt is None:
+            orig = ParamSpec(q["of"], tuple(q["weight_shape"]), q["dtype"], (), spec.block)
+            name = entry.name[: -len(spec.local_name)] + orig.local_name  # "decoder.3.wq_fp8" -> "decoder.3.wq"
+            w = self.random_weight(name, orig, entry.layer)
+        else:
+            src = spec.sources_for(entry.layer)[0]
+            w = self.ckpt.get(src)
+            if w.dtype == FP8_DTYPE:
+                return {"weight": w.contiguous(), "weight_scale": self._fp8_scale(entry, src, n, k)}
+        w_q, scale = fp8_quantize(w, q["granularity"], q["block"])
+        return {"weight": w_q, "weight_scale": scale}
+
+    def _fp8_scale(self, entry: Any, src: str, n: int, k: int) -> torch.Tensor:
+        q, spec = entry.spec.quant, entry.spec
+        names = [f"{src}_scale", f"{src}_scale_inv"]
+        name = next((s for s in names if s in self.ckpt), None)
+        if name is None:
+            raise WeightError(f"checkpoint tensor '{src}' is fp8 but has no scale ('{names[0]}' or '{names[1]}')",
+                              spec.loc)
+        scale = self.ckpt.get(name).float()
+        have = _granularity_of(tuple(scale.shape), n)
+        if scale.dim() == 2 and tuple(scale.shape) == self._block_shape(entry) and q["granularity"] == "block":
+            have = "block"  # a single-tile weight's [1, 1] block scale looks per-tensor
+        want_shape = {"tensor": (1,), "channel": (n,)}.get(have, tuple(scale.shape))
+        if have != q["granularity"] or (have == "block" and tuple(scale.shape) != self._block_shape(entry)):
+            recipe = {"tensor": "fp8", "channel": "fp8(per_channel=true)", "block": f"fp8(block={q['block']})"}
+            raise WeightError(f"checkpoint '{name}' has shape {_fmt(scale.shape)} ({have} fp8 scales), but the recipe "
+                              f"asks for {recipe[q['granularity']]} (scale {_fmt(self._block_shape(entry))}); "
+                              "kiln loads pre-quantized fp8 weights without re-quantizing them", spec.loc,
+                              (f"set quantize.weights = {recipe.get(have, 'fp8(block=N)')}",))
+        return scale.reshape(want_shape).contiguous()
+
+    def _block_shape(self, entry: Any) -> tuple[int, ...]:
+        q = entry.spec.quant
+        n, k = q["weight_shape"]
+        return {"tensor": (1,), "channel": (n,)}.get(q["granularity"]) or (-(-n // q["block"]), -(-k // q["block"]))
+
+    def _int4_part(self, entry: Any) -> torch.Tensor:
+        q, spec = entry.spec.quant, entry.spec
+        src = spec.sources_for(entry.layer)[0]
+        dtype = {"i32": torch.int32, "f16": torch.float16}[spec.dtype]
+        if q["role"] == "g_idx" and src not in self.ckpt:
+            return (torch.arange(spec.shape[0]) // q["group"]).to(torch.int32)
+        t = self.ckpt.get(src)
+        if q["role"] == "g_idx":
+            g_idx = t.to(torch.int64)
+            groups = q["weight_shape"][1] // q["group"]
+            if tuple(t.shape) != spec.shape or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+                raise WeightError(f"checkpoint '{src}' is not a g_idx of {spec.shape[0]} rows into {groups} groups",
+                                  spec.loc)
+        return t.to(dtype).contiguous()
+
+    def _kv_source(self, entry: Any) -> str | None:
+        spec = entry.spec
+        names = [*spec.sources_for(entry.layer),
+                 *(s.replace("{i}", str(entry.layer)) for s in spec.quant.get("alt_sources", ()))]
+        return next((s for s in names if s in self.ckpt), None) if self.ckpt is not None else None
+
+    def _kv_scale(self, entry: Any) -> torch.Tensor | None:
+        spec = entry.spec
+        src = self._kv_source(entry) if spec.quant["scales"] != "calibrate" else None
+        if src is None:
+            return None
+        t = self.ckpt.get(src).float().reshape(-1)
+        if t.numel() == 1:
+            t = t.expand(spec.shape[0])
+        if tuple(t.shape) != spec.shape or not bool((t > 0).all()):
+            raise WeightError(f"checkpoint '{src}' ({_fmt(t.shape)}) is not a positive per-tensor or per-KV-head "
+                              f"scale for {spec.shape[0]} KV heads", spec.loc)
+        return t.contiguous()
+
+
+# ---------------------------------------------------------------- KV scale calibration
+
+
+def _without_kv_quantization(program: Program) -> Program:
+    """The program with every fp8-KV attention reading plain K/V (same value ids): what calibration runs."""
+    graphs = {}
+    for name, graph in program.graphs.items():
+        g = None
+        for vid, node in graph.items():
+            if node.op == "attention" and node.attrs.get("kv_dtype"):
+                g = g or graph.copy()
+                attrs = {k: v for k, v in node.attrs.items() if k != "kv_dtype"}
+                g.replace(vid, node.with_(inputs=node.inputs[:3], attrs=attrs))
+                for scale in node.inputs[3:]:
+                    if not g.users(scale):
+                        g.remove(scale)
+        if g is not None:
+            graphs[name] = g
+    return program.with_graphs(graphs)
+
+
+def calibration_tokens(program: Program, checkpoint_dir: str | Path | None) -> list[torch.Tensor]:
+    """CALIBRATION_TEXT through the checkpoint's tokenizer, else seeded random token ids."""
+    tok = Path(checkpoint_dir) / "tokenizer.json" if checkpoint_dir is not None else None
+    if tok is not None and tok.is_file():
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(tok)).encode(CALIBRATION_TEXT).ids[:CALIBRATION_TOKENS]
+        if len(ids) >= 16:
+            return [torch.tensor(ids, dtype=torch.int64)]
+    vocab = next(spec.shape[0] for spec in program.params.values() if len(spec.shape) == 2)
+    for _, node in program.entry.items():
+        if node.op == "embedding":
+            vocab = program.entry.node(node.inputs[1]).out.shape[0]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (CALIBRATION_TOKENS,), generator=g)]
+
+
+@torch.no_grad()
+def calibrate_kv_scales(program: Program, weights: Mapping[str, torch.Tensor],
+                        tokens: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """absmax / 448 of every fp8-KV attention's K and V, per layer and KV head, over `tokens` (the reference
+    interpreter on unquantized KV). Returns artifact tensor name -> f32 [kv_heads]."""
+    targets = {}
+    for gname, graph in program.graphs.items():
+        for vid, node in graph.items():
+            if node.op == "attention" and node.attrs.get("kv_dtype"):
+                targets[gname, vid] = tuple(program.params[graph.node(i).attrs["name"]] for i in node.inputs[3:5])
+    amax: dict[str, torch.Tensor] = {}
+
+    def observe(graph, vid, node, layer, args) -> None:
+        specs = targets.get((graph.name, vid))
+        if specs is None:
+            return
+        for spec, x in zip(specs, args[1:3], strict=True):
+            name = spec.layer_name(layer) if layer is not None else spec.name
+            a = x.float().abs().amax(dim=(0, 2))
+            amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+
+    plain = _without_kv_quantization(program)
+    for ids in tokens:
+        interpret(plain, weights, ids, observe=observe)
+    return {name: (a / FP8_MAX).clamp(min=1e-8).contiguous() for name, a in amax.items()}
+
+
+__all__ = ["CALIBRATION_TEXT", "QuantizedWeights", "calibrate_kv_scales", "calibration_tokens"]

@@ -1,0 +1,108 @@
+"""Stores each attention's KV cache in fp8 e4m3 with per-KV-head scales (`quantize { kv_cache = fp8 }`)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, PassError, Program, register_pass
+from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+
+KV_DTYPE = "fp8e4m3"
+# Where the scales come from: the checkpoint's k_scale/v_scale (compressed-tensors / llm-compressor), else a
+# calibration run at compile time ("auto"); only the checkpoint ("checkpoint"); only calibration ("calibrate").
+SCALE_SOURCES = ("auto", "checkpoint", "calibrate")
+# Between a K/V projection and the attention: head split, qk-norm, rotary embedding, the fused-qkv slice.
+_TO_PROJECTION = ("view", "rms_norm", "rope", "slice", "deinterleave")
+
+
+def parse_kv_scheme(value: Any) -> str:
+    """The scale source of `kv_cache = fp8` / `fp8(scales=auto|checkpoint|calibrate)`; ValueError otherwise."""
+    if value == "fp8":
+        return "auto"
+    if isinstance(value, Mapping) and value.get("kind") == "fp8" and not value.get("args"):
+        opts = {k: v for k, v in value.items() if k not in ("kind", "args")}
+        if set(opts) - {"scales"}:
+            raise ValueError(f"fp8(...) for the KV cache takes only scales=, not '{sorted(set(opts) - {'scales'})[0]}'")
+        scales = opts.get("scales", "auto")
+        if scales not in SCALE_SOURCES:
+            raise ValueError(f"kv_cache fp8(scales=...) is one of {', '.join(SCALE_SOURCES)}, got {scales!r}")
+        return scales
+    kind = value.get("kind") if isinstance(value, Mapping) else value
+    raise ValueError(f"KV cache quantization '{kind}' is not supported (supported: fp8)")
+
+
+def _checkpoint_prefix(m: Match, value: str) -> str | None:
+    """The attention module's checkpoint prefix ("model.layers.{i}.self_attn"), read off the source of the
+    projection weight that produces `value` (through views, norms, rope, slices and dequant ops)."""
+    g = m.graph
+    vid = value
+    while g.node(vid).op in _TO_PROJECTION:
+        vid = g.node(vid).inputs[0]
+    node = g.node(vid)
+    if node.op not in ("linear", "linear_fp8", "linear_w4a16") or len(node.inputs) < 2:
+        return None
+    w = g.node(node.inputs[1])
+    if w.op in ("dequant_fp8", "dequant_int4"):
+        w = g.node(w.inputs[0])
+    if w.op != "param":
+        return None
+    spec = m.params[w.attrs["name"]]
+    if not spec.source or spec.source[0].count(".") < 2:
+        return None
+    return spec.source[0].rsplit(".", 2)[0]
+
+
+def _scales(m: Match, b: Builder, scales: str) -> tuple[str, str]:
+    k_type = m.graph.node(m["k"]).out
+    kv_heads = k_type.shape[1]
+    block = next((s.name for s in m.program.blocks.values() if s.graph == m.graph.name), None)
+    prefix = _checkpoint_prefix(m, m["k"])
+    out = []
+    for kv in ("k", "v"):
+        source = (f"{prefix}.{kv}_scale",) if prefix else ()
+        alt = (f"{prefix}.{kv}_proj.output_scale",) if prefix else ()  # older llm-compressor exports
+        name = f"{block}.{kv}_scale" if block else f"{kv}_scale"
+        spec = ParamSpec(name, (kv_heads,), "f32", source, block, quant=Attrs(
+            {"scheme": "fp8", "role": "kv_scale", "kv": kv, "scales": scales, "alt_sources": alt}))
+        out.append(b.add_param(spec))
+    return out[0], out[1]
+
+
+def kv_rewrites(scales: str) -> tuple[Rewrite, ...]:
+    def replace(m: Match, b: Builder) -> str:
+        node = m.node("attention")
+        k_scale, v_scale = _scales(m, b, scales)
+        return b.add("attention", (m["q"], m["k"], m["v"], k_scale, v_scale), hint=m.root,
+                     **{**dict(node.attrs), "kv_dtype": KV_DTYPE})
+
+    return (
+        # attention(q, k, v) -> attention(q, k, v, k_scale, v_scale) {kv_dtype="fp8e4m3"}
+        Rewrite("kv_fp8", P("attention", V("q"), V("k"), V("v"), name="attention"), replace=replace,
+                extra_check=lambda m: not m.node("attention").attrs.get("kv_dtype")),
+    )
+
+
+@register_pass("quantize_kv_cache", requires=("shape_inference",))
+class QuantizeKVCache(Pass):
+    """Requires: typed IR; `quantize { kv_cache = fp8 }` in ctx.options (else program.meta; absent: nothing
+    changes). Run after fuse_qkv (which matches the plain three-input attention). Guarantees: every
+    `attention` has kv_dtype="fp8e4m3" and reads two new f32 [kv_heads] params, `{block}.k_scale` and
+    `{block}.v_scale` (source `<attn prefix>.k_scale`, as compressed-tensors writes it; quant attrs tell the
+    weight converter whether it may instead calibrate them: absmax / 448 per layer and KV head over a
+    calibration run of the reference interpreter). `mla_attention` latent caches are left alone (the driver
+    refuses fp8 KV for MLA when it writes an artifact)."""
+
+    def __init__(self, scales: str | None = None):
+        self.scales = scales
+
+    def run(self, program: Program, ctx: PassContext) -> Program:
+        scales = self.scales
+        if scales is None:
+            value = (ctx.options.get("quantize") or program.meta.get("quantize") or {}).get("kv_cache")
+            if value is None:
+                return program
+            try:
+                scales = parse_kv_scheme(value)
+            except ValueError as e:
+                raise PassError(f"quantize.kv_cache: {e}") from None
+        return apply_rewrites(program, kv_rewrites(scales), ctx)
