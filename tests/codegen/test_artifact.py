@@ -27,7 +27,7 @@ RECIPE = 'recipe tiny { model = tiny_llama(); weights = "hf:./ckpt" }\n'
 PASS_LOG = [{"name": "shape_inference", "changed": True}, {"name": "kernel_selection", "changed": True}]
 HF_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "max_position_embeddings": 512}
 MANIFEST_KEYS = {"schema_version", "kiln_version", "recipe_hash", "target", "dtype", "model", "runtime", "kv_cache",
-                 "scheduler", "weights", "tokenizer", "entry", "params", "kernels", "passes"}
+                 "scheduler", "serve", "weights", "tokenizer", "entry", "params", "kernels", "passes"}
 
 
 def write(program, out, ckpt, **kw):
