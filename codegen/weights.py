@@ -1,7 +1,7 @@
 """Weight conversion: a Hugging Face safetensors checkpoint (or a seed) -> the artifact's weight shards.
 
-Every ParamSpec is materialised for every layer: its checkpoint sources (`{i}` = layer; `{e}` = expert, one
-tensor per expert stacked along dim 0) are read lazily
+Every ParamSpec is materialised for every layer: its checkpoint sources (`{i}` = the global layer index, the
+layer's place in the layer schedule; `{e}` = expert, one tensor per expert stacked along dim 0) are read lazily
 through `safetensors.safe_open`, checked against the declared shape, concatenated along `concat_dim`
 (fused weights), cast to the param dtype, and written as `weights/rank0/model-0000k-of-0000n.safetensors`.
 Output bytes depend only on the program and the checkpoint: tensor order, shard split and metadata are fixed.
@@ -100,9 +100,9 @@ class Checkpoint:
 class _Entry:
     """One tensor of the artifact: a param at a layer (None for top-level params)."""
 
-    name: str  # artifact tensor name, e.g. "decoder.3.wqkv"
+    name: str  # artifact tensor name, block-local: "moe.0.w_down" is the moe block's layer 0
     spec: ParamSpec
-    layer: int | None
+    layer: int | None  # global layer index (`BlockSpec.global_layer`): what `{i}` in the sources means
 
     @property
     def nbytes(self) -> int:
@@ -118,7 +118,7 @@ def weight_entries(program: Program) -> list[_Entry]:
     for block in program.blocks.values():
         specs = [s for s in program.params.values() if s.block == block.name]
         for i in range(block.count):
-            entries.extend(_Entry(s.layer_name(i), s, i) for s in specs)
+            entries.extend(_Entry(s.layer_name(i), s, block.global_layer(i)) for s in specs)
     for e in entries:
         if e.spec.dtype not in TORCH_DTYPES and not (e.spec.quant is not None and e.spec.dtype in QUANT_DTYPES):
             raise CodegenError(f"param '{e.spec.name}' has dtype {e.spec.dtype}; weight conversion writes only "

@@ -6,6 +6,7 @@ only holds tensors, and constants as attributes.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import operator
 from collections.abc import Mapping
@@ -44,7 +45,7 @@ class _Lowering:
         self.blocks: dict[str, BlockSpec] = {}
         self.block_decls = {b.name: b for b in model.blocks}
         self.graphs: dict[str, Graph] = {}
-        self.block_input_types: dict[str, TensorType] = {}
+        self.lowering_block: str | None = None
 
     # ------------------------------------------------------------ params and blocks
     def declare_params(self, decls: tuple[A.ParamDecl, ...], block: str | None) -> None:
@@ -82,6 +83,11 @@ class _Lowering:
         if len(stmt.targets) == 1:
             env[stmt.targets[0]] = self.expr(g, env, scope, stmt.value, hint=stmt.targets[0])
             return
+        while isinstance(stmt.value, A.Ternary):  # `a, b = cond ? op(...) : op(...)`: the config picks the call
+            cond = self.expr(g, env, scope, stmt.value.cond)
+            if isinstance(cond, _Tensor):
+                raise SourceError("a ternary's condition must be a config value, not a tensor", stmt.value.cond.loc)
+            stmt = dataclasses.replace(stmt, value=stmt.value.then if cond else stmt.value.else_)
         call = stmt.value
         if isinstance(call, A.Call) and call.func in OPS and not OPS[call.func].per_tensor:
             self.unpack(g, env, scope, stmt)  # `weights, ids = moe_topk_softmax(...)`: a tuple-valued op
@@ -223,23 +229,27 @@ class _Lowering:
     def lower_block(self, name: str, arg_type: TensorType, loc) -> None:
         decl = self.block_decls[name]
         if name in self.graphs:
-            if self.block_input_types[name] != arg_type:
-                raise SourceError(f"block '{name}' called with {arg_type}, earlier with "
-                                  f"{self.block_input_types[name]}", loc)
-            return
+            # each call would be its own run of layers, but the block has one set of layer weights
+            raise SourceError(f"block '{name}' is called twice; a block's layers run once, in one place of the "
+                              "layer schedule (declare another block for more layers)", loc)
+        if self.lowering_block is not None:
+            raise SourceError(f"block '{self.lowering_block}' calls block '{name}'; blocks are called only from "
+                              "the model's forward", loc)
         count = eval_expr(decl.count, self.config)
         if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
             raise SourceError(f"block '{name}' repeats {count!r} times; expected a positive int", decl.count.loc)
         if len(decl.forward.args) != 1:
             raise SourceError(f"block '{name}' forward must take one argument", decl.forward.loc)
         self.declare_params(decl.params, name)
-        self.block_input_types[name] = arg_type
+        first_layer = sum(b.count for b in self.blocks.values())  # blocks are lowered in call order
+        self.lowering_block = name
         self.graphs[name] = self.lower_forward(name, decl.forward, [arg_type], name)
+        self.lowering_block = None
         out = self.graphs[name].node(self.graphs[name].outputs[0]).out
         if out != arg_type:
             raise SourceError(f"block '{name}' must return its input's type {arg_type}, returns {out}",
                               decl.forward.loc)
-        self.blocks[name] = BlockSpec(name, name, count)
+        self.blocks[name] = BlockSpec(name, name, count, first_layer)
 
 
 def instantiate_model(model: A.ModelDecl, args: Mapping[str, A.Expr], dtype: str = "f32",

@@ -216,8 +216,11 @@ class ParamSpec:
     """A weight the artifact carries.
 
     `name` is "embed" for a top-level param or "decoder.wq" for a block param (instantiated per layer as
-    "decoder.{i}.wq"). `source` lists checkpoint tensor name templates (`{i}` = layer index); several
-    sources are concatenated along `concat_dim` at compile time (fused weights).
+    "decoder.{i}.wq", i counting from 0 within the block). `source` lists checkpoint tensor name templates;
+    several sources are concatenated along `concat_dim` at compile time (fused weights). `{i}` in a source is
+    the *global* layer index, the layer's position in the model's layer schedule (`BlockSpec.first_layer` +
+    the block-local index), because checkpoints number layers across the whole stack: the MoE block of a
+    model with 3 dense layers first reads "model.layers.3..." for its layer 0.
 
     Expert stacks: a source naming `{e}` is one checkpoint tensor per expert, stacked along a new dim 0 over
     e in range(shape[0]) (`param w_gate: [experts, ffn, hidden] from "...experts.{e}.w1.weight"`). Stacking
@@ -244,6 +247,7 @@ class ParamSpec:
         return f"{self.block}.{i}.{self.local_name}" if self.block else self.name
 
     def sources_for(self, i: int | None) -> tuple[str, ...]:
+        """The checkpoint tensor names of global layer i (`BlockSpec.global_layer`); None for top-level params."""
         return tuple(s.replace("{i}", str(i)) for s in self.source) if i is not None else self.source
 
     @property
@@ -254,11 +258,21 @@ class ParamSpec:
 
 @dataclass(frozen=True, slots=True)
 class BlockSpec:
-    """A repeated block: graph `graph` run `count` times with layer-indexed params."""
+    """A repeated block: graph `graph` run `count` times with layer-indexed params.
+
+    `first_layer` is the global index of the block's layer 0: the number of layers the blocks called before
+    it run (instantiation computes it from the order of block calls; a block is called once). The verifier
+    holds it to the layer schedule. Checkpoint sources use global indices, artifact tensor names local ones.
+    """
 
     name: str
     graph: str
     count: int
+    first_layer: int = 0
+
+    def global_layer(self, i: int) -> int:
+        """The model-wide index of this block's layer i (what `{i}` in a param source means)."""
+        return self.first_layer + i
 
 
 @dataclass(frozen=True)
@@ -289,7 +303,8 @@ class Program:
         return dataclasses.replace(self, params=dict(params))
 
     def layer_schedule(self) -> list[tuple[str, int]]:
-        """(block name, layer index) in execution order, read from the entry graph's `block` nodes."""
+        """(block name, block-local layer index) in execution order, read from the entry graph's `block` nodes;
+        a layer's global index is its position in this list."""
         sched: list[tuple[str, int]] = []
         for _, n in self.entry.items():
             if n.op == "block":

@@ -77,7 +77,8 @@ def print_program(program: Program) -> str:
         attrs = f" {{{attrs}}}" if attrs else ""
         lines.append(f"  param {p.name}: {TensorType(p.shape, p.dtype)} from {json.dumps(list(p.source))}{attrs}")
     for b in program.blocks.values():
-        lines.append(f"  block {b.name} = {b.graph} x {b.count}")
+        first = f" {{first_layer={b.first_layer}}}" if b.first_layer else ""
+        lines.append(f"  block {b.name} = {b.graph} x {b.count}{first}")
     for g in program.graphs.values():
         lines.append(print_graph(g, indent="  "))
     lines.append("}")
@@ -224,10 +225,14 @@ def parse_program(text: str) -> Program:
                 quant=Attrs(extra["quant"]) if "quant" in extra else None,
                 sharding=Attrs(extra["sharding"]) if "sharding" in extra else None)
         elif line.startswith("block "):
-            bm = re.fullmatch(r"block\s+(\w+)\s*=\s*(\w+)\s+x\s+(\d+)", line)
+            bm = re.fullmatch(r"block\s+(\w+)\s*=\s*(\w+)\s+x\s+(\d+)\s*(\{.*\})?", line)
             if not bm:
                 raise IRParseError(f"bad block line {line!r}")
-            blocks[bm.group(1)] = BlockSpec(bm.group(1), bm.group(2), int(bm.group(3)))
+            extra = _parse_attrs(bm.group(4)[1:-1]) if bm.group(4) else {}
+            if set(extra) - {"first_layer"}:
+                raise IRParseError(f"unknown block attribute in {line!r} (known: first_layer)")
+            blocks[bm.group(1)] = BlockSpec(bm.group(1), bm.group(2), int(bm.group(3)),
+                                            int(extra.get("first_layer", 0)))
         elif line.startswith("graph "):
             j = i
             while lines[j].strip() != "}":

@@ -63,6 +63,7 @@ def verify_program(program: Program, *, require_types: bool = False) -> None:
             raise VerifyError(f"block {block.name!r} names missing graph {block.graph!r}")
     for graph in program.graphs.values():
         verify_graph(graph, program, require_types=require_types)
+    _verify_layer_schedule(program)
     for name, spec in program.params.items():
         if name != spec.name:
             raise VerifyError(f"param table key {name!r} holds spec {spec.name!r}")
@@ -76,3 +77,24 @@ def verify_program(program: Program, *, require_types: bool = False) -> None:
                     if tuple(node.out.shape) != tuple(spec.shape):
                         raise VerifyError(f"graph {g.name!r}: %{vid} types param {spec.name!r} as {node.out}, "
                                           f"but the param is {list(spec.shape)}")
+
+
+def _verify_layer_schedule(program: Program) -> None:
+    """Each block is called once, from the entry graph, and its first_layer is where its layers start in the
+    layer schedule: param sources use that global layer index (`{i}`)."""
+    for name, graph in program.graphs.items():
+        if name != "entry" and graph.count("block"):
+            raise VerifyError(f"graph {name!r} calls a block; blocks are called only from the entry graph")
+    next_layer = 0
+    called: set[str] = set()
+    for vid, node in program.entry.items():
+        if node.op != "block" or node.attrs.get("block") not in program.blocks:
+            continue
+        block = program.blocks[node.attrs["block"]]
+        if block.name in called:
+            raise VerifyError(f"entry: %{vid} calls block {block.name!r} a second time; a block runs once")
+        called.add(block.name)
+        if block.first_layer != next_layer:
+            raise VerifyError(f"block {block.name!r} has first_layer={block.first_layer}, but its layers start at "
+                              f"{next_layer} in the layer schedule")
+        next_layer += block.count

@@ -55,10 +55,12 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# 3 layers: layer 0 dense (width 64), layers 1-2 mixture-of-experts: 4 routed experts of width 32 in 2 groups,
+# top-2 from the best group, plus 1 shared expert; routed weights scaled (2.5 V3, 1.5 V2)
 DEEPSEEK_MLA = {
-    "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-    "v_head_dim": 16, "first_k_dense_replace": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16, "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
 }
 
 # arch -> (config class name, overrides on top of TINY)
@@ -71,9 +73,12 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "use_sliding_window": False}),
     # MLA: q LoRA 24, latent 32, rope 8, nope 16, v 16; MLA expands K/V to every head (kv heads = heads).
-    # first_k_dense_replace = layers: all layers dense until kiln's DeepSeek model has MoE layers.
-    "deepseek_v3": ("DeepseekV3Config", {**DEEPSEEK_MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}),
-    "deepseek_v2": ("DeepseekV2Config", {**DEEPSEEK_MLA, "q_lora_rank": None}),
+    # V3 routes by sigmoid + correction bias (top-2-sum group scores, renormalised); V2 by softmax,
+    # group_limited_greedy (max group scores), not renormalised
+    "deepseek_v3": ("DeepseekV3Config", {**DEEPSEEK_MLA, "q_lora_rank": 24, "routed_scaling_factor": 2.5,
+                                         "norm_topk_prob": True}),
+    "deepseek_v2": ("DeepseekV2Config", {**DEEPSEEK_MLA, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+                                         "routed_scaling_factor": 1.5}),
     # 4 experts, top-2; expert width 32 (Qwen3-MoE: moe_intermediate_size; its dense width is unused)
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "use_sliding_window": False, "num_experts": 4,
@@ -212,6 +217,9 @@ def _randomize_non_matmul_weights(model: torch.nn.Module, std: float) -> None:
             param.copy_(1.0 + 0.5 * torch.randn_like(param))
         elif name.endswith(".bias"):
             param.normal_(0.0, std)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias steers expert choice
+            buf.normal_(0.0, std)
 
 
 def _save_sharded(model, out_dir: pathlib.Path, num_shards: int) -> None:
@@ -242,7 +250,8 @@ def build_tiny_checkpoint(
 
     archs: llama (GQA 4:2), llama3_rope (Llama-3.1 rope scaling, original context 64 of 256), llama_tied,
     llama_head_dim (head_dim 32 != 64/4), mistral (sliding window 16), qwen2 (q/k/v bias), qwen3 (q/k norm),
-    mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert).
+    mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert), deepseek_v3 and deepseek_v2 (MLA;
+    3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
     transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
     rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.

@@ -117,7 +117,8 @@ def _qwen3_moe(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
-    """DeepSeek-V3 / V2 multi-head latent attention (models/deepseek_v3.dsl)."""
+    """DeepSeek-V3 / V2: multi-head latent attention, first_k_dense_replace dense layers, then mixture-of-experts
+    layers with shared experts (models/deepseek_v3.dsl), routed as transformers' DeepseekV3/V2TopkRouter."""
     rp = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in ("default", None):
@@ -125,10 +126,6 @@ def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
                                     "frequencies (and yarn's mscale on the softmax scale); only unscaled rope")
     layers = cfg["num_hidden_layers"]
     first_dense = min(int(cfg.get("first_k_dense_replace") or 0), layers)
-    if first_dense < layers:
-        raise UnsupportedCheckpoint(f"DeepSeek layers {first_dense}..{layers - 1} are mixture-of-experts "
-                                    f"(first_k_dense_replace={cfg.get('first_k_dense_replace')}); "
-                                    "models/deepseek_v3.dsl has dense layers only so far")
     args: dict[str, Any] = {
         "vocab": cfg["vocab_size"], "hidden": cfg["hidden_size"], "layers": layers,
         "heads": cfg["num_attention_heads"], "ffn": cfg["intermediate_size"],
@@ -141,10 +138,44 @@ def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
         "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "max_position": int(cfg.get("max_position_embeddings", 4096)),
+        "first_k_dense": first_dense,
     }
     if cfg.get("attention_bias"):
         args["attention_bias"] = True
+    if first_dense < layers:
+        args.update(_deepseek_moe(cfg, v2=v2))
     return "deepseek_v3", args
+
+
+def _deepseek_moe(cfg: dict[str, Any], *, v2: bool) -> dict[str, Any]:
+    """The router and experts of DeepSeek's MoE layers (V3: sigmoid scores + e_score_correction_bias, groups
+    scored by their top-2 sum; V2: softmax scores, greedy or group_limited_greedy with max group scores)."""
+    experts, top_k = cfg.get("n_routed_experts"), cfg.get("num_experts_per_tok")
+    if not experts or not top_k or not cfg.get("moe_intermediate_size"):
+        raise UnsupportedCheckpoint("a DeepSeek config with MoE layers needs n_routed_experts, num_experts_per_tok "
+                                    "and moe_intermediate_size")
+    moe: dict[str, Any] = {
+        "experts": int(experts), "top_k": int(top_k), "moe_ffn": int(cfg["moe_intermediate_size"]),
+        "shared_experts": int(cfg.get("n_shared_experts") or 0),
+        "routed_scaling": float(cfg.get("routed_scaling_factor") or 1.0),
+    }
+    if not v2:
+        moe.update(n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        return moe
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedCheckpoint(f"DeepSeek-V2 topk_method {method!r} is not supported "
+                                    "(supported: greedy, group_limited_greedy)")
+    if cfg.get("norm_topk_prob"):
+        # transformers' DeepseekV2 ignores it while DeepSeek's own code renormalises: refuse rather than guess
+        raise UnsupportedCheckpoint("DeepSeek-V2 with norm_topk_prob=true is not supported: transformers' "
+                                    "DeepseekV2 does not renormalise the top-k weights, DeepSeek's reference does")
+    moe.update(scoring="softmax", correction_bias=False, norm_topk_prob=False)
+    if method == "group_limited_greedy":
+        moe.update(n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                   group_score="max")
+    return moe
 
 
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]] = {

@@ -76,8 +76,9 @@ def _block_graph(block: str, attentions: int) -> str:
 
 
 def program_text(layers: int = 2, dtype: str = "f32", tail_layers: int = 0) -> str:
-    """`decoder` x layers (one attention each), then optionally `tail` x tail_layers (two attentions each)."""
-    blocks = [("decoder", layers, "model.layers", 1)] + ([("tail", tail_layers, "model.tail", 2)] if tail_layers else [])
+    """`decoder` x layers (one attention each), then optionally `tail` x tail_layers (two attentions each); the
+    tail's layers are model.layers.{layers}... of the checkpoint (`{i}` is the global layer index)."""
+    blocks = [("decoder", layers, "model.layers", 1)] + ([("tail", tail_layers, "model.layers", 2)] if tail_layers else [])
     entry = [
         "  graph entry {",
         '    %tokens = input "tokens" : i32[T]',
@@ -104,7 +105,8 @@ def program_text(layers: int = 2, dtype: str = "f32", tail_layers: int = 0) -> s
         lines += ["  " + p for p in _block_params(name, prefix)]
     lines += [f'  param norm: DT[{HIDDEN}] from ["model.norm.weight"]',
               f'  param lm_head: DT[{VOCAB}, {HIDDEN}] from ["lm_head.weight"]']
-    lines += [f"  block {name} = {name} x {count}" for name, count, _, _ in blocks]
+    lines += [f"  block decoder = decoder x {layers}"]
+    lines += [f"  block tail = tail x {tail_layers} {{first_layer={layers}}}"] if tail_layers else []
     lines += entry
     lines += [_block_graph(name, attn) for name, _, _, attn in blocks]
     lines.append("}")
@@ -136,16 +138,15 @@ def checkpoint_tensors(layers: int = 2, tail_layers: int = 0, seed: int = 0) -> 
 
     t = {"model.embed_tokens.weight": rnd(VOCAB, HIDDEN, std=1.0), "model.norm.weight": rnd(HIDDEN, mean=1.0),
          "lm_head.weight": rnd(VOCAB, HIDDEN)}
-    for prefix, count in (("model.layers", layers), ("model.tail", tail_layers)):
-        for i in range(count):
-            p = f"{prefix}.{i}"
-            t |= {f"{p}.input_layernorm.weight": rnd(HIDDEN, mean=1.0),
-                  f"{p}.post_attention_layernorm.weight": rnd(HIDDEN, mean=1.0),
-                  f"{p}.self_attn.q_proj.weight": rnd(Q, HIDDEN), f"{p}.self_attn.q_proj.bias": rnd(Q),
-                  f"{p}.self_attn.k_proj.weight": rnd(KV, HIDDEN), f"{p}.self_attn.k_proj.bias": rnd(KV),
-                  f"{p}.self_attn.v_proj.weight": rnd(KV, HIDDEN), f"{p}.self_attn.v_proj.bias": rnd(KV),
-                  f"{p}.self_attn.o_proj.weight": rnd(HIDDEN, Q), f"{p}.mlp.gate_proj.weight": rnd(FFN, HIDDEN),
-                  f"{p}.mlp.up_proj.weight": rnd(FFN, HIDDEN), f"{p}.mlp.down_proj.weight": rnd(HIDDEN, FFN)}
+    for i in range(layers + tail_layers):
+        p = f"model.layers.{i}"
+        t |= {f"{p}.input_layernorm.weight": rnd(HIDDEN, mean=1.0),
+              f"{p}.post_attention_layernorm.weight": rnd(HIDDEN, mean=1.0),
+              f"{p}.self_attn.q_proj.weight": rnd(Q, HIDDEN), f"{p}.self_attn.q_proj.bias": rnd(Q),
+              f"{p}.self_attn.k_proj.weight": rnd(KV, HIDDEN), f"{p}.self_attn.k_proj.bias": rnd(KV),
+              f"{p}.self_attn.v_proj.weight": rnd(KV, HIDDEN), f"{p}.self_attn.v_proj.bias": rnd(KV),
+              f"{p}.self_attn.o_proj.weight": rnd(HIDDEN, Q), f"{p}.mlp.gate_proj.weight": rnd(FFN, HIDDEN),
+              f"{p}.mlp.up_proj.weight": rnd(FFN, HIDDEN), f"{p}.mlp.down_proj.weight": rnd(HIDDEN, FFN)}
     return t
 
 

@@ -49,9 +49,9 @@ def test_bundled_model_matches_hf(case, tmp_path):
     program = instantiate.instantiate_model(loaded.model, dict(loaded.model_call.kwargs))
     weights = {}
     for spec in program.params.values():
-        layers = range(program.blocks[spec.block].count) if spec.block else [None]
-        for i in layers:
-            weights[spec.layer_name(i)] = state[spec.source[0].format(i=i)]
+        block = program.blocks[spec.block] if spec.block else None
+        for i in range(block.count) if block else [None]:
+            weights[spec.layer_name(i)] = state[spec.source[0].format(i=block.global_layer(i) if block else None)]
 
     tokens = torch.randint(0, 64, (7,))
     ours = interpret.interpret(program, weights, tokens)

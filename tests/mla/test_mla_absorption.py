@@ -87,12 +87,13 @@ def test_absorbed_equals_unabsorbed_equals_hf(tmp_path):
     before = ShapeInference().run(instantiate_model(loaded.model, dict(loaded.model_call.kwargs)), PassContext())
     after, ctx = _run(before)
     assert ctx.stats["matches"] == 1  # one block graph, shared by both layers
-    assert [n.attrs.get("absorb") for _, n in after.graphs["decoder"].items() if n.op == "mla_attention"] == ["decode"]
+    assert [n.attrs.get("absorb") for _, n in after.graphs["dense"].items() if n.op == "mla_attention"] == ["decode"]
 
     weights = {}
     for spec in before.params.values():
         for i in range(before.blocks[spec.block].count) if spec.block else [None]:
-            weights[spec.layer_name(i)] = state[spec.source[0].format(i=i)]
+            layer = before.blocks[spec.block].global_layer(i) if spec.block else None
+            weights[spec.layer_name(i)] = state[spec.source[0].format(i=layer)]
     tokens = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(1))
     unabsorbed = interpret(before, weights, tokens)
     absorbed = interpret(after, weights, tokens)

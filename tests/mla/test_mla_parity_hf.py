@@ -1,4 +1,5 @@
-"""DeepSeek MLA end to end against Hugging Face: checkpoint -> `kiln recipe from-hf` -> `kiln compile` (cpu
+"""DeepSeek MLA end to end against Hugging Face (tiny V3 and V2 checkpoints: layer 0 dense, layers 1-2
+mixture-of-experts with a shared expert, so both block kinds of models/deepseek_v3.dsl run): checkpoint -> `kiln recipe from-hf` -> `kiln compile` (cpu
 pipeline, latent-only paged KV cache) -> `kiln.LLM`, with the MLA absorption pass on (decodes absorbed) and
 off (`passes { disable = ["mla_absorption"] }`): fp32 prompt logprobs within 1e-4 of HF, 32 greedy tokens
 identical to HF's greedy loop, and a batch equal to each prompt alone."""
@@ -15,7 +16,7 @@ from kiln.cli import main
 
 PROMPT_LENS = (5, 17, 40)
 NEW_TOKENS = 32
-VARIANTS = [("deepseek_v3", True), ("deepseek_v3", False), ("deepseek_v2", True)]
+VARIANTS = [("deepseek_v3", True), ("deepseek_v3", False), ("deepseek_v2", True), ("deepseek_v2", False)]
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +65,13 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("arch,absorb", VARIANTS, ids=["v3-absorbed", "v3-unabsorbed", "v2-absorbed"])
+@pytest.mark.parametrize("arch,absorb", VARIANTS, ids=["v3-absorbed", "v3-unabsorbed", "v2-absorbed", "v2-unabsorbed"])
 def test_matches_hf(arch, absorb, compiled, hf_reference):
     ckpt, art, result = compiled(arch, absorb)
     absorbs = [n.attrs.get("absorb", "none") for g in result.program.graphs.values() for _, n in g.items()
                if n.op == "mla_attention"]
-    assert absorbs == ["decode" if absorb else "none"]
+    assert absorbs == ["decode" if absorb else "none"] * 2  # one per block kind: dense, moe
+    assert sum(g.count("moe_experts") for g in result.program.graphs.values()) == 1
     llm = kiln.LLM(str(art))
     prompts = _prompts(512)
     params = kiln.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
@@ -88,7 +90,7 @@ def test_matches_hf(arch, absorb, compiled, hf_reference):
 def test_manifest_runtime_and_report_use_the_latent_layout(compiled):
     _, art, result = compiled("deepseek_v3", True)
     kv = json.loads((art / "manifest.json").read_text())["kv_cache"]
-    layers, lora, rope = 2, 32, 8
+    layers, lora, rope = 3, 32, 8
     assert kv["layout"] == ["num_blocks", "block_size", "latent_dim"]
     assert (kv["num_layers"], kv["kv_lora_rank"], kv["qk_rope_head_dim"], kv["latent_dim"]) == (
         layers, lora, rope, lora + rope)

@@ -45,8 +45,12 @@ def assert_programs_equal(actual: Program, expected: Program) -> None:
 # ---------------------------------------------------------------- weights, derived from a checkpoint
 
 
-def _layers(program: Program, spec) -> list[int | None]:
-    return list(range(program.blocks[spec.block].count)) if spec.block else [None]
+def _layers(program: Program, spec) -> list[tuple[int | None, int | None]]:
+    """(block-local layer, global layer) per layer of `spec`: artifact names use the first, sources the second."""
+    if spec.block is None:
+        return [(None, None)]
+    block = program.blocks[spec.block]
+    return [(i, block.global_layer(i)) for i in range(block.count)]
 
 
 def random_checkpoint(program: Program, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -57,8 +61,8 @@ def random_checkpoint(program: Program, seed: int = 0) -> dict[str, torch.Tensor
     ckpt: dict[str, torch.Tensor] = {}
     for spec in program.params.values():
         assert len(spec.source) == 1, f"{spec.name}: a checkpoint param has exactly one source"
-        for i in _layers(program, spec):
-            (name,) = spec.sources_for(i)
+        for _, layer in _layers(program, spec):
+            (name,) = spec.sources_for(layer)
             t = torch.randn(spec.shape, generator=gen)
             ckpt[name] = 1.0 + 0.1 * t if len(spec.shape) == 1 and "norm" in spec.name else t * spec.shape[-1] ** -0.5
     return ckpt
@@ -69,8 +73,8 @@ def weights_from_checkpoint(program: Program, ckpt: Mapping[str, torch.Tensor]) 
     tensors concatenated along `concat_dim`: the rule the weight converter follows for fused params."""
     weights = {}
     for spec in program.params.values():
-        for i in _layers(program, spec):
-            parts = [ckpt[s] for s in spec.sources_for(i)]
+        for i, layer in _layers(program, spec):
+            parts = [ckpt[s] for s in spec.sources_for(layer)]
             w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.concat_dim)
             assert tuple(w.shape) == tuple(spec.shape), f"{spec.layer_name(i)}: built {tuple(w.shape)}, spec {spec.shape}"
             weights[spec.layer_name(i)] = w
