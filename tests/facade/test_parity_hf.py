@@ -8,69 +8,21 @@ the same tokens and logprobs as each prompt alone.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import kiln
-from kiln.cli import main
 
 ARCHS = ["llama", "llama3_rope", "llama_tied", "llama_head_dim", "mistral", "qwen2", "qwen3"]
-PROMPT_LENS = (5, 17, 40)
-NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def compiled(tiny_checkpoint, tmp_path_factory):
-    cache = {}
-
-    def build(arch: str, **kw):
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in cache:
-            ckpt = tiny_checkpoint(arch, **kw)
-            work = tmp_path_factory.mktemp(f"art_{arch}")
-            recipe = work / "recipe.dsl"
-            assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
-            kiln.compile(recipe, work / "art", progress=False)
-            cache[key] = (ckpt, work / "art")
-        return cache[key]
-
-    return build
-
-
-def _prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-
-
-@torch.no_grad()
-def _hf_reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """HF prompt logprobs of each actual next prompt token, and a plain greedy loop (no KV cache)."""
-    ids = torch.tensor([prompt])
-    logp = model(ids).logits[0].float().log_softmax(-1)
-    prompt_lp = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
-    out = list(prompt)
-    for _ in range(NEW_TOKENS):
-        out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return prompt_lp, out[len(prompt):]
+def compiled(compile_hf):
+    return lambda arch, **kw: compile_hf(arch, **kw)[:2]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_matches_hf(arch, compiled, tiny_checkpoint_lib):
+def test_matches_hf(arch, compiled, check_hf_parity):
     ckpt, art = compiled(arch)
-    hf = tiny_checkpoint_lib.load_hf_model(ckpt)
-    llm = kiln.LLM(str(art))
-    prompts = _prompts(hf.config.vocab_size)
-    params = kiln.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    batch = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, batch, strict=True):
-        ref_lp, ref_tokens = _hf_reference(hf, prompt)
-        assert out.prompt_logprobs[0] is None
-        ours = torch.tensor([out.prompt_logprobs[j][tok].logprob for j, tok in enumerate(prompt) if j > 0])
-        torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
-        assert out.outputs[0].token_ids == ref_tokens, f"{arch}: greedy tokens differ from HF"
-        alone = llm.generate([prompt], params)[0]
-        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
-        alone_lp = [alone.prompt_logprobs[j][tok].logprob for j, tok in enumerate(prompt) if j > 0]
-        torch.testing.assert_close(torch.tensor(alone_lp), ours, atol=1e-5, rtol=0)
+    check_hf_parity(art, ckpt, vocab=512)
 
 
 def test_sharded_checkpoint_matches_single(compiled):
