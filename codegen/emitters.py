@@ -59,6 +59,9 @@ EMITTERS.update({
     "triton.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "triton.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
                                "sliding_window={sliding_window}{kv_scales})"),
+    "triton.moe_experts": "K.moe_experts({args})",
+    "triton.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
+                             "absorb={absorb})"),
     "torch.linear": "K.linear({args})",  # cuBLAS
     "torch.logits": "K.logits({0}, {1}, batch.logits_indices)",  # cuBLAS, fp32 out
 })

@@ -51,6 +51,8 @@ _TRITON_KERNELS = {
     "rope": "triton.rope",
     "attention": "triton.paged_attention",
     "silu_mul": "triton.silu_mul",
+    "moe_experts": "triton.moe_experts",
+    "mla_attention": "triton.mla_attention",
     "linear": "torch.linear",
     "logits": "torch.logits",
 }
