@@ -176,6 +176,21 @@ def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config
     return DEFAULT_MAX_MODEL_LEN
 
 
+def _cuda_graphs_section(program: Program, max_model_len: int) -> dict[str, Any]:
+    """The plan, with block_tables sized for the artifact's max_model_len (which may come from the checkpoint's
+    config, which the pass did not see)."""
+    plan = _section(program.meta, "cuda_graphs")
+    max_blocks = -(-max_model_len // int(plan["block_size"]))
+    if max_blocks != plan["max_blocks_per_seq"]:
+        buffers = dict(plan["static_buffers"])
+        table = buffers["block_tables"]
+        buffers["block_tables"] = {**table, "shape": [table["shape"][0], max_blocks]}
+        plan = {**plan, "max_model_len": max_model_len, "max_blocks_per_seq": max_blocks,
+                "static_buffers": buffers, "estimated_bytes": plan["estimated_bytes"]
+                + 4 * table["shape"][0] * (max_blocks - plan["max_blocks_per_seq"])}
+    return plan
+
+
 def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
                    hf_config: dict, gen_config: dict, weight_files: list[str], has_tokenizer: bool,
                    pass_log: list[dict]) -> dict[str, Any]:
@@ -199,6 +214,9 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
                     "source": list(s.source)} for s in program.params.values()],
         "kernels": kernels_used(program),
         "passes": _jsonable(list(pass_log)),
+        # GPU targets: the cuda_graph_plan pass's capture plan (runtime/graph_runner.py follows it)
+        **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)}
+           if "max_blocks_per_seq" in _section(program.meta, "cuda_graphs") else {}),
         # the recipe's `quantize` section, only when there is one (readers: kiln eval, humans)
         **({"quantization": _section(program.meta, "quantize")} if _section(program.meta, "quantize") else {}),
     }

@@ -86,8 +86,21 @@ def check_buildable(recipe: A.RecipeDecl, options: dict[str, Any]) -> None:
                     raise SourceError(f"parallel.{ent.key} > 1 is not implemented yet (single device only)",
                                       ent.value.loc)
             if sec.name == "cuda_graphs":
-                raise SourceError("cuda_graphs needs a GPU target" if target == "cpu" else
-                                  "CUDA-graph capture is not implemented yet (decode runs eagerly)", ent.loc)
+                _check_cuda_graphs(ent, target, options)
+
+
+def _check_cuda_graphs(ent: A.Setting, target: str, options: dict[str, Any]) -> None:
+    """CUDA graphs are captured on GPU targets only, for buckets passes/cuda_graph_plan.py accepts."""
+    from kiln.passes.cuda_graph_plan import DEFAULT_MAX_SEQS, parse_batch_sizes
+
+    if target == "cpu":
+        raise SourceError("cuda_graphs needs a GPU target (h100, h200); the cpu target runs decode eagerly",
+                          ent.loc)
+    try:
+        parse_batch_sizes(options["cuda_graphs"][ent.key],
+                          int(options.get("scheduler", {}).get("max_seqs", DEFAULT_MAX_SEQS)))
+    except ValueError as e:
+        raise SourceError(f"cuda_graphs.{ent.key}: {e}", ent.value.loc) from None
 
 
 def _check_quantize(recipe: A.RecipeDecl, sec: A.Section, options: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """kiln.passes: one pass per module (imported here so each registers), and the per-target pipeline."""
 from kiln.passes import (  # noqa: F401 - imported to register the passes
+    cuda_graph_plan,
     dead_code_elimination,
     fuse_add_rms_norm,
     fuse_dequant_linear,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kiln.compiler import Pass, PassError
+from kiln.passes.cuda_graph_plan import CUDAGraphPlan
 from kiln.passes.dead_code_elimination import DeadCodeElimination
 from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
 from kiln.passes.fuse_dequant_linear import FuseDequantLinear
@@ -16,6 +17,8 @@ from kiln.passes.mla_absorption import MLAAbsorption
 from kiln.passes.quantize_kv_cache import QuantizeKVCache
 from kiln.passes.quantize_weights import QuantizeWeights
 from kiln.passes.shape_inference import ShapeInference
+
+_GPU_TARGETS = ("h100", "h200")
 
 
 def _llm(target: str) -> list[Pass]:
@@ -38,6 +41,8 @@ def _llm(target: str) -> list[Pass]:
         DeadCodeElimination(),
         # Phase 4: lowering, on targets with a kernel table (cpu, h100, h200)
         *([KernelSelection(target)] if target in KERNEL_TABLES else []),
+        # Phase 5: runtime planning (GPU targets: CUDA-graph buckets and static buffers for decode)
+        *([CUDAGraphPlan()] if target in _GPU_TARGETS else []),
     ]
 
 

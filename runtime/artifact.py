@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from .config import (
+    CUDAGraphConfig,
     KVCacheConfig,
     ModelConfig,
     SchedulerConfig,
+    cuda_graph_config_from_manifest,
     kv_cache_config_from_manifest,
     model_config_from_manifest,
     scheduler_config_from_manifest,
@@ -39,6 +41,7 @@ class LoadedArtifact:
     model_config: ModelConfig
     kv_cache_config: KVCacheConfig
     scheduler_config: SchedulerConfig
+    cuda_graph_config: CUDAGraphConfig | None = None  # GPU artifacts: the decode capture plan
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -84,7 +87,8 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
     return LoadedArtifact(path=art, manifest=manifest, model=model, tokenizer=tokenizer, device=device,
                           model_config=model_config_from_manifest(manifest),
                           kv_cache_config=kv_cache_config_from_manifest(manifest),
-                          scheduler_config=scheduler_config_from_manifest(manifest))
+                          scheduler_config=scheduler_config_from_manifest(manifest),
+                          cuda_graph_config=cuda_graph_config_from_manifest(manifest))
 
 
 def _check_device(art: Path, manifest: dict, device: torch.device) -> None:

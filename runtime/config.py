@@ -124,3 +124,23 @@ def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
                            prefix_cache=None if prefix in (None, False, "none") else str(prefix),
                            preemption=str(s.get("preemption", default.preemption)),
                            swap_space=int(s.get("swap_space", default.swap_space)))
+
+
+@dataclass(frozen=True, slots=True)
+class CUDAGraphConfig:
+    """The manifest's `cuda_graphs` plan (GPU artifacts; passes/cuda_graph_plan.py): decode batches of up to
+    max(batch_sizes) sequences replay a graph captured for the smallest bucket that holds them."""
+
+    batch_sizes: tuple[int, ...]
+    max_blocks_per_seq: int
+
+
+def cuda_graph_config_from_manifest(manifest: dict) -> CUDAGraphConfig | None:
+    plan = manifest.get("cuda_graphs")
+    if not isinstance(plan, dict):
+        return None
+    sizes = tuple(sorted(int(b) for b in _get(plan, "batch_sizes", "cuda_graphs")))
+    if not sizes or sizes[0] < 1 or len(set(sizes)) != len(sizes):
+        raise ArtifactError(f"manifest.json: cuda_graphs.batch_sizes {list(sizes)} must be distinct positive ints")
+    return CUDAGraphConfig(batch_sizes=sizes,
+                           max_blocks_per_seq=int(_get(plan, "max_blocks_per_seq", "cuda_graphs")))

@@ -40,6 +40,8 @@ class LLMEngine:
 
     KV pool size: `num_kv_blocks` if given, else the manifest's `kv_cache.num_blocks`, else `kv_cache_bytes`
     (CPU default 256 MiB). Scheduler limits default to the manifest's `scheduler` section.
+    On a CUDA device, a manifest `cuda_graphs` plan has decode graphs captured at load (after the KV cache is
+    allocated); `enforce_eager=True` skips that. CPU always runs eagerly.
     """
 
     def __init__(self, artifact: LoadedArtifact | str | Path, *, device: str | torch.device = "cpu",
@@ -47,7 +49,7 @@ class LLMEngine:
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, enforce_eager: bool = False) -> None:
         if not isinstance(artifact, LoadedArtifact):
             artifact = load_artifact(artifact, device)
         self.artifact = artifact
@@ -67,7 +69,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
         num_swap_blocks = sched.swap_space // kv.bytes_per_block if sched.preemption == "swap" else 0
         self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(num_swap_blocks))
-        self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device, num_swap_blocks)
+        graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
+        self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device, num_swap_blocks, graphs)
         self.sampler = Sampler(seed)
         eos = set(self.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -238,11 +241,13 @@ class LLMEngine:
                 raise RequestError(f"{name}={value} exceeds the vocabulary size {cfg.vocab_size}")
 
     def stats(self) -> dict[str, float]:
-        """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks."""
+        """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks;
+        cuda_graph_bytes is the device memory the decode graphs took when captured at load."""
         pc = self.block_manager.prefix_cache
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.swapped),
                 "kv_usage": self.block_manager.usage, "num_preemptions": self.scheduler.num_preemptions,
                 "num_swapped_out": self.scheduler.num_swapped_out,
                 "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
-                "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0}
+                "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0,
+                "cuda_graph_bytes": self.runner.graph_runner.memory_bytes if self.runner.graph_runner else 0}

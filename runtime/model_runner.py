@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from .config import KVCacheConfig
+from .config import CUDAGraphConfig, KVCacheConfig
 from .forward_batch import ForwardBatch
+from .graph_runner import CUDAGraphRunner
 from .kv_cache import cdiv
 from .scheduler import ScheduledBatch
 
@@ -52,20 +53,32 @@ class ModelRunner:
 
     The model writes each new token's K/V at `slot_mapping` and reads its context through `block_tables`;
     it returns float32 logits with one row per `logits_indices` entry.
+
+    With `cuda_graphs`, pure-decode steps go through a CUDAGraphRunner: one extra KV block (index
+    `num_blocks`, never handed out by the BlockManager) is the scratch block its padding rows write to;
+    `capture_graphs=False` keeps its eager "replay" over the padded static buffers (CPU tests).
     """
 
     def __init__(self, model: Any, kv: KVCacheConfig, num_blocks: int, device: torch.device,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, cuda_graphs: CUDAGraphConfig | None = None,
+                 capture_graphs: bool = True) -> None:
         self.model = model
         self.device = device
         self.block_size = kv.block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, *kv.shape)
+        shape = (num_blocks + (1 if cuda_graphs else 0), *kv.shape)
         self.kv_caches = [torch.zeros(shape, dtype=kv.dtype, device=device) for _ in range(kv.num_layers)]
         # CPU swap space for preemption by swap, same layout; pinned so copies to a GPU can overlap.
         pin = device.type == "cuda"
         self.cpu_caches = [torch.zeros((num_swap_blocks, *kv.shape), dtype=kv.dtype, pin_memory=pin)
                            for _ in range(kv.num_layers)] if num_swap_blocks else []
+        self.graph_runner = None
+        if cuda_graphs is not None:
+            self.graph_runner = CUDAGraphRunner(model, self.kv_caches, cuda_graphs.batch_sizes,
+                                                cuda_graphs.max_blocks_per_seq, kv.block_size,
+                                                scratch_block=num_blocks, device=device)
+            if capture_graphs:
+                self.graph_runner.capture()
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copies the step's swapped-out blocks to CPU and swapped-in blocks back (before the forward pass)."""
@@ -139,7 +152,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout]:
         self.swap(batch)
         fb, layout = self.prepare(batch)
-        logits = self.model.forward(fb, self.kv_caches)
+        logits = self.graph_runner.run(fb) if self.graph_runner is not None else None
+        if logits is None:
+            logits = self.model.forward(fb, self.kv_caches)
         assert logits.dim() == 2 and logits.shape[0] == fb.logits_indices.shape[0], (
             f"model returned logits {tuple(logits.shape)}, expected [{fb.logits_indices.shape[0]}, vocab]")
         return logits.float(), layout

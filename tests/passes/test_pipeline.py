@@ -30,9 +30,9 @@ def test_unknown_target_or_pass_is_an_error():
 
 def test_gpu_targets_lower_with_their_kernel_tables():
     for target in ("h100", "h200"):
-        assert [p.name for p in build_pipeline(target)] == CPU
-        (last,) = build_pipeline(target)[-1:]
-        assert last.name == "kernel_selection" and last.target == target
+        assert [p.name for p in build_pipeline(target)] == [*CPU, "cuda_graph_plan"]
+        lowering, planning = build_pipeline(target)[-2:]
+        assert lowering.name == "kernel_selection" and lowering.target == target
     table = kernel_selection.kernel_table("h200")
     assert table["attention"] == "triton.paged_attention" and table["linear"] == "torch.linear"
     assert set(table) == set(kernel_selection.kernel_table("cpu"))  # every cpu op has a GPU kernel id
