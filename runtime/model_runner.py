@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from .config import CUDAGraphConfig, KVCacheConfig
+from .errors import ArtifactError
 from .forward_batch import ForwardBatch
 from .graph_runner import CUDAGraphRunner
 from .kv_cache import cdiv
@@ -39,12 +40,15 @@ def resolve_num_blocks(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks
     else:
         if kv_cache_bytes is None:
             if device.type == "cuda":
+                torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses is free for KV
                 free, total = torch.cuda.mem_get_info(device)
                 kv_cache_bytes = int(free - (1.0 - memory_fraction) * total)
             else:
                 kv_cache_bytes = DEFAULT_CPU_KV_BYTES
         n = kv_cache_bytes // kv.bytes_per_block
-    assert n > 0, f"KV cache budget too small: {n} blocks of {kv.bytes_per_block} bytes"
+    if n <= 0:
+        raise ArtifactError(f"no memory left for the KV cache ({n} blocks of {kv.bytes_per_block} bytes fit); "
+                            "lower the weights' footprint, raise kv_cache.memory_fraction or pass num_kv_blocks")
     return int(n)
 
 

@@ -46,7 +46,8 @@ def test_replayed_decode_equals_eager(h200_art):
     eager = LLMEngine(h200_art, device="cuda", num_kv_blocks=128, max_num_seqs=16, enforce_eager=True)
     assert eager.runner.graph_runner is None
     want = _run(eager, prompts, max_tokens)
-    assert {3, 5, 7} & set(replays)  # padded buckets replayed
+    buckets = sorted(runner.graphs)
+    assert any(b not in buckets and b < buckets[-1] for b in replays), replays  # a padded bucket replayed
     for w, o in zip(want, got, strict=True):
         # bf16 GEMMs over a padded bucket may round differently: tokens agree until a near-tie
         for j, (lw, lo) in enumerate(zip(w.outputs[0].logprobs, o.outputs[0].logprobs, strict=True)):
