@@ -129,3 +129,23 @@ def check_hf_parity(hf_reference):
             torch.testing.assert_close(torch.tensor(alone_lp), ours, atol=1e-5, rtol=0)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def run_engine():
+    """`run_engine(engine, prompts, max_tokens, logprobs=1)`: greedy requests ("0", "1", …) through
+    `LLMEngine.step()` until all finish; returns their final RequestOutputs in prompt order."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    def run(engine, prompts: list[list[int]], max_tokens: list[int], logprobs: int = 1):
+        for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                                                         logprobs=logprobs))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[str(i)] for i in range(len(prompts))]
+
+    return run

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kiln.runtime import LLMEngine, SamplingParams
+from kiln.runtime import LLMEngine
 
 import kiln
 from kiln.cli import main
@@ -20,18 +20,7 @@ def h200_art(tiny_checkpoint, tmp_path_factory):
     return work / "h200"
 
 
-def _run(engine, prompts, max_tokens):
-    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=1))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
-
-
-def test_replayed_decode_equals_eager(h200_art):
+def test_replayed_decode_equals_eager(h200_art, run_engine):
     g = torch.Generator().manual_seed(0)
     max_tokens = [4, 6, 8, 8, 10, 10, 12, 12, 12, 16]  # batches of 10 (eager), 8..1 (graphs, some padded)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 17, 5, 30, 2, 7, 11, 4, 21)]
@@ -42,10 +31,10 @@ def test_replayed_decode_equals_eager(h200_art):
     replays = []
     run = runner.run
     runner.run = lambda fb: replays.append(fb.num_seqs) or run(fb)
-    got = _run(graphs, prompts, max_tokens)
+    got = run_engine(graphs, prompts, max_tokens)
     eager = LLMEngine(h200_art, device="cuda", num_kv_blocks=128, max_num_seqs=16, enforce_eager=True)
     assert eager.runner.graph_runner is None
-    want = _run(eager, prompts, max_tokens)
+    want = run_engine(eager, prompts, max_tokens)
     buckets = sorted(runner.graphs)
     assert any(b not in buckets and b < buckets[-1] for b in replays), replays  # a padded bucket replayed
     for w, o in zip(want, got, strict=True):

@@ -8,41 +8,20 @@ exact; top-k/top-p sampling identical to the runtime Sampler's math on the same 
 """
 from __future__ import annotations
 
-import importlib
-import itertools
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kiln.codegen.render import template_env  # noqa: E402
 from kiln.runtime.forward_batch import ForwardBatch  # noqa: E402
 
 DEV = "cuda"
 HEAD_DIM, HEADS, KV_HEADS, BLOCK = 128, 32, 8, 16
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def K(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_kernels")
-    pkg = root / f"gpukpkg{next(_ids)}"
-    pkg.mkdir()
-    env = template_env()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test"))
-    (pkg / "triton.py").write_text(env.get_template("triton/kernels.py.j2").render(
-        kiln_version="test", head_dim=HEAD_DIM, num_heads=HEADS, num_kv_heads=KV_HEADS, dtype="bfloat16",
-        block_size=BLOCK))
-    sys.path.insert(0, str(root))
-    try:
-        mod = importlib.import_module(f"{pkg.name}.triton")
-    finally:
-        sys.path.remove(str(root))
-    assert not mod.INTERPRET
-    return mod
+def K(render_triton_kernels):
+    return render_triton_kernels(HEAD_DIM, HEADS, KV_HEADS, BLOCK)
 
 
 def _one_ulp(a, b):

@@ -9,41 +9,21 @@ reference on the same bf16 inputs (P rounded to bf16 for PV, as on tensor cores)
 """
 from __future__ import annotations
 
-import importlib
-import itertools
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kiln.codegen.render import template_env  # noqa: E402
 from kiln.runtime.forward_batch import ForwardBatch  # noqa: E402
 
 DEV = "cuda"
 BLOCK = 16
 DTYPES = [torch.float32, torch.bfloat16]
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def K(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu_moe_mla")
-    pkg = root / f"gpumoepkg{next(_ids)}"
-    pkg.mkdir()
-    env = template_env()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test"))
-    (pkg / "triton.py").write_text(env.get_template("triton/kernels.py.j2").render(
-        kiln_version="test", head_dim=128, num_heads=1, num_kv_heads=1, dtype="bfloat16", block_size=BLOCK))
-    sys.path.insert(0, str(root))
-    try:
-        mod = importlib.import_module(f"{pkg.name}.triton")
-    finally:
-        sys.path.remove(str(root))
-    assert not mod.INTERPRET
-    return mod
+def K(render_triton_kernels):
+    return render_triton_kernels(128, 1, 1, BLOCK)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kiln.runtime import LLMEngine, SamplingParams
+from kiln.runtime import LLMEngine
 from kiln.runtime.config import CUDAGraphConfig
 from kiln.runtime.forward_batch import ForwardBatch
 from kiln.runtime.graph_runner import CUDAGraphRunner
@@ -101,24 +101,13 @@ def _engine(art, graphs: bool) -> LLMEngine:
     return engine
 
 
-def _generate(engine, prompts, max_tokens):
-    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=3))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
-
-
-def test_padded_decode_equals_eager_decode(llama):
+def test_padded_decode_equals_eager_decode(llama, run_engine):
     g = torch.Generator().manual_seed(0)
     # 11 sequences: decode batches of 11 (over the largest bucket: eager), then 7, 6, 3 (padded to 8, 8, 4), 1
     max_tokens = [4, 4, 4, 4, 6, 8, 8, 8, 10, 10, 12]
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 17, 5, 30, 2, 7, 11, 4, 21, 6)]
     eager, padded = _engine(llama, graphs=False), _engine(llama, graphs=True)
-    want, got = _generate(eager, prompts, max_tokens), _generate(padded, prompts, max_tokens)
+    want, got = run_engine(eager, prompts, max_tokens), run_engine(padded, prompts, max_tokens)
     for w, o in zip(want, got, strict=True):
         assert o.outputs[0].token_ids == w.outputs[0].token_ids
         # Same top tokens; values equal up to GEMM rounding (a GEMM over 8 rows may block differently than
