@@ -25,46 +25,33 @@ def _key_loc(setting: ast.Setting) -> Loc:
     return replace(setting.loc, end_col=setting.loc.col + len(setting.key))
 
 
+def _walk(expr: ast.Expr) -> Iterable[ast.Expr]:
+    """`expr` and every sub-expression, pre-order, left to right."""
+    yield expr
+    match expr:
+        case ast.BinOp(_, left, right):
+            children = (left, right)
+        case ast.UnaryOp(_, operand):
+            children = (operand,)
+        case ast.Ternary(cond, then, else_):
+            children = (cond, then, else_)
+        case ast.Call(_, args, kwargs):
+            children = (*args, *(v for _, v in kwargs))
+        case ast.List(items):
+            children = items
+        case _:
+            children = ()
+    for child in children:
+        yield from _walk(child)
+
+
 def _names(expr: ast.Expr) -> Iterable[ast.Name]:
     """Every `Name` read by `expr` (call targets are not names)."""
-    match expr:
-        case ast.Name():
-            yield expr
-        case ast.BinOp(_, left, right):
-            yield from _names(left)
-            yield from _names(right)
-        case ast.UnaryOp(_, operand):
-            yield from _names(operand)
-        case ast.Ternary(cond, then, else_):
-            for e in (cond, then, else_):
-                yield from _names(e)
-        case ast.Call(_, args, kwargs):
-            for a in args:
-                yield from _names(a)
-            for _, v in kwargs:
-                yield from _names(v)
-        case ast.List(items):
-            for i in items:
-                yield from _names(i)
+    return (e for e in _walk(expr) if isinstance(e, ast.Name))
 
 
 def _calls(expr: ast.Expr) -> Iterable[ast.Call]:
-    match expr:
-        case ast.Call(_, args, kwargs):
-            yield expr
-            for a in (*args, *(v for _, v in kwargs)):
-                yield from _calls(a)
-        case ast.BinOp(_, left, right):
-            yield from _calls(left)
-            yield from _calls(right)
-        case ast.UnaryOp(_, operand):
-            yield from _calls(operand)
-        case ast.Ternary(cond, then, else_):
-            for e in (cond, then, else_):
-                yield from _calls(e)
-        case ast.List(items):
-            for i in items:
-                yield from _calls(i)
+    return (e for e in _walk(expr) if isinstance(e, ast.Call))
 
 
 # ---------------------------------------------------------------- models
