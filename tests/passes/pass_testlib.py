@@ -5,6 +5,7 @@ from collections.abc import Mapping
 
 import torch
 from kiln.compiler import PassContext, Program, assert_graphs_equal, parse_program, verify_program
+from kiln.compiler.interpret import interpret
 from kiln.compiler.pass_manager import Pass
 from kiln.passes.shape_inference import ShapeInference
 
@@ -24,6 +25,13 @@ def run_pass(p: Pass, program: Program) -> tuple[Program, PassContext]:
     assert _snapshot(program) == before, f"{p.name} mutated its input"
     verify_program(out, require_types=True)
     return out, ctx
+
+
+def run_pass_on_text(p: Pass, text: str) -> tuple[Program, Program, PassContext]:
+    """`typed(text)` and `run_pass(p, ...)` on it: returns (input program, output program, context)."""
+    before = typed(text)
+    out, ctx = run_pass(p, before)
+    return before, out, ctx
 
 
 def _snapshot(program: Program) -> tuple:
@@ -162,3 +170,12 @@ program tiny_llama dtype=f32 {{
 
 def tokens(n: int = 11, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+
+
+def logits_before_after(before: Program, after: Program, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interpreter logits of `before` and `after` on `tokens()`, each with weights built from one random
+    checkpoint (`random_checkpoint(before, seed)`) by the converter rule: (reference, got)."""
+    ckpt = random_checkpoint(before, seed=seed)
+    ref = interpret(before, weights_from_checkpoint(before, ckpt), tokens())
+    got = interpret(after, weights_from_checkpoint(after, ckpt), tokens())
+    return ref, got

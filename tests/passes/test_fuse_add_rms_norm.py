@@ -1,15 +1,13 @@
 """fuse_add_rms_norm: a residual add and the rms_norm reading it become one add_rms_norm."""
 import torch
-from kiln.compiler.interpret import interpret
 from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
 from pass_testlib import (
     assert_programs_equal,
-    random_checkpoint,
+    logits_before_after,
     run_pass,
+    run_pass_on_text,
     tiny_llama_ir,
-    tokens,
     typed,
-    weights_from_checkpoint,
 )
 
 BEFORE = """
@@ -61,18 +59,14 @@ def test_a_sum_that_is_a_graph_output_counts_as_read_elsewhere():
 
 def test_nothing_changes_when_the_norm_is_the_sums_only_reader():
     text = BEFORE.replace("%r = mul(%x, %s)", "%r = mul(%x, %x)")
-    before = typed(text)
-    out, ctx = run_pass(FuseAddRMSNorm(), before)
+    before, out, ctx = run_pass_on_text(FuseAddRMSNorm(), text)
     assert out is before
     assert_programs_equal(out, typed(text))
     assert ctx.stats["matches"] == 0
 
 
 def test_numerics_on_the_decoder_residual_stream():
-    before = typed(tiny_llama_ir())
-    after, ctx = run_pass(FuseAddRMSNorm(), before)
+    before, after, ctx = run_pass_on_text(FuseAddRMSNorm(), tiny_llama_ir())
     assert ctx.stats["matches"] == 1  # h1 feeds mlp_norm and the second residual add; the others read no add
-    ckpt = random_checkpoint(before, seed=4)
-    ref = interpret(before, weights_from_checkpoint(before, ckpt), tokens())
-    got = interpret(after, weights_from_checkpoint(after, ckpt), tokens())
+    ref, got = logits_before_after(before, after, seed=4)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -1,15 +1,13 @@
 """fuse_gate_up: gate and up projections of one input become one linear over a fused param and two slices."""
 import torch
-from kiln.compiler.interpret import interpret
 from kiln.passes.fuse_gate_up import FuseGateUp
 from pass_testlib import (
     assert_programs_equal,
-    random_checkpoint,
+    logits_before_after,
     run_pass,
+    run_pass_on_text,
     tiny_llama_ir,
-    tokens,
     typed,
-    weights_from_checkpoint,
 )
 
 BEFORE = """
@@ -77,17 +75,13 @@ def test_nothing_to_fuse_returns_the_same_program():
         BEFORE.replace("%act = silu(%gate)", "%act = add(%gate, %gate)"),
     ]
     for text in cases:
-        before = typed(text)
-        out, ctx = run_pass(FuseGateUp(), before)
+        before, out, ctx = run_pass_on_text(FuseGateUp(), text)
         assert out is before
         assert ctx.stats["matches"] == 0
 
 
 def test_numerics_match_with_weights_built_from_the_checkpoint():
-    before = typed(tiny_llama_ir())
-    after, ctx = run_pass(FuseGateUp(), before)
+    before, after, ctx = run_pass_on_text(FuseGateUp(), tiny_llama_ir())
     assert ctx.stats["matches"] == 1
-    ckpt = random_checkpoint(before, seed=2)
-    ref = interpret(before, weights_from_checkpoint(before, ckpt), tokens())
-    got = interpret(after, weights_from_checkpoint(after, ckpt), tokens())
+    ref, got = logits_before_after(before, after, seed=2)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

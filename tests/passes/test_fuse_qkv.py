@@ -1,15 +1,13 @@
 """fuse_qkv: q/k/v projections of one input become one linear over a fused param and three slices."""
 import torch
-from kiln.compiler.interpret import interpret
 from kiln.passes.fuse_qkv import FuseQKV
 from pass_testlib import (
     assert_programs_equal,
-    random_checkpoint,
+    logits_before_after,
     run_pass,
+    run_pass_on_text,
     tiny_llama_ir,
-    tokens,
     typed,
-    weights_from_checkpoint,
 )
 
 PARAMS = """
@@ -120,8 +118,7 @@ def test_nothing_to_fuse_returns_the_same_program():
         BEFORE.replace('from ["v.weight"]', 'from ["v.weight"] {quant={"scheme": "fp8"}}'),
     ]
     for text in cases:
-        before = typed(text)
-        out, ctx = run_pass(FuseQKV(), before)
+        before, out, ctx = run_pass_on_text(FuseQKV(), text)
         assert out is before
         assert_programs_equal(out, typed(text))
         assert ctx.stats["matches"] == 0
@@ -129,9 +126,6 @@ def test_nothing_to_fuse_returns_the_same_program():
 
 def test_numerics_match_with_weights_built_from_the_checkpoint():
     for bias in (False, True):
-        before = typed(tiny_llama_ir(bias))
-        after, _ = run_pass(FuseQKV(), before)
-        ckpt = random_checkpoint(before, seed=1)
-        ref = interpret(before, weights_from_checkpoint(before, ckpt), tokens())
-        got = interpret(after, weights_from_checkpoint(after, ckpt), tokens())
+        before, after, _ = run_pass_on_text(FuseQKV(), tiny_llama_ir(bias))
+        ref, got = logits_before_after(before, after, seed=1)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -1,16 +1,14 @@
 """fuse_silu_mul: silu(first half) * second half of one value becomes silu_mul."""
 import torch
-from kiln.compiler.interpret import interpret
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
 from pass_testlib import (
     assert_programs_equal,
-    random_checkpoint,
+    logits_before_after,
     run_pass,
+    run_pass_on_text,
     tiny_llama_ir,
-    tokens,
     typed,
-    weights_from_checkpoint,
 )
 
 BEFORE = """
@@ -61,20 +59,16 @@ def test_guard_rejects_slices_that_are_not_the_two_halves():
               .replace("%up = slice(%y)", "%up = slice(%z)"),  # halves of different values
     ]
     for text in cases:
-        before = typed(text)
-        out, ctx = run_pass(FuseSiLUMul(), before)
+        before, out, ctx = run_pass_on_text(FuseSiLUMul(), text)
         assert out is before
         assert_programs_equal(out, typed(text))
         assert ctx.stats["matches"] == 0
 
 
 def test_numerics_after_gate_up_fusion():
-    before = typed(tiny_llama_ir())
-    gate_up, _ = run_pass(FuseGateUp(), before)
+    before, gate_up, _ = run_pass_on_text(FuseGateUp(), tiny_llama_ir())
     after, ctx = run_pass(FuseSiLUMul(), gate_up)
     assert ctx.stats["matches"] == 1 and after.graphs["decoder"].count("silu_mul") == 1
     assert after.graphs["decoder"].count("silu") == 0 and after.graphs["decoder"].count("slice") == 0
-    ckpt = random_checkpoint(before, seed=3)
-    ref = interpret(before, weights_from_checkpoint(before, ckpt), tokens())
-    got = interpret(after, weights_from_checkpoint(after, ckpt), tokens())
+    ref, got = logits_before_after(before, after, seed=3)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -2,18 +2,16 @@
 import pytest
 import torch
 from kiln.compiler import PassContext
-from kiln.compiler.interpret import interpret
 from kiln.compiler.ops import OPS
 from kiln.passes import kernel_selection
 from kiln.passes.kernel_selection import KernelSelection, KernelSelectionError
 from pass_testlib import (
     assert_programs_equal,
-    random_checkpoint,
+    logits_before_after,
     run_pass,
+    run_pass_on_text,
     tiny_llama_ir,
-    tokens,
     typed,
-    weights_from_checkpoint,
 )
 
 BEFORE = """
@@ -84,7 +82,6 @@ def test_op_without_a_kernel_on_the_target_is_a_clear_error(monkeypatch):
 
 
 def test_interpreter_ignores_the_kernel_attribute():
-    before = typed(tiny_llama_ir())
-    after, _ = run_pass(KernelSelection("cpu"), before)
-    w = weights_from_checkpoint(before, random_checkpoint(before))
-    torch.testing.assert_close(interpret(after, w, tokens()), interpret(before, w, tokens()), atol=0, rtol=0)
+    before, after, _ = run_pass_on_text(KernelSelection("cpu"), tiny_llama_ir())
+    ref, got = logits_before_after(before, after)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)

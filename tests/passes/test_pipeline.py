@@ -2,9 +2,8 @@
 import pytest
 import torch
 from kiln.compiler import PassContext, PassError, PassManager, parse_program, print_program
-from kiln.compiler.interpret import interpret
 from kiln.passes import build_pipeline, kernel_selection
-from pass_testlib import random_checkpoint, tiny_llama_ir, tokens, typed, weights_from_checkpoint
+from pass_testlib import logits_before_after, tiny_llama_ir, typed
 
 CPU = ["shape_inference", "quantize_weights", "fuse_qkv", "fuse_gate_up", "fuse_expert_gate_up", "fuse_silu_mul",
        "fuse_add_rms_norm", "mla_absorption", "fuse_dequant_linear", "quantize_kv_cache", "dead_code_elimination",
@@ -44,9 +43,7 @@ def test_full_pipeline_keeps_logits_and_selects_every_kernel(bias, tmp_path):
     ctx = PassContext(target="cpu", dump_dir=tmp_path)
     after = PassManager.for_target("cpu").run(before, ctx)
 
-    ckpt = random_checkpoint(before, seed=5)
-    ref = interpret(before, weights_from_checkpoint(before, ckpt), tokens())
-    got = interpret(after, weights_from_checkpoint(after, ckpt), tokens())
+    ref, got = logits_before_after(before, after, seed=5)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
     for graph in after.graphs.values():
