@@ -8,21 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import operator
 from collections.abc import Mapping
 from typing import Any
 
 from kiln.compiler.ir import Attrs, BlockSpec, Graph, Node, ParamSpec, Program, TensorType, TupleType
 from kiln.compiler.ops import OPS, ShapeError
 from kiln.dsl import ast as A
-from kiln.dsl import eval_config, eval_expr
+from kiln.dsl import apply_binop, eval_config, eval_expr
 from kiln.dsl.errors import SourceError
 
 DTYPES = {"fp32": "f32", "f32": "f32", "bf16": "bf16", "fp16": "f16", "f16": "f16"}
 
-_CONST_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
-              "//": operator.floordiv, "%": operator.mod, "**": operator.pow, "==": operator.eq,
-              "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
 _TENSOR_OPS = {"+": "add", "*": "mul"}
 
 
@@ -171,7 +167,7 @@ class _Lowering:
         left, right = self.expr(g, env, scope, e.left), self.expr(g, env, scope, e.right)
         lt, rt = isinstance(left, _Tensor), isinstance(right, _Tensor)
         if not lt and not rt:
-            return _CONST_OPS[e.op](left, right)
+            return apply_binop(e.op, left, right, e.loc)
         if lt and rt and e.op in _TENSOR_OPS:
             return self.emit(g, _TENSOR_OPS[e.op], (left, right), {}, e.loc, hint)
         raise SourceError(f"operator '{e.op}' is not defined between "

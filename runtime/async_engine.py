@@ -263,10 +263,7 @@ class AsyncLLMEngine:
         if self._tracked.pop(request_id, None) is None:
             return
         self._unscheduled.discard(request_id)
-        try:
-            self.engine.abort_request(request_id)
-        except Exception:  # best effort after a failed step; the request is gone either way
-            self.engine.requests.pop(request_id, None)
+        self._abort_untracked(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         deliveries = []
@@ -282,7 +279,7 @@ class AsyncLLMEngine:
     def _abort_untracked(self, request_id: str) -> None:
         try:
             self.engine.abort_request(request_id)
-        except Exception:
+        except Exception:  # best effort after a failed step; the request is gone either way
             self.engine.requests.pop(request_id, None)
 
     def _after_step(self, outputs: list[RequestOutput], start: float) -> None:

@@ -87,13 +87,19 @@ class ModelRunner:
     def swap(self, batch: ScheduledBatch) -> None:
         """Copies the step's swapped-out blocks to CPU and swapped-in blocks back (before the forward pass)."""
         if batch.swap_out:
-            dev, cpu = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*batch.swap_out, strict=True))
+            dev, cpu = self._swap_ids(batch.swap_out, device_first=True)
             for gpu_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches, strict=True):
-                cpu_cache[cpu] = gpu_cache[dev.to(self.device)].to("cpu")
+                cpu_cache[cpu] = gpu_cache[dev].to("cpu")
         if batch.swap_in:
-            cpu, dev = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*batch.swap_in, strict=True))
+            dev, cpu = self._swap_ids(batch.swap_in, device_first=False)
             for gpu_cache, cpu_cache in zip(self.kv_caches, self.cpu_caches, strict=True):
-                gpu_cache[dev.to(self.device)] = cpu_cache[cpu].to(self.device, non_blocking=True)
+                gpu_cache[dev] = cpu_cache[cpu].to(self.device, non_blocking=True)
+
+    def _swap_ids(self, pairs: list[tuple[int, int]], *, device_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device block ids on the device, cpu block ids) of `pairs`; built once per step, not once per layer."""
+        first, second = (torch.tensor(ids, dtype=torch.int64) for ids in zip(*pairs, strict=True))
+        dev, cpu = (first, second) if device_first else (second, first)
+        return dev.to(self.device), cpu
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, LogitsLayout]:
         bs = self.block_size

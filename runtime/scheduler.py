@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import SchedulerConfig
-from .kv_cache import BlockManager, SwapSpace
+from .kv_cache import BlockManager, SwapSpace, cdiv
 from .sequence import Sequence, SequenceStatus
 
 
@@ -91,7 +91,7 @@ class Scheduler:
             seq = self.running[i]
             n = self._num_new_tokens(seq, budget)
             while not self.block_manager.allocate_slots(seq, n):
-                victim = self.running[-1]
+                victim = self.running.pop()  # the tail: `remove` would scan the whole queue for it
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
                 if victim is seq:
@@ -170,10 +170,10 @@ class Scheduler:
         return min(remaining, budget) if remaining == 1 else min(remaining, self._chunk, budget)
 
     def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]]) -> None:
-        self.running.remove(seq)
+        """`seq` was just popped from `running`."""
         self.num_preemptions += 1
         # Every block of a running sequence holds computed K/V (allocation is all-or-nothing per step).
-        assert len(seq.block_table) == -(-seq.num_computed_tokens // self.block_manager.block_size), \
+        assert len(seq.block_table) == cdiv(seq.num_computed_tokens, self.block_manager.block_size), \
             f"seq {seq.seq_id}: {len(seq.block_table)} blocks for {seq.num_computed_tokens} computed tokens"
         if self.swap_space is not None and seq.num_computed_tokens and \
                 len(seq.block_table) <= self.swap_space.num_free_blocks:

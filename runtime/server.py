@@ -127,10 +127,7 @@ class OpenAIServer:
             else:
                 inputs.append(PromptInput(f"{request_id}-{i}", prompt))
         group = await self.submit(inputs, params, req)
-        fmt = _CompletionFormatter(self, req, request_id, group)
-        if req.stream:
-            return _SSEResponse(fmt.stream(), on_close=group.abort)
-        return await _until_disconnect(request, fmt.collect(), on_close=group.abort)
+        return await _respond(request, _CompletionFormatter(self, req, request_id, group))
 
     # /v1/chat/completions ----------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -151,10 +148,7 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         ids = await self.encode(text, add_special_tokens=False)
         group = await self.submit([PromptInput(request_id, ids, text)], params, req)
-        fmt = _ChatFormatter(self, req, request_id, group)
-        if req.stream:
-            return _SSEResponse(fmt.stream(), on_close=group.abort)
-        return await _until_disconnect(request, fmt.collect(), on_close=group.abort)
+        return await _respond(request, _ChatFormatter(self, req, request_id, group))
 
     # /v1/models --------------------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -357,6 +351,14 @@ def _chat_token(lp: Any) -> dict[str, Any]:
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _respond(request: Request, fmt: _Formatter) -> Response:
+    """The formatted answer: streamed as SSE, or collected into one body; either way the group is aborted when
+    the client goes away."""
+    if fmt.req.stream:
+        return _SSEResponse(fmt.stream(), on_close=fmt.group.abort)
+    return await _until_disconnect(request, fmt.collect(), on_close=fmt.group.abort)
 
 
 # Client disconnects ----------------------------------------------------------------------------------------
