@@ -5,7 +5,7 @@
 """
 from kiln.dsl.check import check_model, check_module, check_recipe
 from kiln.dsl.errors import KilnError, Loc, SourceError
-from kiln.dsl.evaluate import eval_config, eval_expr
+from kiln.dsl.evaluate import apply_binop, eval_config, eval_expr
 from kiln.dsl.loader import LoadedRecipe, bundled_models_dir, load_file, load_recipe
 from kiln.dsl.parser import parse
 
@@ -19,6 +19,7 @@ __all__ = [
     "check_module",
     "check_recipe",
     "eval_config",
+    "apply_binop",
     "eval_expr",
     "load_file",
     "load_recipe",

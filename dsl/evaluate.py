@@ -82,7 +82,7 @@ def eval_expr(expr: ast.Expr, env: Mapping[str, Value]) -> Value | tuple:
         case ast.BinOp("||", left, right):
             return _bool(left, env, "the left side of '||'") or _bool(right, env, "the right side of '||'")
         case ast.BinOp(op, left, right, loc):
-            return _binop(op, eval_expr(left, env), eval_expr(right, env), loc)
+            return apply_binop(op, eval_expr(left, env), eval_expr(right, env), loc)
         case ast.Call(func, args, kwargs, loc):
             if func not in BUILTINS or kwargs:
                 raise SourceError(f"'{func}(...)' is not a constant expression "
@@ -109,7 +109,8 @@ def _bool(expr: ast.Expr, env: Mapping[str, Value], what: str) -> bool:
     return value
 
 
-def _binop(op: str, a: Value, b: Value, loc) -> Value:
+def apply_binop(op: str, a: Value, b: Value, loc) -> Value:
+    """`a op b` on config values, with the DSL's typing rules; errors are SourceErrors at `loc`."""
     if op in ("==", "!="):
         if _is_number(a) and _is_number(b) or type(a) is type(b):
             return (a == b) == (op == "==")
