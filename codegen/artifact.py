@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.ir import Attrs, Program, TensorType
+from kiln.compiler.ir import DTYPE_BYTES, Attrs, Program, TensorType
 from kiln.compiler.text import print_program
 from kiln.dsl.errors import KilnError
 
@@ -94,21 +94,24 @@ def _mla_kv_cache_section(program: Program, nodes: list) -> dict[str, Any]:
     if len(dims) > 1:
         raise CodegenError(f"MLA layers differ in latent shape {sorted(dims)}; the paged cache needs one", None)
     kv_lora_rank, rope_dim = dims.pop()
-    meta = _section(program.meta, "kv_cache")
-    dtype = TORCH_DTYPE_NAMES[program.dtype]
-    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     return {
         "num_layers": len(nodes),
         "kv_lora_rank": kv_lora_rank,
         "qk_rope_head_dim": rope_dim,
         "latent_dim": kv_lora_rank + rope_dim,
-        "block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
-        "dtype": dtype,
+        "dtype": TORCH_DTYPE_NAMES[program.dtype],
         "layout": MLA_KV_LAYOUT,
-        "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
-        "num_blocks": meta.get("num_blocks"),
-        "bytes_per_token": len(nodes) * (kv_lora_rank + rope_dim) * elem,
+        "bytes_per_token": len(nodes) * (kv_lora_rank + rope_dim) * DTYPE_BYTES[program.dtype],
+        **_kv_cache_sizing(program),
     }
+
+
+def _kv_cache_sizing(program: Program) -> dict[str, Any]:
+    """The recipe's kv_cache {block_size, memory_fraction, num_blocks}, defaults filled in."""
+    meta = _section(program.meta, "kv_cache")
+    return {"block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
+            "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
+            "num_blocks": meta.get("num_blocks")}
 
 
 def _kv_cache_section(program: Program) -> dict[str, Any]:
@@ -125,25 +128,22 @@ def _kv_cache_section(program: Program) -> dict[str, Any]:
         raise CodegenError(f"attention layers differ in KV shape {sorted(heads)}; the paged KV cache needs one "
                            "(kv_heads, head_dim) for all layers", None)
     kv_heads, head_dim = heads.pop() if heads else (0, 0)
-    meta = _section(program.meta, "kv_cache")
     dtype = TORCH_DTYPE_NAMES[program.dtype]
     fp8 = {node.attrs.get("kv_dtype") == "fp8e4m3" for _, node in nodes}
     if len(fp8) > 1:
         raise CodegenError("some attention layers cache K/V in fp8 and some do not; the runtime allocates one "
                            "KV dtype", None)
+    elem = DTYPE_BYTES[program.dtype]
     if fp8 == {True}:  # e4m3 with per-layer, per-KV-head scales (params `*.k_scale`, `*.v_scale`)
-        dtype = "float8_e4m3fn"
-    elem = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[dtype]
+        dtype, elem = "float8_e4m3fn", DTYPE_BYTES["fp8e4m3"]
     return {
         "num_layers": len(nodes),
         "kv_heads": kv_heads,
         "head_dim": head_dim,
-        "block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
         "dtype": dtype,
         "layout": KV_LAYOUT,
-        "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
-        "num_blocks": meta.get("num_blocks"),
         "bytes_per_token": len(nodes) * 2 * kv_heads * head_dim * elem,
+        **_kv_cache_sizing(program),
     }
 
 
@@ -163,7 +163,7 @@ def kernel_params(program: Program) -> dict[str, Any]:
                            None)
     return {"target": target, "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
             "dtype": TORCH_DTYPE_NAMES[program.dtype],
-            "block_size": int(_section(program.meta, "kv_cache").get("block_size", DEFAULT_BLOCK_SIZE))}
+            "block_size": _kv_cache_sizing(program)["block_size"]}
 
 
 def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config: Mapping[str, Any]) -> int:
@@ -218,7 +218,7 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)}
            if "max_blocks_per_seq" in _section(program.meta, "cuda_graphs") else {}),
         # the recipe's `quantize` section, only when there is one (readers: kiln eval, humans)
-        **({"quantization": _section(program.meta, "quantize")} if _section(program.meta, "quantize") else {}),
+        **({"quantization": quantize} if (quantize := _section(program.meta, "quantize")) else {}),
     }
 
 

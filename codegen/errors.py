@@ -1,6 +1,8 @@
 """Errors codegen reports to a user: a kernel it cannot emit, a checkpoint that does not fit the model."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kiln.dsl.errors import KilnError, SourceError
 
 
@@ -19,4 +21,9 @@ class CheckpointError(KilnError):
     """The checkpoint directory cannot be read (missing, no safetensors files, a broken index)."""
 
 
-__all__ = ["CheckpointError", "CodegenError", "KilnError", "WeightError"]
+def fmt_shape(shape: Iterable[int | str]) -> str:
+    """A shape as error messages write it: `[64, 32]`."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+__all__ = ["CheckpointError", "CodegenError", "KilnError", "WeightError", "fmt_shape"]

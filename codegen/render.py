@@ -171,11 +171,12 @@ class _Model:
     def __post_init__(self) -> None:
         program = self.program
         taken = {"forward", "device"}
-        for g in used_graphs(program)[1:]:
+        graphs = used_graphs(program)
+        for g in graphs[1:]:
             self.method_of_graph[g] = identifier(g, taken)
         for spec in program.params.values():
             self.attr_of_param[spec.name] = identifier(spec.name, taken)
-        ropes = [rope_key(program.graphs[g], vid, n) for g in used_graphs(program)
+        ropes = [rope_key(program.graphs[g], vid, n) for g in graphs
                  for vid, n in program.graphs[g].items() if n.op == "rope"]
         distinct = list(dict.fromkeys(ropes))
         for k, key in enumerate(distinct):
@@ -199,7 +200,7 @@ class _Model:
                              f"for i in range({block.count})]")
         if self.rope_caches:
             lines.append("# rotary cos/sin tables, one per distinct rope configuration")
-        defaults = {k: v for k, v in OPS["rope"].attrs.items()}
+        defaults = OPS["rope"].attrs
         for key, attr in self.rope_caches.items():
             head_dim, *items = key
             extra = "".join(f", {k}={literal(v)}" for k, v in items if k == "theta" or v != defaults[k])

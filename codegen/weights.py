@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .errors import CheckpointError, CodegenError, WeightError
+from .errors import fmt_shape as _fmt
 from .quant_weights import QuantizedWeights, calibrate_kv_scales, calibration_tokens
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -132,10 +133,6 @@ def total_weight_bytes(program: Program) -> int:
 
 def _where(entry: _Entry) -> str:
     return f"param '{entry.spec.name}'" + (f" (layer {entry.layer})" if entry.layer is not None else "")
-
-
-def _fmt(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
 def check_sources(entry: _Entry, ckpt: Checkpoint) -> None:
@@ -299,7 +296,7 @@ def _calibrated(program: Program, entries: list[_Entry], ckpt: Checkpoint | None
     kv = [e for e in entries if e.spec.quant is not None and e.spec.quant["role"] == "kv_scale"]
     loaded = {e.name: quant.load(e) for e in kv}
     if all(t is not None for t in loaded.values()):
-        return {name: t for name, t in loaded.items()} or None
+        return loaded or None
     others = [e for e in entries if e.name not in loaded]
     ready = dict(_materialise(others, ckpt, roles, seed, bar, quant))
     missing = {name for name, t in loaded.items() if t is None}
