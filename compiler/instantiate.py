@@ -13,8 +13,8 @@ from typing import Any
 
 from kiln.compiler.ir import Attrs, BlockSpec, Graph, Node, ParamSpec, Program, TensorType, TupleType
 from kiln.compiler.ops import OPS, ShapeError
-from kiln.dsl import ast as A
 from kiln.dsl import apply_binop, eval_config, eval_expr
+from kiln.dsl import ast as A
 from kiln.dsl.errors import SourceError
 
 DTYPES = {"fp32": "f32", "f32": "f32", "bf16": "bf16", "fp16": "f16", "f16": "f16"}
@@ -139,7 +139,7 @@ class _Lowering:
             if spec_name is not None:
                 vid = f"{e.id}" if e.id not in g else None
                 if vid is None:  # a param node for this spec may already exist
-                    for v, n in g.items():
+                    for v, n in g.g.nodes(data="node"):  # at most one per spec: no need to sort
                         if n.op == "param" and n.attrs["name"] == spec_name:
                             return _Tensor(v)
                     vid = g.fresh(e.id)

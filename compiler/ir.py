@@ -208,7 +208,8 @@ class Graph:
         return [n.op for _, n in self.items()]
 
     def count(self, op: str) -> int:
-        return sum(1 for _, n in self.items() if n.op == op)
+        # order-independent: no topological sort
+        return sum(1 for _, n in self.g.nodes(data="node") if n.op == op)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ The planner is the roofline arithmetic every serving engineer does by hand:
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +49,7 @@ def _param_count(program: Program) -> tuple[int, int]:
     count = nbytes = 0
     for spec in program.params.values():
         layers = program.blocks[spec.block].count if spec.block else 1
-        n = 1
-        for d in spec.shape:
-            n *= d
+        n = math.prod(spec.shape)
         count += n * layers * (1 if spec.quant is None else _QUANT_PARAMS_PER_ELEM.get(spec.quant.get("role"), 0))
         nbytes += n * layers * DTYPE_BYTES[spec.dtype]
     return count, nbytes
@@ -112,9 +111,7 @@ def expert_param_bytes(program: Program) -> tuple[int, int]:
                 if p.op != "param":
                     continue
                 ps = program.params[p.attrs["name"]]
-                nbytes = DTYPE_BYTES[ps.dtype] * spec.count
-                for d in ps.shape:
-                    nbytes *= d
+                nbytes = DTYPE_BYTES[ps.dtype] * spec.count * math.prod(ps.shape)
                 total += nbytes
                 active += nbytes * top_k // ps.shape[0]
     return total, active

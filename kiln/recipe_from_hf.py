@@ -62,21 +62,29 @@ def _llama(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "llama", args
 
 
+def _refuse_sliding_window(cfg: dict[str, Any], family: str) -> None:
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        # Qwen applies the window only to layers >= max_window_layers; kiln has one window per model.
+        raise UnsupportedCheckpoint(f"{family} with use_sliding_window=true is not supported yet")
+
+
+def _qwen3_attention(cfg: dict[str, Any], args: dict[str, Any], family: str) -> None:
+    """Qwen3 / Qwen3-MoE attention args: head_dim always given, no sliding window, optional attention bias."""
+    args["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    _refuse_sliding_window(cfg, family)
+    if cfg.get("attention_bias"):
+        args["attention_bias"] = True
+
+
 def _qwen2(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     args = _common(cfg, 1000000.0)
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        # Qwen2 applies the window only to layers >= max_window_layers; kiln has one window per model.
-        raise UnsupportedCheckpoint("Qwen2 with use_sliding_window=true is not supported yet")
+    _refuse_sliding_window(cfg, "Qwen2")
     return "qwen2", args
 
 
 def _qwen3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     args = _common(cfg, 1000000.0)
-    args["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise UnsupportedCheckpoint("Qwen3 with use_sliding_window=true is not supported yet")
-    if cfg.get("attention_bias"):
-        args["attention_bias"] = True
+    _qwen3_attention(cfg, args, "Qwen3")
     return "qwen3", args
 
 
@@ -108,11 +116,7 @@ def _qwen3_moe(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             f"Qwen3-MoE with dense MLP layers {dense} (decoder_sparse_step={step}, mlp_only_layers="
             f"{sorted(mlp_only)}) is not supported yet: kiln's qwen3_moe model makes every layer sparse")
     args.update(moe, moe_ffn=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
-    args["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise UnsupportedCheckpoint("Qwen3-MoE with use_sliding_window=true is not supported yet")
-    if cfg.get("attention_bias"):
-        args["attention_bias"] = True
+    _qwen3_attention(cfg, args, "Qwen3-MoE")
     return "qwen3_moe", args
 
 

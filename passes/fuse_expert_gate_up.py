@@ -4,14 +4,14 @@ from __future__ import annotations
 import dataclasses
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
+from kiln.passes.linear_fusion import concatenable
 from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 
 def _stackable(m: Match) -> bool:
     gate, up = m.param("wgate"), m.param("wup")
-    return (gate.name != up.name and gate.shape == up.shape and gate.dtype == up.dtype and gate.block == up.block
-            and gate.quant is None and up.quant is None and gate.sharding is None and up.sharding is None
-            and bool(gate.source) == bool(up.source) and all(len(s.source) <= 1 for s in (gate, up)))
+    return (gate.name != up.name and gate.shape == up.shape and all(len(s.source) <= 1 for s in (gate, up))
+            and concatenable([gate, up]))
 
 
 def _fuse(m: Match, b: Builder) -> str:

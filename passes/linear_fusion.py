@@ -1,4 +1,5 @@
-"""Shared by fuse_qkv and fuse_gate_up: the guard and the replacement that merge sibling linears into one.
+"""Shared by fuse_qkv and fuse_gate_up: the guard and the replacement that merge sibling linears into one
+(fuse_expert_gate_up reuses the param guard, `concatenable`).
 
 Sibling linears read the same input; each weight (and bias, if any) is a `param`. The merged linear reads a
 new param whose `source` is the siblings' sources in role order, concatenated along dim 0, so the weight
@@ -19,10 +20,11 @@ def fusible_linears(m: Match, roles: Sequence[str], bias: bool) -> bool:
     if len({m[r] for r in roles}) != len(roles):
         return False
     groups = [[m.param(f"w{r}") for r in roles]] + ([[m.param(f"b{r}") for r in roles]] if bias else [])
-    return all(_concatenable(specs) for specs in groups)
+    return all(concatenable(specs) for specs in groups)
 
 
-def _concatenable(specs: list[ParamSpec]) -> bool:
+def concatenable(specs: Sequence[ParamSpec]) -> bool:
+    """Same dtype and block, unquantized, unsharded, equal trailing dims, all from the checkpoint or none."""
     first = specs[0]
     for s in specs:
         if s.dtype != first.dtype or s.block != first.block or s.quant is not None or s.sharding is not None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, PassError, Program, register_pass
+from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, Program, register_pass
+from kiln.passes.quantize_weights import quantize_option
 from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 KV_DTYPE = "fp8e4m3"
@@ -96,13 +97,8 @@ class QuantizeKVCache(Pass):
         self.scales = scales
 
     def run(self, program: Program, ctx: PassContext) -> Program:
-        scales = self.scales
+        scales = self.scales if self.scales is not None else quantize_option(program, ctx, "kv_cache",
+                                                                             parse_kv_scheme)
         if scales is None:
-            value = (ctx.options.get("quantize") or program.meta.get("quantize") or {}).get("kv_cache")
-            if value is None:
-                return program
-            try:
-                scales = parse_kv_scheme(value)
-            except ValueError as e:
-                raise PassError(f"quantize.kv_cache: {e}") from None
+            return program
         return apply_rewrites(program, kv_rewrites(scales), ctx)

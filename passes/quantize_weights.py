@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, PassError, Program, register_pass
 from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,18 @@ def parse_weight_scheme(value: Any) -> WeightScheme:
     if kind not in SCHEMES:
         raise ValueError(f"unknown weight quantization '{kind}' (known: {', '.join(SCHEMES)})")
     return SCHEMES[kind](opts)
+
+
+def quantize_option(program: Program, ctx: PassContext, key: str, parse: Callable[[Any], T]) -> T | None:
+    """`quantize.{key}` of the recipe (ctx.options, else program.meta) parsed by `parse`; None when absent.
+    A ValueError from `parse` becomes a PassError naming the setting."""
+    value = (ctx.options.get("quantize") or program.meta.get("quantize") or {}).get(key)
+    if value is None:
+        return None
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise PassError(f"quantize.{key}: {e}") from None
 
 
 # ---------------------------------------------------------------- the rewrite
@@ -201,14 +214,9 @@ class QuantizeWeights(Pass):
         self.scheme = scheme
 
     def run(self, program: Program, ctx: PassContext) -> Program:
-        scheme = self.scheme
+        scheme = self.scheme if self.scheme is not None else quantize_option(program, ctx, "weights",
+                                                                             parse_weight_scheme)
         if scheme is None:
-            value = (ctx.options.get("quantize") or program.meta.get("quantize") or {}).get("weights")
-            if value is None:
-                return program
-            try:
-                scheme = parse_weight_scheme(value)
-            except ValueError as e:
-                raise PassError(f"quantize.weights: {e}") from None
+            return program
         ctx.stats["scheme"] = scheme.kind + ("" if scheme.kind != "fp8" else f"/{scheme.granularity}")
         return apply_rewrites(program, weight_rewrites(scheme), ctx)
