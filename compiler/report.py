@@ -186,9 +186,9 @@ def _weight_dtypes(program: Program) -> str:
     return program.dtype + (f" + {', '.join(schemes)} weights with scales" if schemes else "")
 
 
-def format_report(program: Program, target: Target, pass_log: list[dict[str, Any]], *, memory_fraction: float,
-                  kv_dtype: str | None = None) -> str:
-    kv_dtype = kv_dtype or kv_cache_dtype(program)
+def format_report(program: Program, target: Target, pass_log: list[dict[str, Any]], *,
+                  memory_fraction: float) -> str:
+    kv_dtype = kv_cache_dtype(program)
     cap = capacity(program, target, memory_fraction=memory_fraction, kv_dtype=kv_dtype)
     mla_layers, latent_dim = mla_kv_geometry(program)
     kv_formula = (f"{cap.kv_layers} layers x kv_heads x head_dim x 2" if not mla_layers else

@@ -175,10 +175,10 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     program = pm.run(program, ctx)
     pass_log = [r.to_json() for r in ctx.log]
 
+    # The KV dtype comes from the compiled program (quantize_kv_cache marks the attention ops), whatever
+    # spelling the recipe used.
     kv = options.get("kv_cache", {})
-    kv_dtype = "fp8e4m3" if options.get("quantize", {}).get("kv_cache") == "fp8" else None
-    report = format_report(program, tgt, pass_log, memory_fraction=float(kv.get("memory_fraction", 0.9)),
-                           kv_dtype=kv_dtype)
+    report = format_report(program, tgt, pass_log, memory_fraction=float(kv.get("memory_fraction", 0.9)))
     manifest = None
     if out_dir is not None:
         _check_compiled(recipe, program)
