@@ -10,23 +10,13 @@ USER_ERROR_EXIT = 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's input, printed without a traceback (exit 2)."""
+    """Errors that are the user's input, printed without a traceback (exit 2). Imported only when an
+    error is being handled, so `kiln serve` does not load the compiler."""
+    from kiln.compiler.pass_manager import PassError
     from kiln.dsl.errors import KilnError
+    from kiln.runtime.errors import KilnRuntimeError
 
-    errors: list[type[BaseException]] = [KilnError]
-    try:
-        from kiln.runtime.errors import ArtifactError, RequestError
-
-        errors += [ArtifactError, RequestError]
-    except ImportError:
-        pass
-    try:
-        from kiln.compiler.pass_manager import PassError
-
-        errors.append(PassError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (KilnError, KilnRuntimeError, PassError)
 
 
 def _format(err: BaseException) -> str:
