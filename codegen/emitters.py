@@ -3,7 +3,7 @@
 A template is a `str.format` string over:
   {0}, {1}, ...  the node's inputs (local names or expressions), {args} all of them comma-separated;
   {eps}, ...     the node's attributes as Python literals (op-table defaults filled in);
-  {kv_cache}, {rope_cache}, {scale}  context fields codegen derives for the node (see render.CONTEXT_FIELDS).
+  {kv_cache}, {rope_cache}, {fused_rope}, {scale}  context fields codegen derives for the node (see render.CONTEXT_FIELDS).
 Adding a kernel is one row here (plus its function in a kernels template), never a branch in the renderer.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ EMITTERS: dict[str, str] = {
     "cpu.mul": "K.mul({0}, {1})",
     "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                            "sliding_window={sliding_window}{kv_scales})"),
+                            "sliding_window={sliding_window}{kv_scales}{fused_rope})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
     "cpu.deinterleave": "K.deinterleave({0})",
     "cpu.dequant_fp8": "K.dequant_fp8({0}, {1}, granularity={granularity}, block={block}, dtype={dtype})",
@@ -58,7 +58,7 @@ EMITTERS.update({
     "triton.silu_mul": "K.silu_mul({0})",
     "triton.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "triton.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                               "sliding_window={sliding_window}{kv_scales})"),
+                               "sliding_window={sliding_window}{kv_scales}{fused_rope})"),
     "triton.moe_experts": "K.moe_experts({args})",
     "triton.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
                              "absorb={absorb})"),

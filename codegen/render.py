@@ -122,10 +122,19 @@ def _attrs_with_defaults(node: Node) -> dict[str, Any]:
     return attrs
 
 
+def _has_rope(node: Node) -> bool:
+    """A rope node, or an attention that absorbed its q/k rope (fuse_rope_kv_write)."""
+    return node.op == "rope" or (node.op == "attention" and node.attrs.get("rope") is not None)
+
+
 def rope_key(graph: Graph, vid: str, node: Node) -> tuple:
-    """Ropes sharing this key share one precomputed cos/sin table."""
+    """Ropes sharing this key share one precomputed cos/sin table; an attention with a fused rope keys on the
+    rope attributes it carries, so it shares the table the rope node would have used."""
     head_dim = _type_of(graph, node.inputs[0]).shape[-1]
-    attrs = _attrs_with_defaults(node)
+    if node.op == "rope":
+        attrs = _attrs_with_defaults(node)
+    else:
+        attrs = {**{k: v for k, v in OPS["rope"].attrs.items() if v is not REQUIRED}, **node.attrs["rope"]}
     return (head_dim, *((k, attrs[k]) for k in OPS["rope"].attrs))  # op-table order: theta first
 
 
@@ -177,7 +186,7 @@ class _Model:
         for spec in program.params.values():
             self.attr_of_param[spec.name] = identifier(spec.name, taken)
         ropes = [rope_key(program.graphs[g], vid, n) for g in graphs
-                 for vid, n in program.graphs[g].items() if n.op == "rope"]
+                 for vid, n in program.graphs[g].items() if _has_rope(n)]
         distinct = list(dict.fromkeys(ropes))
         for k, key in enumerate(distinct):
             self.rope_caches[key] = identifier("rope_cache" if len(distinct) == 1 else f"rope_cache_{k}", taken)
@@ -244,8 +253,14 @@ def _kv_scales_field(fn: _Function, vid: str, node: Node) -> str:
     return f", k_scale={k_scale}, v_scale={v_scale}"
 
 
+def _fused_rope_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, rope_cache=self.<table>` for an attention that ropes its own q/k (fuse_rope_kv_write), else nothing."""
+    return f", rope_cache={_rope_cache_field(fn, vid, node)}" if _has_rope(node) else ""
+
+
 # Fields a kernel template may name besides inputs and attributes, and how codegen derives each.
 CONTEXT_FIELDS: dict[str, ContextField] = {
+    "fused_rope": _fused_rope_field,  # the cos/sin table of an attention with a fused rope, as a keyword
     "kv_scales": _kv_scales_field,  # an fp8 KV cache's per-head scales, as keyword arguments
     "kv_cache": _kv_cache_field,  # this attention's KV tensor: running index over the layer schedule
     "rope_cache": _rope_cache_field,  # the precomputed cos/sin table of this rope's configuration

@@ -270,6 +270,10 @@ def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
         for s in ins[3:]:
             _check(s.shape == (k.shape[1],) and s.dtype == "f32", f"KV scales must be f32[{k.shape[1]}] (per kv head), got {s}")
     _check(q.rank == 3 and k.rank == 3 and v.rank == 3, f"attention expects [T, heads, head_dim], got {q}, {k}, {v}")
+    if a.get("rope") is not None:  # fuse_rope_kv_write: q and k arrive un-roped
+        _check(not a.get("kv_dtype"), "attention with a fused rope takes no fp8 KV cache (KV-scale calibration "
+               "observes the attention's k, which must already be roped): fuse rope after quantize_kv_cache")
+        _infer_rope([q], a["rope"])  # the absorbed rope's own checks (even head_dim, known scaling)
     _check(k.shape == v.shape, f"attention k {k} and v {v} differ")
     _check(_same(q.shape[2], k.shape[2]), f"attention head_dim differs: q {q}, k {k}")
     hq, hk = q.shape[1], k.shape[1]
@@ -279,7 +283,10 @@ def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
 
 
 def _ref_attention(ctx: RefContext, q, k, v, k_scale=None, v_scale=None, sliding_window: int = 0,
-                   scale: float | None = None, kv_dtype: str | None = None):
+                   scale: float | None = None, kv_dtype: str | None = None, rope: Attrs | None = None):
+    if rope is not None:  # the rope it absorbed (fuse_rope_kv_write), with the rope op's own attributes
+        rope_attrs = {**{k_: d for k_, d in OPS["rope"].attrs.items() if d is not REQUIRED}, **rope}
+        q, k = _ref_rope(ctx, q, **rope_attrs), _ref_rope(ctx, k, **rope_attrs)
     if kv_dtype is not None:  # the cache holds K/V rounded through e4m3 with one scale per KV head
         from kiln.compiler.quant import fp8_fake_quantize
 
@@ -300,13 +307,16 @@ def _ref_attention(ctx: RefContext, q, k, v, k_scale=None, v_scale=None, sliding
 
 def _attention_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
     q, k, _ = ins[:3]
-    return Cost(4 * q.numel(), sum(_nbytes(t) for t in ins) + _nbytes(out))  # per token of context; see report
+    rope_flops = 6 * (q.numel() + k.numel()) if a.get("rope") is not None else 0
+    return Cost(4 * q.numel() + rope_flops, sum(_nbytes(t) for t in ins) + _nbytes(out))  # per token of context; see report
 
 
 register_op(OpDef("attention", 3, 5, infer=_infer_attention, reference=_ref_attention, cost=_attention_cost,
-                  attrs={"sliding_window": 0, "scale": None, "kv_dtype": None},
+                  attrs={"sliding_window": 0, "scale": None, "kv_dtype": None, "rope": None},
                   doc="Causal attention over this step's tokens and the sequence's cached K/V (GQA). With "
-                      "kv_dtype='fp8e4m3' the cache stores K/V in e4m3 with per-KV-head scales (inputs 4, 5)."))
+                      "kv_dtype='fp8e4m3' the cache stores K/V in e4m3 with per-KV-head scales (inputs 4, 5). "
+                      "With rope={rope attributes} (fuse_rope_kv_write) q and k arrive un-roped and are rotated "
+                      "as rope(x, **rope) would, before k is cached: one kernel ropes q/k and writes K/V."))
 
 
 def _infer_unary(ins: list[TensorType], a: Attrs) -> TensorType:

@@ -7,6 +7,7 @@ from kiln.passes import (  # noqa: F401 - imported to register the passes
     fuse_expert_gate_up,
     fuse_gate_up,
     fuse_qkv,
+    fuse_rope_kv_write,
     fuse_silu_mul,
     kernel_selection,
     mla_absorption,

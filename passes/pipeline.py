@@ -11,6 +11,7 @@ from kiln.passes.fuse_dequant_linear import FuseDequantLinear
 from kiln.passes.fuse_expert_gate_up import FuseExpertGateUp
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
+from kiln.passes.fuse_rope_kv_write import FuseRopeKVWrite
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
 from kiln.passes.kernel_selection import KERNEL_TABLES, KernelSelection
 from kiln.passes.mla_absorption import MLAAbsorption
@@ -37,6 +38,7 @@ def _llm(target: str) -> list[Pass]:
         MLAAbsorption(),  # decode attends over the MLA latent; prefill keeps per-head K/V
         FuseDequantLinear(),  # linear(x, dequant(w_q...)) -> one quantized GEMM
         QuantizeKVCache(),  # after fuse_qkv, which matches the plain three-input attention
+        FuseRopeKVWrite(),  # after quantize_kv_cache: fp8 KV calibration observes the attention's roped k
         # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
         # Phase 4: lowering, on targets with a kernel table (cpu, h100, h200)
