@@ -214,9 +214,52 @@ register_op(OpDef("slice", 1, 1, infer=_infer_slice, attrs={"start": REQUIRED, "
                   cost=lambda ins, out, a: Cost(0, 0), doc="x[..., start:stop] (a view of a fused output)."))
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, factor: float, original_max_position: int,
+                   beta_fast: float, beta_slow: float, truncate: bool) -> torch.Tensor:
+    """YaRN frequencies (transformers' `_compute_yarn_parameters`): dims that turn fewer than `beta_slow` times
+    over the original context are interpolated (divided by `factor`), dims that turn more than `beta_fast` times
+    are kept, and a linear ramp blends the dims between."""
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1·mscale·ln(scale) + 1 (1 when not extending)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: str, factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0,
+                          attention_factor: float = 0.0) -> float:
+    """The factor on cos/sin: 1 except for yarn, where a given `attention_factor` wins, else DeepSeek's
+    mscale/mscale_all_dim ratio when both are set, else yarn_get_mscale(factor). 0 means "not given", as
+    transformers treats a missing (or falsy) key."""
+    if scaling != "yarn":
+        return 1.0
+    if attention_factor:
+        return float(attention_factor)
+    if mscale and mscale_all_dim:
+        return float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
+    return yarn_get_mscale(factor)
+
+
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: str, factor: float, low_freq_factor: float,
-                  high_freq_factor: float, original_max_position: int) -> torch.Tensor:
-    """Inverse frequencies of RoPE, including Llama-3.1 frequency-dependent scaling ("llama3")."""
+                  high_freq_factor: float, original_max_position: int, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
+    """Inverse frequencies of RoPE, including Llama-3.1 frequency-dependent scaling ("llama3") and YaRN."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling == "llama3":
         low_wavelen = original_max_position / low_freq_factor
@@ -229,22 +272,27 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: str, factor: float, low_
         inv = torch.where(is_mid, mid, scaled)
     elif scaling == "linear":
         inv = inv / factor
+    elif scaling == "yarn":
+        inv = _yarn_inv_freq(head_dim, theta, factor, original_max_position, beta_fast, beta_slow, truncate)
     elif scaling != "none":
-        raise ValueError(f"unknown rope scaling {scaling!r} (known: none, linear, llama3)")
+        raise ValueError(f"unknown rope scaling {scaling!r} (known: {', '.join(ROPE_SCALINGS)})")
     return inv
 
 
+# yarn's mscale, mscale_all_dim and attention_factor: 0 = not given (see rope_attention_factor)
 ROPE_ATTRS = {"theta": 10000.0, "scaling": "none", "factor": 1.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position": 8192}
+              "high_freq_factor": 4.0, "original_max_position": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
+              "mscale": 0.0, "mscale_all_dim": 0.0, "attention_factor": 0.0, "truncate": True}
 
 
 def _ref_rope(ctx: RefContext, x: torch.Tensor, **a: Any) -> torch.Tensor:
     d = x.shape[-1]
-    inv = rope_inv_freq(d, a["theta"], a["scaling"], a["factor"], a["low_freq_factor"],
-                        a["high_freq_factor"], a["original_max_position"])
+    inv = rope_inv_freq(d, a["theta"], a["scaling"], a["factor"], a["low_freq_factor"], a["high_freq_factor"],
+                        a["original_max_position"], a["beta_fast"], a["beta_slow"], a["truncate"])
     ang = ctx.positions.float()[:, None] * inv[None, :]  # [T, D/2]
     emb = torch.cat([ang, ang], dim=-1)
-    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    mag = rope_attention_factor(a["scaling"], a["factor"], a["mscale"], a["mscale_all_dim"], a["attention_factor"])
+    cos, sin = (emb.cos() * mag)[:, None, :].to(x.dtype), (emb.sin() * mag)[:, None, :].to(x.dtype)
     rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
     return x * cos + rot * sin
 
@@ -253,6 +301,8 @@ def _infer_rope(ins: list[TensorType], a: Attrs) -> TensorType:
     (x,) = ins
     _check(x.rank == 3 and isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0,
            f"rope expects [T, heads, head_dim] with an even head_dim, got {x}")
+    scaling = a.get("scaling", ROPE_ATTRS["scaling"])
+    _check(scaling in ROPE_SCALINGS, f"unknown rope scaling {scaling!r} (known: {', '.join(ROPE_SCALINGS)})")
     return x
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.ops import yarn_get_mscale
 from kiln.dsl.errors import KilnError
 
 
@@ -15,23 +16,67 @@ class UnsupportedCheckpoint(KilnError):
     pass
 
 
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    # transformers ≥5 nests theta and scaling under `rope_parameters`; 4.x (and most checkpoints on disk) use
+    # `rope_theta` + `rope_scaling`.
+    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
+def _rope_kind(rp: dict[str, Any]) -> str:
+    return rp.get("rope_type", rp.get("type")) or "default"
+
+
+def _yarn(cfg: dict[str, Any], rp: dict[str, Any]) -> dict[str, Any]:
+    """The rope op's yarn attributes, resolved as transformers' standardize_rope_params and
+    `_compute_yarn_parameters` resolve them (a missing factor is the context ratio; a top-level
+    original_max_position_embeddings wins; missing betas are 32/1; mscale, mscale_all_dim, attention_factor
+    stay 0 = not given)."""
+    original = cfg.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings")
+    if not original:
+        raise UnsupportedCheckpoint("yarn rope scaling needs original_max_position_embeddings")
+    factor = rp.get("factor")
+    if factor is None:
+        factor = cfg.get("max_position_embeddings", original) / original
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is not None and attention_factor <= 0:
+        raise UnsupportedCheckpoint(f"yarn attention_factor must be positive, got {attention_factor}")
+    out: dict[str, Any] = {"rope_scaling": "yarn", "rope_factor": float(factor),
+                           "rope_original_max_position": int(original),
+                           "rope_beta_fast": float(rp.get("beta_fast") or 32),
+                           "rope_beta_slow": float(rp.get("beta_slow") or 1)}
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        if rp.get(key):
+            out[f"rope_{key}"] = float(rp[key])
+    if not rp.get("truncate", True):
+        out["rope_truncate"] = False
+    return out
+
+
+_DYNAMIC_NTK = ("'dynamic' (NTK) rope scaling is not supported: transformers recomputes its frequencies from the "
+                "running sequence length, so no fixed cos/sin table matches it past max_position_embeddings (below "
+                "it, it is unscaled rope: drop rope_scaling from config.json if you serve no longer contexts)")
+
+
 def _rope(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
-    # transformers ≥5 nests theta and scaling under `rope_parameters`; 4.x uses `rope_theta` + `rope_scaling`.
-    rp = dict(cfg.get("rope_parameters") or {})
-    rs = dict(cfg.get("rope_scaling") or {})
-    merged = {**rs, **rp}
-    theta = merged.get("rope_theta", cfg.get("rope_theta", default_theta))
+    rp = _rope_parameters(cfg)
+    theta = rp.get("rope_theta", cfg.get("rope_theta", default_theta))
     out: dict[str, Any] = {"rope_theta": float(theta)}
-    kind = merged.get("rope_type", merged.get("type", "default"))
+    kind = _rope_kind(rp)
     if kind in ("llama3",):
-        out.update(rope_scaling="llama3", rope_factor=float(merged["factor"]),
-                   rope_low_freq_factor=float(merged["low_freq_factor"]),
-                   rope_high_freq_factor=float(merged["high_freq_factor"]),
-                   rope_original_max_position=int(merged["original_max_position_embeddings"]))
+        out.update(rope_scaling="llama3", rope_factor=float(rp["factor"]),
+                   rope_low_freq_factor=float(rp["low_freq_factor"]),
+                   rope_high_freq_factor=float(rp["high_freq_factor"]),
+                   rope_original_max_position=int(rp["original_max_position_embeddings"]))
     elif kind == "linear":
-        out.update(rope_scaling="linear", rope_factor=float(merged["factor"]))
-    elif kind not in ("default", None):
-        raise UnsupportedCheckpoint(f"rope scaling type {kind!r} is not supported yet (supported: llama3, linear)")
+        out.update(rope_scaling="linear", rope_factor=float(rp["factor"]))
+    elif kind == "yarn":
+        out.update(_yarn(cfg, rp))
+    elif kind == "dynamic":
+        raise UnsupportedCheckpoint(_DYNAMIC_NTK)
+    elif kind != "default":
+        raise UnsupportedCheckpoint(f"rope scaling type {kind!r} is not supported yet "
+                                    "(supported: llama3, linear, yarn)")
     return out
 
 
@@ -123,11 +168,12 @@ def _qwen3_moe(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
     """DeepSeek-V3 / V2: multi-head latent attention, first_k_dense_replace dense layers, then mixture-of-experts
     layers with shared experts (models/deepseek_v3.dsl), routed as transformers' DeepseekV3/V2TopkRouter."""
-    rp = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind not in ("default", None):
-        raise UnsupportedCheckpoint(f"DeepSeek rope scaling {kind!r} is not supported yet: kiln's rope has no yarn "
-                                    "frequencies (and yarn's mscale on the softmax scale); only unscaled rope")
+    rp = _rope_parameters(cfg)
+    kind = _rope_kind(rp)
+    if kind == "dynamic":
+        raise UnsupportedCheckpoint(_DYNAMIC_NTK)
+    if kind not in ("default", "yarn"):
+        raise UnsupportedCheckpoint(f"DeepSeek rope scaling {kind!r} is not supported yet (supported: yarn)")
     layers = cfg["num_hidden_layers"]
     first_dense = min(int(cfg.get("first_k_dense_replace") or 0), layers)
     args: dict[str, Any] = {
@@ -144,6 +190,11 @@ def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
         "max_position": int(cfg.get("max_position_embeddings", 4096)),
         "first_k_dense": first_dense,
     }
+    if kind == "yarn":
+        yarn = _yarn(cfg, rp)
+        args.update(yarn)
+        if rp.get("mscale_all_dim"):  # HF DeepseekV3Attention's yarn_apply_mscale: softmax scale × mscale²
+            args["mscale"] = yarn_get_mscale(yarn["rope_factor"], float(rp["mscale_all_dim"]))
     if cfg.get("attention_bias"):
         args["attention_bias"] = True
     if first_dense < layers:

@@ -14,11 +14,16 @@
 # weights are the chosen scores, renormalised if norm_topk_prob, times routed_scaling.
 # HF computes the router matmul in fp32; kiln's runs in the artifact dtype (the same in an fp32 artifact;
 # in bf16, near-tied experts may be chosen differently).
-# `mscale` is yarn's softmax-scale factor (1.0 without yarn): scale = mscale² / sqrt(nope + rope dim).
+# `mscale` is yarn's softmax-scale factor (1.0 without yarn): scale = mscale² / sqrt(nope + rope dim); with
+# yarn rope (rope_scaling="yarn", the rope_* args as transformers' rope_parameters) from-hf sets it to
+# yarn_get_mscale(factor, mscale_all_dim), as HF DeepseekV3Attention does.
 model deepseek_v3(vocab: int, hidden: int, layers: int, heads: int, ffn: int,
                   q_lora_rank: int = 0, kv_lora_rank: int = 512, qk_nope_head_dim: int = 128,
                   qk_rope_head_dim: int = 64, v_head_dim: int = 128, rope_theta: float = 10000.0,
                   rope_interleave: bool = true, mscale: float = 1.0, norm_eps: float = 1e-6,
+                  rope_scaling: str = "none", rope_factor: float = 1.0, rope_original_max_position: int = 4096,
+                  rope_beta_fast: float = 32.0, rope_beta_slow: float = 1.0, rope_mscale: float = 0.0,
+                  rope_mscale_all_dim: float = 0.0, rope_attention_factor: float = 0.0, rope_truncate: bool = true,
                   tie_embeddings: bool = false, max_position: int = 4096, attention_bias: bool = false,
                   first_k_dense: int = layers, experts: int = 0, top_k: int = 1, moe_ffn: int = ffn,
                   shared_experts: int = 0, n_group: int = 1, topk_group: int = 1,
@@ -57,7 +62,10 @@ model deepseek_v3(vocab: int, hidden: int, layers: int, heads: int, ffn: int,
       k_pe = slice(kv, start=kv_lora_rank, stop=kv_lora_rank + qk_rope_head_dim) |> view(1, qk_rope_head_dim)
       q_pe = rope_interleave ? deinterleave(q_pe) : q_pe
       k_pe = rope_interleave ? deinterleave(k_pe) : k_pe
-      q_pe, k_pe = rope(q_pe, k_pe, theta=rope_theta)
+      q_pe, k_pe = rope(q_pe, k_pe, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
+                        original_max_position=rope_original_max_position, beta_fast=rope_beta_fast,
+                        beta_slow=rope_beta_slow, mscale=rope_mscale, mscale_all_dim=rope_mscale_all_dim,
+                        attention_factor=rope_attention_factor, truncate=rope_truncate)
       a = mla_attention(q_nope, q_pe, c_kv, k_pe, wkv_b,
                         scale=mscale * mscale * (qk_nope_head_dim + qk_rope_head_dim) ** -0.5)
       h = h + (attention_bias ? linear(a, wo, bo) : linear(a, wo))
@@ -101,7 +109,10 @@ model deepseek_v3(vocab: int, hidden: int, layers: int, heads: int, ffn: int,
       k_pe = slice(kv, start=kv_lora_rank, stop=kv_lora_rank + qk_rope_head_dim) |> view(1, qk_rope_head_dim)
       q_pe = rope_interleave ? deinterleave(q_pe) : q_pe
       k_pe = rope_interleave ? deinterleave(k_pe) : k_pe
-      q_pe, k_pe = rope(q_pe, k_pe, theta=rope_theta)
+      q_pe, k_pe = rope(q_pe, k_pe, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
+                        original_max_position=rope_original_max_position, beta_fast=rope_beta_fast,
+                        beta_slow=rope_beta_slow, mscale=rope_mscale, mscale_all_dim=rope_mscale_all_dim,
+                        attention_factor=rope_attention_factor, truncate=rope_truncate)
       a = mla_attention(q_nope, q_pe, c_kv, k_pe, wkv_b,
                         scale=mscale * mscale * (qk_nope_head_dim + qk_rope_head_dim) ** -0.5)
       h = h + (attention_bias ? linear(a, wo, bo) : linear(a, wo))

@@ -4,6 +4,8 @@ model qwen2(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = he
             norm_eps: float = 1e-6, tie_embeddings: bool = false, max_position: int = 32768,
             rope_scaling: str = "none", rope_factor: float = 1.0, rope_low_freq_factor: float = 1.0,
             rope_high_freq_factor: float = 4.0, rope_original_max_position: int = 8192,
+            rope_beta_fast: float = 32.0, rope_beta_slow: float = 1.0, rope_mscale: float = 0.0,
+            rope_mscale_all_dim: float = 0.0, rope_attention_factor: float = 0.0, rope_truncate: bool = true,
             sliding_window: int = 0) {
   param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
 
@@ -28,7 +30,9 @@ model qwen2(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = he
       v = linear(x, wv, bv) |> view(kv_heads, head_dim)
       q, k = rope(q, k, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
                   low_freq_factor=rope_low_freq_factor, high_freq_factor=rope_high_freq_factor,
-                  original_max_position=rope_original_max_position)
+                  original_max_position=rope_original_max_position, beta_fast=rope_beta_fast,
+                  beta_slow=rope_beta_slow, mscale=rope_mscale, mscale_all_dim=rope_mscale_all_dim,
+                  attention_factor=rope_attention_factor, truncate=rope_truncate)
       a = attention(q, k, v, sliding_window=sliding_window)
       h = h + linear(a, wo)
       x = rms_norm(h, mlp_norm, eps=norm_eps)

@@ -5,6 +5,8 @@ model qwen3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = he
             norm_eps: float = 1e-6, tie_embeddings: bool = false, max_position: int = 40960,
             rope_scaling: str = "none", rope_factor: float = 1.0, rope_low_freq_factor: float = 1.0,
             rope_high_freq_factor: float = 4.0, rope_original_max_position: int = 8192,
+            rope_beta_fast: float = 32.0, rope_beta_slow: float = 1.0, rope_mscale: float = 0.0,
+            rope_mscale_all_dim: float = 0.0, rope_attention_factor: float = 0.0, rope_truncate: bool = true,
             sliding_window: int = 0, attention_bias: bool = false) {
   param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
 
@@ -34,7 +36,9 @@ model qwen3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = he
       k = rms_norm(k, k_norm, eps=norm_eps)
       q, k = rope(q, k, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
                   low_freq_factor=rope_low_freq_factor, high_freq_factor=rope_high_freq_factor,
-                  original_max_position=rope_original_max_position)
+                  original_max_position=rope_original_max_position, beta_fast=rope_beta_fast,
+                  beta_slow=rope_beta_slow, mscale=rope_mscale, mscale_all_dim=rope_mscale_all_dim,
+                  attention_factor=rope_attention_factor, truncate=rope_truncate)
       a = attention(q, k, v, sliding_window=sliding_window)
       h = h + (attention_bias ? linear(a, wo, bo) : linear(a, wo))
       x = rms_norm(h, mlp_norm, eps=norm_eps)

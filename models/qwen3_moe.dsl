@@ -6,7 +6,10 @@ model qwen3_moe(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int 
                 norm_topk_prob: bool = true, rope_theta: float = 1000000.0, norm_eps: float = 1e-6,
                 tie_embeddings: bool = false, max_position: int = 40960, rope_scaling: str = "none",
                 rope_factor: float = 1.0, rope_low_freq_factor: float = 1.0, rope_high_freq_factor: float = 4.0,
-                rope_original_max_position: int = 8192, sliding_window: int = 0, attention_bias: bool = false) {
+                rope_original_max_position: int = 8192,
+                rope_beta_fast: float = 32.0, rope_beta_slow: float = 1.0, rope_mscale: float = 0.0,
+                rope_mscale_all_dim: float = 0.0, rope_attention_factor: float = 0.0, rope_truncate: bool = true,
+                sliding_window: int = 0, attention_bias: bool = false) {
   param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
 
   block decoder[layers] {                       # {i} is the layer index, {e} the expert index
@@ -36,7 +39,9 @@ model qwen3_moe(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int 
       k = rms_norm(k, k_norm, eps=norm_eps)
       q, k = rope(q, k, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
                   low_freq_factor=rope_low_freq_factor, high_freq_factor=rope_high_freq_factor,
-                  original_max_position=rope_original_max_position)
+                  original_max_position=rope_original_max_position, beta_fast=rope_beta_fast,
+                  beta_slow=rope_beta_slow, mscale=rope_mscale, mscale_all_dim=rope_mscale_all_dim,
+                  attention_factor=rope_attention_factor, truncate=rope_truncate)
       a = attention(q, k, v, sliding_window=sliding_window)
       h = h + (attention_bias ? linear(a, wo, bo) : linear(a, wo))
       x = rms_norm(h, mlp_norm, eps=norm_eps)

@@ -175,8 +175,8 @@ def test_rope_llama3_matches_transformers(K):
 
 
 def test_rope_cache_rejects_unknown_scaling(K):
-    with pytest.raises(ValueError, match="yarn"):
-        K.rope_cache(16, 8, 10000.0, scaling="yarn")
+    with pytest.raises(ValueError, match="longrope"):
+        K.rope_cache(16, 8, 10000.0, scaling="longrope")
 
 
 def test_rope_bf16_keeps_dtype(K):

@@ -26,11 +26,13 @@ def test_v3_and_v2_configs(tmp_path):
     assert "q_lora_rank=0" in v2 and "rope_interleave=true" in v2
 
 
-def test_refuses_yarn_clearly(tmp_path):
-    yarn = {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
-    with pytest.raises(UnsupportedCheckpoint, match="rope scaling 'yarn' is not supported yet"):
-        _recipe(tmp_path, rope_parameters=yarn)
+def test_refuses_rope_scalings_other_than_yarn_clearly(tmp_path):  # yarn: tests/facade/test_rope_yarn.py
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                "original_max_position_embeddings": 4096}
+    with pytest.raises(UnsupportedCheckpoint, match="DeepSeek rope scaling 'longrope' is not supported yet"):
+        _recipe(tmp_path, rope_parameters=longrope)
+    with pytest.raises(UnsupportedCheckpoint, match=r"'dynamic' \(NTK\) rope scaling is not supported"):
+        _recipe(tmp_path, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
 
 
 def test_moe_layers_need_their_expert_config(tmp_path):  # MoE args: tests/moe/test_deepseek_moe_parity.py
