@@ -26,6 +26,7 @@ it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import sys
@@ -97,12 +98,35 @@ def _allocated(setup: Setup) -> int:
     return 0
 
 
+def render_executor(program, work: Path, package: str, max_model_len: int) -> tuple[Path, type]:
+    """Renders the compiled program's model.py and kernel libraries into `work/package`, as an artifact holds
+    them, and imports it: returns (package dir, its Model class)."""
+    from kiln.codegen.artifact import kernel_params
+    from kiln.codegen.emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
+    from kiln.codegen.render import render_model, template_env
+
+    pkg = work / package
+    (pkg / "kernels").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kernels" / "__init__.py").write_text("")
+    (pkg / "model.py").write_text(render_model(program, kiln_version="bench", recipe_hash="0" * 64,
+                                               max_model_len=max_model_len))
+    params = kernel_params(program)
+    env = template_env()
+    for ns in TARGET_KERNEL_MODULES[params["target"]]:
+        (pkg / "kernels" / f"{ns}.py").write_text(env.get_template(KERNEL_MODULES[ns][0]).render(
+            kiln_version="bench", **params))
+    sys.path.insert(0, str(work))
+    try:
+        return pkg, importlib.import_module(f"{package}.model").Model
+    finally:
+        sys.path.remove(str(work))
+
+
 def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Path):
     """Compiles the recipe, renders its executor package, builds the weights on the device and starts an
     LLMEngine on the in-memory artifact. Returns (engine, program, pass_log, measured-memory dict)."""
-    from kiln.codegen.artifact import build_manifest, kernel_params, resolve_max_model_len
-    from kiln.codegen.emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
-    from kiln.codegen.render import render_model, template_env
+    from kiln.codegen.artifact import build_manifest, resolve_max_model_len
     from kiln.runtime.artifact import LoadedArtifact
     from kiln.runtime.config import (
         cuda_graph_config_from_manifest,
@@ -120,25 +144,10 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
     res = kiln.compile(recipe, progress=False)
     program = res.program
     max_len = resolve_max_model_len(program, None, {})
-    pkg = work / f"engine_{tag}"
-    (pkg / "kernels").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "kernels" / "__init__.py").write_text("")
-    (pkg / "model.py").write_text(render_model(program, kiln_version="bench", recipe_hash="0" * 64,
-                                               max_model_len=max_len))
-    params = kernel_params(program)
-    env = template_env()
-    for ns in TARGET_KERNEL_MODULES[params["target"]]:
-        (pkg / "kernels" / f"{ns}.py").write_text(env.get_template(KERNEL_MODULES[ns][0]).render(
-            kiln_version="bench", **params))
+    pkg, model_cls = render_executor(program, work, f"engine_{tag}", max_len)
     manifest = build_manifest(program, kiln_version="bench", recipe_hash="0" * 64, max_model_len=max_len,
                               hf_config={}, gen_config={}, weight_files=[], has_tokenizer=False,
                               pass_log=res.pass_log)
-    sys.path.insert(0, str(work))
-    try:
-        model_cls = importlib.import_module(f"{pkg.name}.model").Model
-    finally:
-        sys.path.remove(str(work))
 
     if setup.cuda:
         torch.cuda.empty_cache()
@@ -276,9 +285,12 @@ def steady_decode(setup: Setup, engine, batch: int, vocab: int, seed: int, profi
            "tokens_per_s": batch * setup.steps / wall, "prefill_s": prefill_s,
            "prefill_peak_activation_bytes": prefill_peak}
     if setup.profile_steps:
-        prof = _profile(setup, engine.step, setup.profile_steps)
+        try:
+            prof = _profile(setup, engine.step, setup.profile_steps)
+        except Exception as e:  # the profiler needs CUPTI; report the gap, keep the timings
+            prof = {"gpu_busy": None, "profile_error": f"{type(e).__name__}: {e}"}
         if not profile_kernels:
-            prof.pop("top_kernels")
+            prof.pop("top_kernels", None)
         row.update(prof)
     for rid in ids:
         engine.abort_request(rid)
@@ -391,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 traceback.print_exc()
                 result["models"][name] = {"error": f"{type(e).__name__}: {e}"}
+            gc.collect()  # the engine (KV pool, graph pool) goes before the next model allocates its own
             if setup.cuda:
                 torch.cuda.empty_cache()
             (out / "gpu_engine.json").write_text(json.dumps(result, indent=2))
