@@ -7,6 +7,10 @@
   at compile time. Either way the granularity must be the recipe's.
 * int4 (`role` qweight / qzeros / scales / g_idx): AutoAWQ / AutoGPTQ tensors exactly as published (a missing
   GPTQ `g_idx` is the identity grouping k // group). Never re-quantized; random weights are refused.
+* merged projections (fuse_qkv / fuse_gate_up over quantized weights; `quant["parts"]` = ((original param,
+  rows), ...), one source per part): each part is built as it would be unmerged — loaded, or quantized at
+  compile time with its own scale — and the parts concatenate (fp8 along N, per-tensor scales repeated over
+  their part's rows; AWQ tensors along their output-column dim 1).
 * KV scales (`role` kv_scale): the checkpoint's `<attn>.k_scale` / `v_scale` (per tensor, broadcast to every
   KV head, or per head), else — unless the recipe says scales=checkpoint — calibrated: the reference interpreter
   runs calibration tokens through the model and each layer's scale is absmax(K or V) / 448 per KV head.
@@ -80,15 +84,25 @@ class QuantizedWeights:
                 (f"{q['scheme']} loads {what[q['scheme']]}",) if q["scheme"] in what else ())
             raise WeightError(f"checkpoint tensor '{sources[0] if sources else '?'}' for {q['role']} of param "
                               f"'{q['of']}' is not in {ckpt.path}", spec.loc, notes)
+        for src in sources[1:]:
+            if src not in ckpt:
+                raise WeightError(f"checkpoint tensor '{src}' for {q['role']} of param '{q['of']}' is not in "
+                                  f"{ckpt.path}", spec.loc)
         if q["scheme"] == "fp8":
-            shape = ckpt.shape(sources[0])
-            if shape != tuple(q["weight_shape"]):
-                raise WeightError(f"checkpoint tensor '{sources[0]}' has shape {_fmt(shape)}, but param '{q['of']}' "
-                                  f"expects {_fmt(q['weight_shape'])}", spec.loc)
-        elif q["role"] != "g_idx" and ckpt.shape(sources[0]) != spec.shape:
-            raise WeightError(f"checkpoint tensor '{sources[0]}' has shape {_fmt(ckpt.shape(sources[0]))}, but the "
-                              f"{q['scheme']} {q['role']} of param '{q['of']}' (group {q['group']}) is "
-                              f"{_fmt(spec.shape)}", spec.loc)
+            for src, (of, want) in zip(sources, self._parts(q), strict=True):
+                shape = ckpt.shape(src)
+                if shape != want:
+                    raise WeightError(f"checkpoint tensor '{src}' has shape {_fmt(shape)}, but param '{of}' "
+                                      f"expects {_fmt(want)}", spec.loc)
+        elif q["role"] != "g_idx":
+            shapes = [ckpt.shape(src) for src in sources]
+            dim = spec.concat_dim
+            joined = (*shapes[0][:dim], sum(sh[dim] for sh in shapes), *shapes[0][dim + 1:]) if shapes[0] else ()
+            if any(len(sh) != len(spec.shape) for sh in shapes) or joined != spec.shape:
+                got = " + ".join(f"'{src}' {_fmt(sh)}" for src, sh in zip(sources, shapes, strict=True))
+                raise WeightError(f"checkpoint tensor {got} has shape {_fmt(joined)}, but the "
+                                  f"{q['scheme']} {q['role']} of param '{q['of']}' (group {q['group']}) is "
+                                  f"{_fmt(spec.shape)}", spec.loc)
 
     # ------------------------------------------------------------ materialising
     def load(self, entry: Any) -> torch.Tensor | None:
@@ -111,20 +125,39 @@ class QuantizedWeights:
             del self._fp8[key]
         return t  # its shape is checked against the spec by weights._materialise
 
+    @staticmethod
+    def _parts(q: Any) -> list[tuple[str, tuple[int, int]]]:
+        """(original param, [N_i, K]) of each part of a quantized weight: one, unless fusion merged several."""
+        k = q["weight_shape"][1]
+        return [(of, (rows, k)) for of, rows in q.get("parts") or ((q["of"], q["weight_shape"][0]),)]
+
     def _fp8_pair(self, entry: Any) -> dict[str, torch.Tensor]:
+        q = entry.spec.quant
+        sources = entry.spec.sources_for(entry.layer) if self.ckpt is not None else [None] * len(self._parts(q))
+        weights, scales = [], []
+        for (of, shape), src in zip(self._parts(q), sources, strict=True):
+            w_q, scale = self._fp8_quantized(entry, of, shape, src)
+            if q.get("parts") and q["granularity"] == "tensor":  # merged: one scale per row of this part
+                scale = scale.reshape(1).expand(shape[0])
+            weights.append(w_q)
+            scales.append(scale)
+        if len(weights) == 1:
+            return {"weight": weights[0], "weight_scale": scales[0]}
+        return {"weight": torch.cat(weights).contiguous(), "weight_scale": torch.cat(scales).contiguous()}
+
+    def _fp8_quantized(self, entry: Any, of: str, shape: tuple[int, int], src: str | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Param `of`'s [N, K] weight (layer entry.layer) in e4m3 with its scale, as the recipe quantizes it."""
         q, spec = entry.spec.quant, entry.spec
-        n, k = q["weight_shape"]
         if self.ckpt is None:
-            orig = ParamSpec(q["of"], tuple(q["weight_shape"]), q["dtype"], (), spec.block)
+            orig = ParamSpec(of, shape, q["dtype"], (), spec.block)
             name = entry.name[: -len(spec.local_name)] + orig.local_name  # "decoder.3.wq_fp8" -> "decoder.3.wq"
             w = self.random_weight(name, orig, entry.layer)
         else:
-            src = spec.sources_for(entry.layer)[0]
             w = self.ckpt.get(src)
             if w.dtype == FP8_DTYPE:
-                return {"weight": w.contiguous(), "weight_scale": self._fp8_scale(entry, src, n, k)}
-        w_q, scale = fp8_quantize(w, q["granularity"], q["block"])
-        return {"weight": w_q, "weight_scale": scale}
+                return w.contiguous(), self._fp8_scale(entry, src, *shape)
+        return fp8_quantize(w, q["granularity"], q["block"])
 
     def _fp8_scale(self, entry: Any, src: str, n: int, k: int) -> torch.Tensor:
         q, spec = entry.spec.quant, entry.spec
@@ -134,21 +167,22 @@ class QuantizedWeights:
             raise WeightError(f"checkpoint tensor '{src}' is fp8 but has no scale ('{names[0]}' or '{names[1]}')",
                               spec.loc)
         scale = self.ckpt.get(name).float()
+        block_shape = self._scale_shape(q, n, k)
         have = _granularity_of(tuple(scale.shape), n)
-        if scale.dim() == 2 and tuple(scale.shape) == self._block_shape(entry) and q["granularity"] == "block":
+        if scale.dim() == 2 and tuple(scale.shape) == block_shape and q["granularity"] == "block":
             have = "block"  # a single-tile weight's [1, 1] block scale looks per-tensor
         want_shape = {"tensor": (1,), "channel": (n,)}.get(have, tuple(scale.shape))
-        if have != q["granularity"] or (have == "block" and tuple(scale.shape) != self._block_shape(entry)):
+        if have != q["granularity"] or (have == "block" and tuple(scale.shape) != block_shape):
             recipe = {"tensor": "fp8", "channel": "fp8(per_channel=true)", "block": f"fp8(block={q['block']})"}
             raise WeightError(f"checkpoint '{name}' has shape {_fmt(scale.shape)} ({have} fp8 scales), but the recipe "
-                              f"asks for {recipe[q['granularity']]} (scale {_fmt(self._block_shape(entry))}); "
+                              f"asks for {recipe[q['granularity']]} (scale {_fmt(block_shape)}); "
                               "kiln loads pre-quantized fp8 weights without re-quantizing them", spec.loc,
                               (f"set quantize.weights = {recipe.get(have, 'fp8(block=N)')}",))
         return scale.reshape(want_shape).contiguous()
 
-    def _block_shape(self, entry: Any) -> tuple[int, ...]:
-        q = entry.spec.quant
-        n, k = q["weight_shape"]
+    @staticmethod
+    def _scale_shape(q: Any, n: int, k: int) -> tuple[int, ...]:
+        """The scale shape of one [n, k] weight quantized as `q` says."""
         return {"tensor": (1,), "channel": (n,)}.get(q["granularity"]) or (-(-n // q["block"]), -(-k // q["block"]))
 
     def _int4_part(self, entry: Any) -> torch.Tensor:
@@ -157,7 +191,8 @@ class QuantizedWeights:
         dtype = {"i32": torch.int32, "f16": torch.float16}[spec.dtype]
         if q["role"] == "g_idx" and src not in self.ckpt:
             return (torch.arange(spec.shape[0]) // q["group"]).to(torch.int32)
-        t = self.ckpt.get(src)
+        parts = [self.ckpt.get(s) for s in spec.sources_for(entry.layer)]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.concat_dim)  # merged AWQ projections
         if q["role"] == "g_idx":
             g_idx = t.to(torch.int64)
             groups = q["weight_shape"][1] // q["group"]

@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
-from kiln.passes.linear_fusion import fuse_linears, fusible_linears
+from kiln.passes.linear_fusion import (
+    QUANT_WEIGHT_OPS,
+    fuse_linears,
+    fuse_quantized_linears,
+    fusible_linears,
+    fusible_quantized,
+    quantized_projection,
+)
 from kiln.passes.rewrite import P, Pat, Rewrite, V, apply_rewrites
 
 ROLES = ("gate", "up")
@@ -16,6 +23,14 @@ def _gated_mlp(bias: bool) -> Pat:
     return P("mul", P("silu", proj("gate")), proj("up"), commutative=True)
 
 
+def _quantized(op: str, bias: bool) -> Rewrite:
+    pattern = P("mul", P("silu", quantized_projection(op, "gate", bias)), quantized_projection(op, "up", bias),
+                commutative=True)
+    return Rewrite(f"gate_up_{op}" + ("_bias" if bias else ""), pattern,
+                   replace=lambda m, b: fuse_quantized_linears(m, b, op, ROLES, bias, fused="gate_up"),
+                   extra_check=lambda m: fusible_quantized(m, op, ROLES, bias))
+
+
 REWRITES = (
     # mul(silu(linear(x, w_gate)), linear(x, w_up))
     #   -> y = linear(x, wgate_up); mul(silu(slice(y, 0, F)), slice(y, F, 2F))
@@ -26,6 +41,9 @@ REWRITES = (
     Rewrite("gate_up_bias", _gated_mlp(bias=True),
             replace=lambda m, b: fuse_linears(m, b, ROLES, bias=True, fused="gate_up"),
             extra_check=lambda m: fusible_linears(m, ROLES, bias=True)),
+    # the same over quantized weights (fp8; int4 AWQ):
+    # mul(silu(linear(x, dequant(w_gate_*))), linear(x, dequant(w_up_*))) -> y = linear(x, dequant(wgate_up_*)); ...
+    *(_quantized(op, bias) for op in QUANT_WEIGHT_OPS for bias in (False, True)),
 )
 
 
@@ -34,7 +52,9 @@ class FuseGateUp(Pass):
     """Requires: typed IR. Guarantees: every `silu(gate) * up` whose gate and up are projections of one
     input by plain `param` weights (both with bias or neither) reads them from a single linear over
     `{block}.wgate_up` (`source` = gate's sources then up's, along dim 0; bias `{block}.bgate_up`), as the
-    slices [0:F] and [F:F+F_up]. The replaced params are dropped once no graph reads them."""
+    slices [0:F] and [F:F+F_up]. The replaced params are dropped once no graph reads them. Quantized gate
+    and up (fp8; int4 AWQ, not GPTQ) merge the same way into `{block}.wgate_up_<role>` params where the
+    concatenation is exact (see linear_fusion)."""
 
     def run(self, program: Program, ctx: PassContext) -> Program:
         return apply_rewrites(program, REWRITES, ctx)

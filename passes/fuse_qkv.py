@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
-from kiln.passes.linear_fusion import fuse_linears, fusible_linears
+from kiln.passes.linear_fusion import (
+    QUANT_WEIGHT_OPS,
+    fuse_linears,
+    fuse_quantized_linears,
+    fusible_linears,
+    fusible_quantized,
+    quantized_projection,
+)
 from kiln.passes.rewrite import P, Pat, Rewrite, V, apply_rewrites
 
 ROLES = ("q", "k", "v")
@@ -19,6 +26,14 @@ def _attention(bias: bool) -> Pat:
     return P("attention", *(_projection(r, bias) for r in ROLES), name="attention")
 
 
+def _quantized(op: str, bias: bool) -> Rewrite:
+    return Rewrite(f"qkv_{op}" + ("_bias" if bias else ""),
+                   P("attention", *(quantized_projection(op, r, bias, PROJECTION_TO_HEADS) for r in ROLES),
+                     name="attention"),
+                   replace=lambda m, b: fuse_quantized_linears(m, b, op, ROLES, bias, fused="qkv"),
+                   extra_check=lambda m: fusible_quantized(m, op, ROLES, bias))
+
+
 REWRITES = (
     # attention(..linear(x, wq).., ..linear(x, wk).., ..linear(x, wv)..)
     #   -> y = linear(x, wqkv); attention(..slice(y, 0, nq).., ..slice(y, nq, nq+nk).., ..slice(y, nq+nk, n)..)
@@ -29,6 +44,10 @@ REWRITES = (
     Rewrite("qkv_bias", _attention(bias=True),
             replace=lambda m, b: fuse_linears(m, b, ROLES, bias=True, fused="qkv"),
             extra_check=lambda m: fusible_linears(m, ROLES, bias=True)),
+    # the same over quantized weights (linear_fusion's docstring: which schemes concatenate exactly):
+    # attention(..linear(x, dequant(wq_*)).., ..k.., ..v..) -> y = linear(x, dequant(wqkv_*)); slices of y
+    # attention(..linear_fp8(x, wq_fp8, wq_scale).., ..k.., ..v..) -> y = linear_fp8(x, wqkv_fp8, wqkv_scale); ...
+    *(_quantized(op, bias) for op in QUANT_WEIGHT_OPS for bias in (False, True)),
 )
 
 
@@ -37,7 +56,9 @@ class FuseQKV(Pass):
     """Requires: typed IR. Guarantees: each attention whose q, k and v are projections of one input by
     plain `param` weights (all with bias or none) reads them from a single linear over `{block}.wqkv`
     (`source` = q's sources, then k's, then v's, concatenated along dim 0; bias `{block}.bqkv` likewise),
-    sliced back into q, k, v in that order. The replaced params are dropped once no graph reads them."""
+    sliced back into q, k, v in that order. The replaced params are dropped once no graph reads them.
+    Quantized q/k/v (fp8; int4 AWQ, not GPTQ) merge the same way into `{block}.wqkv_<role>` params where
+    the concatenation is exact (see linear_fusion): per-tensor fp8 scales become per-channel."""
 
     def run(self, program: Program, ctx: PassContext) -> Program:
         return apply_rewrites(program, REWRITES, ctx)

@@ -26,8 +26,8 @@ def _llm(target: str) -> list[Pass]:
     return [
         # Phase 1: analysis
         ShapeInference(),
-        # Phase 2: quantization (recipe `quantize { }`; no-ops without it). Before fusion: fusions leave
-        # quantized weights alone, so quantized q/k/v and gate/up stay separate GEMMs
+        # Phase 2: quantization (recipe `quantize { }`; no-ops without it). Before fusion: fuse_qkv and
+        # fuse_gate_up merge quantized siblings where the concatenation is exact (fp8, AWQ; not GPTQ)
         QuantizeWeights(),
         # Phase 2: fusion (gate_up before silu_mul: silu_mul matches the slices gate_up leaves)
         FuseQKV(),

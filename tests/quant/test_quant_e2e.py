@@ -152,7 +152,10 @@ def test_int4_checkpoint_matches_dequantized_reference(fmt, ckpt, work, tokens, 
     manifest = json.loads((art / "manifest.json").read_text())
     assert "cpu.linear_w4a16" in manifest["kernels"]
     params = {p["name"]: p for p in manifest["params"]}
-    assert params["decoder.wq_qweight"]["dtype"] == "i32"
+    # AWQ q/k/v merge into one packed weight (columns concatenate in whole int32 words); GPTQ stays per
+    # projection (each has its own g_idx, act-order here on the MLP)
+    qkv = "decoder.wqkv_qweight" if fmt == "awq" else "decoder.wq_qweight"
+    assert params[qkv]["dtype"] == "i32" and ("decoder.wq_qweight" in params) == (fmt == "gptq")
 
 
 def test_int4_missing_packed_tensor_is_a_located_error(ckpt, work):
@@ -234,7 +237,10 @@ def test_report_counts_quantized_bytes(ckpt, work):
     cb, cf, ck = (capacity(r.program, h200) for r in (base, fp8, kv))
     assert cf.num_params == cb.num_params  # quantized weights still count as parameters
     linear = 2 * (128 * 128 * 2 + 64 * 128 * 2 + 256 * 128 * 3)  # 2 layers of q, o, k, v, gate, up, down
-    assert cb.param_bytes - cf.param_bytes == linear - 7 * 2 * 4  # 2 B -> 1 B per weight, + a f32 scale each
+    # 2 B -> 1 B per weight, + f32 scales: per row of the merged qkv (128 + 64 + 64) and gate_up (2 x 256)
+    # (per-tensor scales repeated over each part's rows), one each for o and down
+    scales = 2 * 4 * ((128 + 64 + 64) + 2 * 256 + 1 + 1)
+    assert cb.param_bytes - cf.param_bytes == linear - scales
     assert cf.tpot_floor_s < cb.tpot_floor_s
     assert ck.kv_bytes_per_token * 2 == cb.kv_bytes_per_token  # bf16 -> fp8
     assert "fp8 (tensor) weights" in fp8.report

@@ -14,7 +14,17 @@ from kiln.passes.quantize_kv_cache import QuantizeKVCache
 from kiln.passes.quantize_weights import QuantizeWeights, parse_weight_scheme
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
-from pass_testlib import random_checkpoint, run_pass, tiny_llama_ir, tokens, typed, weights_from_checkpoint  # noqa: E402
+from pass_testlib import (  # noqa: E402
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    random_checkpoint,
+    run_pass,
+    tiny_llama_ir,
+    tokens,
+    typed,
+    weights_from_checkpoint,
+)
 
 
 def _quantized_weights(program, ckpt):
@@ -60,13 +70,15 @@ def test_fp8_weights_then_fusion_keep_meaning(scheme):
     assert (unfused - ref).abs().max() < 0.1 * ref.abs().max()  # fp8 error, not garbage
 
 
-def test_quantized_linears_are_not_merged_and_pipeline_lowers_them():
+def test_quantized_linears_merge_and_pipeline_lowers_them():
     before = typed(tiny_llama_ir())
     ctx = PassContext(options={"quantize": {"weights": "fp8", "kv_cache": "fp8"}})
     after = PassManager.for_target("cpu").run(before, ctx)
     verify_program(after, require_types=True)
     decoder = after.graphs["decoder"]
-    assert decoder.count("linear_fp8") == 7 and "decoder.wqkv_fp8" not in after.params
+    assert decoder.count("linear_fp8") == 4  # qkv, o, gate_up, down
+    assert after.params["decoder.wqkv_scale"].shape == (HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM,)
+    assert "decoder.wq_fp8" not in after.params and "decoder.wgate_up_fp8" in after.params
     (attn,) = [n for _, n in decoder.items() if n.op == "attention"]
     assert attn.attrs["kv_dtype"] == "fp8e4m3" and len(attn.inputs) == 5
     assert after.params["decoder.k_scale"].source == ("model.layers.{i}.self_attn.k_scale",)
