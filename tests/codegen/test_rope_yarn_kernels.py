@@ -123,6 +123,24 @@ def test_rope_cache_and_rope_match_transformers(libs, lib, case):
     torch.testing.assert_close(K.rope(x, positions, cache), _hf_rotated(rotary, x, positions), rtol=1e-6, atol=1e-6)
 
 
+def test_fused_rope_qk_kv_write_with_a_yarn_table_matches_transformers(libs):
+    """The fuse_rope_kv_write kernel reads the same table: yarn's magnitude reaches q and the cached K."""
+    K = libs["triton"]
+    _, _, rotary = _hf("short_untruncated")
+    head_dim, theta, _, a = CASES["short_untruncated"]
+    g = torch.Generator().manual_seed(2)
+    positions = torch.tensor([2, 20, 45, MAX_POS - 1], dtype=torch.int32)
+    q, k, v = (torch.randn(len(positions), h, head_dim, generator=g) for h in (4, 2, 2))
+    kv = torch.zeros(2, 2, 4, 2, head_dim)  # [blocks, K|V, block_size, kv_heads, head_dim]
+    slots = torch.tensor([5, 0, 7, 2])
+    q_rot = K.rope_qk_kv_write(q, k, v, positions, K.rope_cache(head_dim, MAX_POS, theta, scaling="yarn", **a),
+                               kv, slots)
+    torch.testing.assert_close(q_rot, _hf_rotated(rotary, q, positions), rtol=1e-6, atol=1e-6)
+    cached_k = kv[:, 0].reshape(-1, 2, head_dim)[slots]
+    torch.testing.assert_close(cached_k, _hf_rotated(rotary, k, positions), rtol=1e-6, atol=1e-6)
+    assert torch.equal(kv[:, 1].reshape(-1, 2, head_dim)[slots], v)
+
+
 @pytest.mark.parametrize("case", ["short_untruncated", "explicit_factor"])
 def test_ir_reference_matches_transformers(case):
     _, _, rotary = _hf(case)
