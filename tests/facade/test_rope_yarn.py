@@ -97,9 +97,10 @@ def test_qwen3_yarn_matches_hf(qwen3_yarn, check_hf_parity):
     check_hf_parity(art, ckpt, vocab=512, **PARITY)
 
 
-@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "unabsorbed"])
-def test_deepseek_v3_yarn_matches_hf(compile_hf, check_hf_parity, absorb):
-    ckpt, art, result = compile_hf("deepseek_v3", edits=() if absorb else DISABLE_ABSORPTION,
+@pytest.mark.parametrize("arch,absorb", [("deepseek_v3", True), ("deepseek_v3", False), ("deepseek_v2", True)],
+                         ids=["v3-absorbed", "v3-unabsorbed", "v2-absorbed"])
+def test_deepseek_yarn_matches_hf(compile_hf, check_hf_parity, arch, absorb):
+    ckpt, art, result = compile_hf(arch, edits=() if absorb else DISABLE_ABSORPTION,
                                    max_position_embeddings=MAX_POS, rope_parameters=DEEPSEEK_YARN)
     assert (ckpt / "config.json").read_text().count('"yarn"') == 1
     absorbs = {n.attrs.get("absorb", "none") for g in result.program.graphs.values() for _, n in g.items()
