@@ -25,7 +25,6 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import sys
@@ -109,10 +108,7 @@ def layer_matrices(weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 
 def stream_bandwidth(setup: Setup, mats: list[torch.Tensor]) -> float:
     """bytes/s of gpu_decode.streaming_limit (a CUDA graph of one batch-1 GEMV per matrix) over `mats`."""
-    if "setup" in inspect.signature(gpu_decode.streaming_limit).parameters:
-        _, bw = gpu_decode.streaming_limit(gpu_decode.Setup(device=setup.device, smoke=not setup.cuda), mats)
-    else:
-        _, bw = gpu_decode.streaming_limit(mats)
+    _, bw = gpu_decode.streaming_limit(gpu_decode.Setup(device=setup.device, smoke=not setup.cuda), mats)
     return bw
 
 
