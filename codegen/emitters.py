@@ -62,6 +62,8 @@ EMITTERS.update({
     "triton.moe_experts": "K.moe_experts({args})",
     "triton.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
                              "absorb={absorb})"),
+    "triton.linear_fp8": "K.linear_fp8({args}, granularity={granularity}, block={block}, act={act})",
+    "triton.linear_w4a16": "K.linear_w4a16({args}, format={format}, group={group}, zero_offset={zero_offset})",
     "torch.linear": "K.linear({args})",  # cuBLAS
     "torch.logits": "K.logits({0}, {1}, batch.logits_indices)",  # cuBLAS, fp32 out
 })

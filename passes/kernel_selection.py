@@ -53,6 +53,8 @@ _TRITON_KERNELS = {
     "silu_mul": "triton.silu_mul",
     "moe_experts": "triton.moe_experts",
     "mla_attention": "triton.mla_attention",
+    "linear_fp8": "triton.linear_fp8",  # weight-only: Triton GEMM up to 256 rows; act=dynamic: torch._scaled_mm
+    "linear_w4a16": "triton.linear_w4a16",
     "linear": "torch.linear",
     "logits": "torch.logits",
 }
