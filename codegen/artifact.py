@@ -147,6 +147,19 @@ def _kv_cache_section(program: Program) -> dict[str, Any]:
     }
 
 
+def _drafts_section(program: Program) -> dict[str, Any]:
+    """The named forwards (draft heads) the runtime may call after `forward(..., return_hidden=True)`: model.py
+    method, and which of the KV caches (a contiguous range after the entry's) are theirs."""
+    out: dict[str, Any] = {}
+    first = len(kv_cache_nodes(program, "entry"))
+    for name in program.forward_graphs()[1:]:
+        n = len(kv_cache_nodes(program, name))
+        out[name] = {"method": name, "first_kv_layer": first, "num_kv_layers": n,
+                     "num_hidden": len(program.graphs[name].inputs) - 1}
+        first += n
+    return out
+
+
 def kernel_params(program: Program) -> dict[str, Any]:
     """What kernel templates are rendered for: the target, the attention shape (first GQA/MHA attention; the
     triton library picks its tiles from it) and the activation dtype. Extra keys are ignored by a template."""
@@ -217,6 +230,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         # GPU targets: the cuda_graph_plan pass's capture plan (runtime/graph_runner.py follows it)
         **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)}
            if "max_blocks_per_seq" in _section(program.meta, "cuda_graphs") else {}),
+        # draft heads (named forwards, e.g. DeepSeek MTP) for speculative decoding, only when there are some
+        **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
         # the recipe's `quantize` section, only when there is one (readers: kiln eval, humans)
         **({"quantization": quantize} if (quantize := _section(program.meta, "quantize")) else {}),
     }
@@ -293,10 +308,13 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
                     (tmp / "tokenizer").mkdir(exist_ok=True)
                     shutil.copyfile(ckpt / name, tmp / "tokenizer" / name)
                     copied.append(name)
-        files = convert_weights(program, ckpt, tmp, seed=seed, progress=progress)
+        aliases: dict[str, str] = {}
+        files = convert_weights(program, ckpt, tmp, seed=seed, progress=progress, aliases=aliases)
         manifest = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                                   hf_config=hf_config, gen_config=gen_config, weight_files=files,
                                   has_tokenizer=bool(copied), pass_log=pass_log)
+        if aliases:  # tensors stored once under another name (equal copies, e.g. DeepSeek MTP's embedding)
+            manifest["weights"]["aliases"] = dict(sorted(aliases.items()))
         _write(tmp / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700; an artifact is an ordinary directory
         _install(tmp, out)

@@ -31,6 +31,7 @@ EMITTERS: dict[str, str] = {
     "cpu.silu_mul": "K.silu_mul({0})",
     "cpu.add": "K.add({0}, {1})",
     "cpu.mul": "K.mul({0}, {1})",
+    "cpu.concat": "K.concat({0}, {1})",
     "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
                             "sliding_window={sliding_window}{kv_scales}{fused_rope})"),

@@ -64,13 +64,16 @@ def _nodes(graph: Graph) -> Iterator[Node]:
 
 
 def used_graphs(program: Program) -> list[str]:
-    """The entry graph, then each block graph in order of its first call."""
-    names = ["entry"]
-    for node in _nodes(program.entry):
-        if node.op == "block":
-            g = program.blocks[node.attrs["block"]].graph
-            if g not in names:
-                names.append(g)
+    """The forward graphs (entry first, then named forwards such as `mtp`), then each block graph in order of
+    its first call."""
+    forwards = program.forward_graphs()
+    names = list(forwards)
+    for f in forwards:
+        for node in _nodes(program.graphs[f]):
+            if node.op == "block":
+                g = program.blocks[node.attrs["block"]].graph
+                if g not in names:
+                    names.append(g)
     return names
 
 
@@ -94,16 +97,20 @@ def _kv_count(graph: Graph) -> int:
     return sum(graph.count(op) for op in KV_CACHE_OPS)
 
 
-def kv_cache_nodes(program: Program) -> list[tuple[Graph, Node]]:
-    """(graph, attention node) per KV cache, in cache-index order (layer schedule, then dataflow order)."""
+def kv_cache_nodes(program: Program, forward: str | None = None) -> list[tuple[Graph, Node]]:
+    """(graph, attention node) per KV cache, in cache-index order (layer schedule, then dataflow order): the
+    entry's caches, then each named forward's (a draft head's layers own caches of their own). `forward`
+    limits the list to that forward graph's caches."""
     out: list[tuple[Graph, Node]] = []
-    for node in _nodes(program.entry):
-        if node.op in KV_CACHE_OPS:
-            out.append((program.entry, node))
-        elif node.op == "block":
-            spec = program.blocks[node.attrs["block"]]
-            graph = program.graphs[spec.graph]
-            out.extend([(graph, n) for _, n in graph.items() if n.op in KV_CACHE_OPS] * spec.count)
+    for name in [forward] if forward is not None else program.forward_graphs():
+        top = program.graphs[name]
+        for node in _nodes(top):
+            if node.op in KV_CACHE_OPS:
+                out.append((top, node))
+            elif node.op == "block":
+                spec = program.blocks[node.attrs["block"]]
+                graph = program.graphs[spec.graph]
+                out.extend([(graph, n) for _, n in graph.items() if n.op in KV_CACHE_OPS] * spec.count)
     return out
 
 
@@ -183,6 +190,8 @@ class _Model:
         graphs = used_graphs(program)
         for g in graphs[1:]:
             self.method_of_graph[g] = identifier(g, taken)
+            if g in program.forward_graphs() and self.method_of_graph[g] != g:  # the manifest names it so
+                raise CodegenError(f"forward '{g}' cannot be a model.py method name (it is reserved)", None)
         for spec in program.params.values():
             self.attr_of_param[spec.name] = identifier(spec.name, taken)
         ropes = [rope_key(program.graphs[g], vid, n) for g in graphs
@@ -288,8 +297,12 @@ class _Function:
             if vid in self.skip:
                 continue
             handlers.get(node.op, self._kernel)(vid, node)
-        outs = ", ".join(self.expr[o] for o in self.graph.outputs)
-        self.lines.append(f"return {outs}")
+        outs = [self.expr[o] for o in self.graph.outputs]
+        if len(outs) > 1 and self.graph.name == "entry":
+            # the hidden states after the logits feed the named forwards (a draft head) only when asked for
+            self.lines.append(f"return ({', '.join(outs)}) if return_hidden else {outs[0]}")
+        else:
+            self.lines.append(f"return {', '.join(outs)}")
         return self.lines
 
     def _local(self, vid: str) -> str:
@@ -299,8 +312,10 @@ class _Function:
     def _input(self, vid: str, node: Node) -> None:
         if self.layered:
             self.args.append(self._local(vid))
-        elif len(self.graph.inputs) == 1:
+        elif vid == self.graph.inputs[0]:
             self.expr[vid] = "batch.input_ids"
+        elif self.graph.name != "entry":  # a named forward's hidden-state arguments
+            self.args.append(self._local(vid))
         else:
             raise CodegenError(f"the entry graph takes {len(self.graph.inputs)} inputs; model.py feeds only the "
                                "token ids (batch.input_ids)", node.loc)
@@ -384,7 +399,10 @@ class _Function:
 
 def _methods(model: _Model) -> Iterator[dict[str, Any]]:
     program = model.program
+    forwards = program.forward_graphs()
     for g, method in model.method_of_graph.items():
+        if g in forwards:
+            continue
         fn = _Function(model, program.graphs[g], layered=True)
         lines = fn.emit()
         if len(fn.args) != 1:
@@ -393,6 +411,19 @@ def _methods(model: _Model) -> Iterator[dict[str, Any]]:
         blocks = [b.name for b in program.blocks.values() if b.graph == g]
         yield {"name": method, "arg": fn.args[0], "lines": lines, "blocks": ", ".join(blocks),
                "kv_per_layer": fn.kv_per_layer}
+
+
+def _forwards(model: _Model, kv_base: int) -> Iterator[dict[str, Any]]:
+    """The named forwards (draft heads) as methods `name(batch, *hidden, kv_caches)`; their caches follow the
+    entry's in `kv_caches`."""
+    program = model.program
+    for g in program.forward_graphs()[1:]:
+        fn = _Function(model, program.graphs[g], layered=False)
+        fn.next_kv = kv_base
+        lines = fn.emit()
+        num_kv = fn.next_kv - kv_base
+        yield {"name": model.method_of_graph[g], "args": fn.args, "lines": lines, "kv_range": (kv_base, fn.next_kv)}
+        kv_base += num_kv
 
 
 def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
@@ -406,6 +437,7 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
     model = _Model(program)
     forward = _Function(model, program.entry, layered=False)
     forward_lines = forward.emit()
+    forwards = list(_forwards(model, forward.next_kv))
     return template_env().get_template("model.py.j2").render(
         kiln_version=kiln_version,
         recipe_hash=recipe_hash,
@@ -416,6 +448,8 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         num_kv_caches=len(kv_cache_nodes(program)),
         init_lines=model.init_lines,
         forward_lines=forward_lines,
+        returns_hidden=len(program.entry.outputs) > 1,
+        forwards=forwards,
         methods=list(_methods(model)),
         kernels_module=TARGET_KERNEL_MODULES[str(program.meta.get("target", "cpu"))][0],
     )

@@ -8,6 +8,7 @@ Output bytes depend only on the program and the checkpoint: tensor order, shard 
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -257,16 +258,47 @@ def _materialise(entries: list[_Entry], ckpt: Checkpoint | None, roles: dict[str
         yield e.name, t
 
 
+def _with_fallback(entry: _Entry, ckpt: Checkpoint | None) -> _Entry:
+    """The entry reading its fallback sources (`from "a" else "b"`) when the checkpoint lacks a source."""
+    spec = entry.spec
+    if not spec.fallback or ckpt is None or all(n in ckpt for names in _source_tensors(entry) for n in names):
+        return entry
+    return _Entry(entry.name, dataclasses.replace(spec, source=spec.fallback, fallback=()), entry.layer)
+
+
+def _dedup(tensors: dict[str, torch.Tensor], entries: list[_Entry], seen: dict[tuple, str],
+           aliases: dict[str, str], candidates: set[tuple]) -> dict[str, torch.Tensor]:
+    """Drops a top-level tensor equal to one already written (DeepSeek's MTP layer carries copies of the embedding
+    and the LM head), recording `aliases[name] = stored name`. Only shapes several top-level params share are
+    hashed."""
+    top = {e.name for e in entries if e.layer is None}
+    for name in list(tensors):
+        t = tensors[name]
+        key = (tuple(t.shape), t.dtype)
+        if name not in top or key not in candidates:
+            continue
+        digest = hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+        first = seen.setdefault((*key, digest), name)
+        if first != name:
+            aliases[name] = first
+            del tensors[name]
+    return tensors
+
+
 def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir: str | Path, *, seed: int = 0,
-                    progress: bool = True, max_shard_bytes: int = SHARD_BYTES) -> list[str]:
+                    progress: bool = True, max_shard_bytes: int = SHARD_BYTES,
+                    aliases: dict[str, str] | None = None) -> list[str]:
     """Writes every param of `program` for every layer to `out_dir/weights/rank0/`; returns the file names.
+
+    A top-level tensor identical to one written before it is stored once: `aliases` (when given) receives
+    {dropped name: stored name}, which the manifest lists for the loader.
 
     `checkpoint_dir=None` writes deterministic random weights from `seed`. All sources are checked (present,
     right shape) before anything is read, so a bad checkpoint fails fast with a WeightError at the param's
     DSL declaration. Shards hold at most `max_shard_bytes` each (one larger tensor gets a shard of its own).
     """
-    entries = weight_entries(program)
     ckpt = Checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    entries = [_with_fallback(e, ckpt) for e in weight_entries(program)]
     roles = param_roles(program)
     quant = QuantizedWeights(program, ckpt, lambda name, spec, layer: _random(_Entry(name, spec, layer),
                                                                               roles.get(spec.name), seed))
@@ -279,13 +311,17 @@ def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir
     wdir.mkdir(parents=True, exist_ok=True)
     shards = _shards(entries, max_shard_bytes)
     names = shard_names(len(shards))
+    aliases = {} if aliases is None else aliases
+    shapes = [(e.spec.shape, TORCH_DTYPES.get(e.spec.dtype)) for e in entries if e.layer is None]
+    candidates = {s for s in shapes if shapes.count(s) > 1}
+    seen: dict[tuple, str] = {}
     show = progress and sys.stderr.isatty()
     with tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="weights",
               disable=not show) as bar:
         ready = _calibrated(program, entries, ckpt, roles, seed, bar, quant, checkpoint_dir)
         for shard, name in zip(shards, names, strict=True):
             tensors = dict(_materialise(shard, ckpt, roles, seed, bar, quant, ready))
-            save_file(tensors, str(wdir / name), metadata={"format": "pt"})
+            save_file(_dedup(tensors, shard, seen, aliases, candidates), str(wdir / name), metadata={"format": "pt"})
     return names
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,8 +56,9 @@ class _Lowering:
                     raise SourceError(f"param '{p.name}' has dimension {d!r}; dimensions must be positive ints",
                                       e.loc)
             name = f"{block}.{p.name}" if block else p.name
-            source = (p.source.value,) if p.source is not None else ()
-            self.params[name] = ParamSpec(name, shape, self.dtype, source, block=block, loc=p.loc)
+            source = (_fill_config(p.source.value, self.config),) if p.source is not None else ()
+            fallback = (_fill_config(p.fallback.value, self.config),) if p.fallback is not None else ()
+            self.params[name] = ParamSpec(name, shape, self.dtype, source, block=block, loc=p.loc, fallback=fallback)
             scope[p.name] = name
 
     # ------------------------------------------------------------ graphs
@@ -67,10 +69,13 @@ class _Lowering:
             env[arg] = _Tensor(g.add(arg, Node("input", (), Attrs({"name": arg, "type": t}), t, fwd.loc)))
         for stmt in fwd.body:
             if isinstance(stmt, A.Return):
-                value = self.expr(g, env, scope, stmt.value)
-                if not isinstance(value, _Tensor):
-                    raise SourceError("a forward must return a tensor", stmt.value.loc)
-                g.outputs = (value,)
+                outputs = []
+                for e in stmt.values:
+                    value = self.expr(g, env, scope, e)
+                    if not isinstance(value, _Tensor):
+                        raise SourceError("a forward must return tensors", e.loc)
+                    outputs.append(value)
+                g.outputs = tuple(outputs)
                 return g
             self.assign(g, env, scope, stmt)
         raise SourceError(f"forward of '{name}' has no return", fwd.loc)
@@ -241,11 +246,19 @@ class _Lowering:
         self.lowering_block = name
         self.graphs[name] = self.lower_forward(name, decl.forward, [arg_type], name)
         self.lowering_block = None
+        if len(self.graphs[name].outputs) != 1:
+            raise SourceError(f"block '{name}' must return one tensor, the next hidden state", decl.forward.loc)
         out = self.graphs[name].node(self.graphs[name].outputs[0]).out
         if out != arg_type:
             raise SourceError(f"block '{name}' must return its input's type {arg_type}, returns {out}",
                               decl.forward.loc)
         self.blocks[name] = BlockSpec(name, name, count, first_layer)
+
+
+def _fill_config(source: str, config: Mapping[str, Any]) -> str:
+    """Substitutes config values named in a tensor name ("model.layers.{layers}.enorm.weight"); `{i}` and `{e}`
+    stay for the weight converter."""
+    return re.sub(r"\{(\w+)\}", lambda m: str(config[m.group(1)]) if m.group(1) in config else m.group(0), source)
 
 
 def instantiate_model(model: A.ModelDecl, args: Mapping[str, A.Expr], dtype: str = "f32",
@@ -256,7 +269,18 @@ def instantiate_model(model: A.ModelDecl, args: Mapping[str, A.Expr], dtype: str
     low.declare_params(model.params, None)
     if len(model.forward.args) != 1:
         raise SourceError("a model's forward takes one argument: the token ids", model.forward.loc)
-    entry = low.lower_forward("entry", model.forward, [TensorType(("T",), "i32")], "")
+    tokens = TensorType(("T",), "i32")
+    entry = low.lower_forward("entry", model.forward, [tokens], "")
+    hidden = [entry.node(o).out for o in entry.outputs[1:]]
+    for f in model.forwards:
+        if f.cond is not None and not eval_expr(f.cond, config):
+            continue
+        if len(f.args) != 1 + len(hidden):
+            raise SourceError(f"forward '{f.name}' takes the token ids and the {len(hidden)} hidden state(s) the "
+                              f"model's forward returns after its logits: {1 + len(hidden)} arguments, not "
+                              f"{len(f.args)}", f.loc)
+        # lowered after the entry graph, so the blocks it calls take the next global layer indices
+        low.graphs[f.name] = low.lower_forward(f.name, f, [tokens, *hidden], "")
     graphs = {"entry": entry, **low.graphs}
     used = {n.attrs["name"] for g in graphs.values() for _, n in g.items() if n.op == "param"}
     params = {k: v for k, v in low.params.items() if k in used}

@@ -58,6 +58,7 @@ def interpret(program: Program, weights: Mapping[str, torch.Tensor], tokens: tor
               observe: Observer | None = None) -> torch.Tensor:
     """fp32 logits [T, vocab] of a single sequence `tokens` (prefill from position 0)."""
     ctx = RefContext(positions=torch.arange(tokens.shape[0]))
-    (logits,) = run_graph(program, program.entry, {program.entry.node(program.entry.inputs[0]).attrs["name"]: tokens},
-                          weights, ctx, observe=observe)
+    # the entry may also return hidden states for a draft head after its logits
+    logits, *_ = run_graph(program, program.entry, {program.entry.node(program.entry.inputs[0]).attrs["name"]: tokens},
+                           weights, ctx, observe=observe)
     return logits

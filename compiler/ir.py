@@ -238,6 +238,7 @@ class ParamSpec:
     quant: Attrs | None = None
     sharding: Attrs | None = None
     loc: Loc | None = field(default=None, compare=False)
+    fallback: tuple[str, ...] = ()  # sources read instead when the checkpoint lacks `source` (`from "a" else "b"`)
 
     @property
     def local_name(self) -> str:
@@ -303,14 +304,21 @@ class Program:
     def with_params(self, params: Mapping[str, ParamSpec]) -> Program:
         return dataclasses.replace(self, params=dict(params))
 
+    def forward_graphs(self) -> list[str]:
+        """"entry", then every other graph no block runs: the model's named forwards (a draft head such as
+        DeepSeek's MTP), which the runtime calls after the entry with the hidden states it returns."""
+        block_graphs = {b.graph for b in self.blocks.values()}
+        return ["entry", *(g for g in self.graphs if g != "entry" and g not in block_graphs)]
+
     def layer_schedule(self) -> list[tuple[str, int]]:
-        """(block name, block-local layer index) in execution order, read from the entry graph's `block` nodes;
-        a layer's global index is its position in this list."""
+        """(block name, block-local layer index) in execution order, read from the `block` nodes of the entry
+        graph, then of each further forward; a layer's global index is its position in this list."""
         sched: list[tuple[str, int]] = []
-        for _, n in self.entry.items():
-            if n.op == "block":
-                spec = self.blocks[n.attrs["block"]]
-                sched.extend((spec.name, i) for i in range(spec.count))
+        for g in self.forward_graphs():
+            for _, n in self.graphs[g].items():
+                if n.op == "block":
+                    spec = self.blocks[n.attrs["block"]]
+                    sched.extend((spec.name, i) for i in range(spec.count))
         return sched
 
     def graph_of_param(self, name: str) -> str:

@@ -402,6 +402,20 @@ register_op(OpDef("add", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: 
 register_op(OpDef("mul", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: x * y, cost=_elementwise_cost(1)))
 
 
+def _infer_concat(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, y = ins
+    _check(x.rank == y.rank and all(_same(p, q) for p, q in zip(x.shape[:-1], y.shape[:-1], strict=True)),
+           f"concat operands differ in leading dims: {x} vs {y}")
+    _check(x.dtype == y.dtype, f"concat operands differ in dtype: {x} vs {y}")
+    last = x.shape[-1] + y.shape[-1] if isinstance(x.shape[-1], int) and isinstance(y.shape[-1], int) else "?"
+    _check(last != "?", f"concat needs static last dims, got {x} and {y}")
+    return TensorType((*x.shape[:-1], last), x.dtype)
+
+
+register_op(OpDef("concat", 2, 2, infer=_infer_concat, reference=lambda ctx, x, y: torch.cat((x, y), dim=-1),
+                  cost=_io_bytes, doc="[x | y] along the last dim (DeepSeek MTP joins embedding and hidden state)."))
+
+
 def _infer_logits(ins: list[TensorType], a: Attrs) -> TensorType:
     x, w = ins
     _check(w.rank == 2 and _same(x.shape[-1], w.shape[1]), f"logits weight {w} does not match hidden {x}")

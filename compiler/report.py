@@ -93,6 +93,21 @@ def mla_kv_geometry(program: Program) -> tuple[int, int]:
     return layers, latent
 
 
+def draft_kv_layers(program: Program) -> dict[str, int]:
+    """Attention layers per named forward (a draft head such as MTP): their KV caches are part of the pool."""
+    out: dict[str, int] = {}
+    for name in program.forward_graphs()[1:]:
+        n = 0
+        for _, node in program.graphs[name].items():
+            if node.op in ("attention", "mla_attention"):
+                n += 1
+            elif node.op == "block":
+                spec = program.blocks[node.attrs["block"]]
+                n += spec.count * sum(program.graphs[spec.graph].count(op) for op in ("attention", "mla_attention"))
+        out[name] = n
+    return out
+
+
 def expert_param_bytes(program: Program) -> tuple[int, int]:
     """(bytes of routed-expert weights, of them the bytes one token reads) over the layer schedule.
 
@@ -144,7 +159,7 @@ def kernel_costs(program: Program, tokens: int = 1) -> list[tuple[str, int, int,
     calls: Counter[str] = Counter()
     flops: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
-    reps = {"entry": 1, **{b.graph: b.count for b in program.blocks.values()}}
+    reps = {**dict.fromkeys(program.forward_graphs(), 1), **{b.graph: b.count for b in program.blocks.values()}}
     for gname, g in program.graphs.items():
         for _, n in g.items():
             kernel = n.attrs.get("kernel", n.op)
@@ -193,6 +208,9 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
     mla_layers, latent_dim = mla_kv_geometry(program)
     kv_formula = (f"{cap.kv_layers} layers x kv_heads x head_dim x 2" if not mla_layers else
                   f"{mla_layers} MLA layers x latent {latent_dim} (kv_lora_rank + rope dim)")
+    drafts = draft_kv_layers(program)
+    if any(drafts.values()):
+        kv_formula += "; of the layers, " + ", ".join(f"{n} for draft head '{d}'" for d, n in drafts.items() if n)
     out = [f"kiln compile report — {program.name} for {target.name} ({target.description})", "", "passes:"]
     for rec in pass_log:
         nb, na = rec["nodes"]

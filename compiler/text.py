@@ -72,7 +72,8 @@ def print_program(program: Program) -> str:
     lines = [f"program {program.name} dtype={program.dtype} {{",
              f"  config {json.dumps(dict(program.config), sort_keys=True)}"]
     for p in program.params.values():
-        extra = {"block": p.block, "concat_dim": p.concat_dim or None, "quant": p.quant, "sharding": p.sharding}
+        extra = {"block": p.block, "concat_dim": p.concat_dim or None, "quant": p.quant, "sharding": p.sharding,
+                 "fallback": list(p.fallback) or None}
         attrs = ", ".join(f"{k}={_value(v)}" for k, v in extra.items() if v is not None)
         attrs = f" {{{attrs}}}" if attrs else ""
         lines.append(f"  param {p.name}: {TensorType(p.shape, p.dtype)} from {json.dumps(list(p.source))}{attrs}")
@@ -223,7 +224,8 @@ def parse_program(text: str) -> Program:
                 pm.group(1), tuple(t.shape), t.dtype, tuple(json.loads(pm.group(3))), block=extra.get("block"),
                 concat_dim=extra.get("concat_dim", 0),
                 quant=Attrs(extra["quant"]) if "quant" in extra else None,
-                sharding=Attrs(extra["sharding"]) if "sharding" in extra else None)
+                sharding=Attrs(extra["sharding"]) if "sharding" in extra else None,
+                fallback=tuple(extra.get("fallback", ())))
         elif line.startswith("block "):
             bm = re.fullmatch(r"block\s+(\w+)\s*=\s*(\w+)\s+x\s+(\d+)\s*(\{.*\})?", line)
             if not bm:

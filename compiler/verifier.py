@@ -80,21 +80,23 @@ def verify_program(program: Program, *, require_types: bool = False) -> None:
 
 
 def _verify_layer_schedule(program: Program) -> None:
-    """Each block is called once, from the entry graph, and its first_layer is where its layers start in the
-    layer schedule: param sources use that global layer index (`{i}`)."""
+    """Each block is called once, from a forward graph (the entry, then the named forwards), and its first_layer
+    is where its layers start in the layer schedule: param sources use that global layer index (`{i}`)."""
+    forwards = program.forward_graphs()
     for name, graph in program.graphs.items():
-        if name != "entry" and graph.count("block"):
-            raise VerifyError(f"graph {name!r} calls a block; blocks are called only from the entry graph")
+        if name not in forwards and graph.count("block"):
+            raise VerifyError(f"graph {name!r} calls a block; blocks are called only from forward graphs")
     next_layer = 0
     called: set[str] = set()
-    for vid, node in program.entry.items():
-        if node.op != "block" or node.attrs.get("block") not in program.blocks:
-            continue
-        block = program.blocks[node.attrs["block"]]
-        if block.name in called:
-            raise VerifyError(f"entry: %{vid} calls block {block.name!r} a second time; a block runs once")
-        called.add(block.name)
-        if block.first_layer != next_layer:
-            raise VerifyError(f"block {block.name!r} has first_layer={block.first_layer}, but its layers start at "
-                              f"{next_layer} in the layer schedule")
-        next_layer += block.count
+    for name in forwards:
+        for vid, node in program.graphs[name].items():
+            if node.op != "block" or node.attrs.get("block") not in program.blocks:
+                continue
+            block = program.blocks[node.attrs["block"]]
+            if block.name in called:
+                raise VerifyError(f"{name}: %{vid} calls block {block.name!r} a second time; a block runs once")
+            called.add(block.name)
+            if block.first_layer != next_layer:
+                raise VerifyError(f"block {block.name!r} has first_layer={block.first_layer}, but its layers start "
+                                  f"at {next_layer} in the layer schedule")
+            next_layer += block.count

@@ -95,8 +95,16 @@ class Assign:
 
 @dataclass(frozen=True, slots=True)
 class Return:
+    """`return x`, or `return logits, h`: a model's forward may return, after its logits, the hidden states
+    its named forwards (draft heads) read."""
+
     value: Expr
     loc: Loc
+    more: tuple[Expr, ...] = ()
+
+    @property
+    def values(self) -> tuple[Expr, ...]:
+        return (self.value, *self.more)
 
 
 Stmt = Assign | Return
@@ -107,6 +115,8 @@ class Forward:
     args: tuple[str, ...]
     body: tuple[Stmt, ...]
     loc: Loc
+    name: str | None = None  # None: the model's (or a block's) forward; else a second entry such as `mtp`
+    cond: Expr | None = None  # a named forward exists only when this config expression is true
 
 
 # ---------------------------------------------------------------- model declarations
@@ -129,6 +139,7 @@ class ParamDecl:
     source: Str | None  # checkpoint tensor name template; `{i}` is the layer index inside a block
     cond: Expr | None  # the param exists only when this config expression is true
     loc: Loc
+    fallback: Str | None = None  # `from "a" else "b"`: read b when the checkpoint has no a
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +161,8 @@ class ModelDecl:
     blocks: tuple[BlockDecl, ...]
     forward: Forward
     loc: Loc
+    # named forwards, run by the runtime after the main one (a draft head: `forward mtp(tokens, hidden)`)
+    forwards: tuple[Forward, ...] = ()
 
 
 # ---------------------------------------------------------------- recipe declarations

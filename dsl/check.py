@@ -119,6 +119,12 @@ def check_model(model: ast.ModelDecl) -> None:
             inner.declare(p.name, "param", p.loc)
         _check_forward(b.forward, inner, blocks, config)
     _check_forward(model.forward, top, blocks, config)
+    for f in model.forwards:
+        if f.cond is not None:
+            _check_config_expr(f.cond, config, model, f"the condition of forward '{f.name}'")
+        if f.name in top.all_names():
+            raise SourceError(f"forward '{f.name}' has the name of a {top.lookup(f.name)[0]}", f.loc)
+        _check_forward(f, top, blocks, config)
 
 
 def _check_config_expr(expr: ast.Expr, config: _Scope, model: ast.ModelDecl, what: str) -> None:
@@ -143,19 +149,24 @@ def _check_param(p: ast.ParamDecl, config: _Scope, model: ast.ModelDecl, in_bloc
         _check_config_expr(dim, config, model, f"the shape of '{p.name}'")
     if p.cond is not None:
         _check_config_expr(p.cond, config, model, f"the condition of '{p.name}'")
-    if p.source is not None:
-        for m in re.finditer(r"\{([^}]*)\}", p.source.value):
+    for src in (p.source, p.fallback):
+        if src is None:
+            continue
+        for m in re.finditer(r"\{([^}]*)\}", src.value):
             if m.group(1) == "e":  # expert index: the param is a stack over experts along its dim 0
                 if len(p.shape) < 2:
                     raise SourceError(f"'{{e}}' (the expert index) stacks one tensor per expert along dim 0, so "
-                                      f"'{p.name}' needs a shape [experts, ...] of rank >= 2", p.source.loc)
+                                      f"'{p.name}' needs a shape [experts, ...] of rank >= 2", src.loc)
+                continue
+            if m.group(1) in config.kinds:  # a config value, e.g. the first MTP layer "model.layers.{layers}"
                 continue
             if m.group(1) != "i":
                 raise SourceError(f"unknown placeholder '{{{m.group(1)}}}' in a tensor name: only '{{i}}', "
-                                  "the layer index, and '{e}', the expert index, are defined", p.source.loc)
+                                  "the layer index, '{e}', the expert index, and config parameters are defined",
+                                  src.loc)
             if not in_block:
                 raise SourceError("'{i}' (the layer index) is defined only for params inside a block",
-                                  p.source.loc)
+                                  src.loc)
 
 
 def _check_forward(fwd: ast.Forward, outer: _Scope, blocks: set[str], config: _Scope) -> None:
@@ -169,7 +180,8 @@ def _check_forward(fwd: ast.Forward, outer: _Scope, blocks: set[str], config: _S
     for i, stmt in enumerate(fwd.body):
         if isinstance(stmt, ast.Return) and i != len(fwd.body) - 1:
             raise SourceError("statement after 'return' is never run", fwd.body[i + 1].loc)
-        _check_body_expr(stmt.value, scope, locals_, blocks, config)
+        for value in stmt.values if isinstance(stmt, ast.Return) else (stmt.value,):
+            _check_body_expr(value, scope, locals_, blocks, config)
         if isinstance(stmt, ast.Assign):
             seen: set[str] = set()
             for t in stmt.targets:

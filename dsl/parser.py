@@ -201,12 +201,34 @@ class _ToAst(Transformer):
         name, *config, body = c
         config = tuple(p for p in config if _is_node(p))
         params = tuple(i for i in body if isinstance(i, ast.ParamDecl))
-        blocks = tuple(i for i in body if isinstance(i, ast.BlockDecl))
+        blocks = self._resolve_likes([i for i in body if isinstance(i, ast.BlockDecl | _BlockLike)])
         forward = self._one_forward(body, name, f"model '{name}'")
-        return ast.ModelDecl(str(name), config, params, blocks, forward, self._tok(name))
+        named: dict[str, ast.Forward] = {}
+        for f in body:
+            if isinstance(f, ast.Forward) and f.name is not None:
+                if f.name in named:
+                    raise SourceError(f"forward '{f.name}' is declared twice", f.loc,
+                                      (f"the first is at {named[f.name].loc}",))
+                named[f.name] = f
+        return ast.ModelDecl(str(name), config, params, blocks, forward, self._tok(name), tuple(named.values()))
+
+    def _resolve_likes(self, items: list) -> tuple[ast.BlockDecl, ...]:
+        """`block b[n] like a` becomes a block of its own with a's params and forward (sources keep `{i}`, so
+        its layers read their own checkpoint tensors)."""
+        declared = {b.name: b for b in items if isinstance(b, ast.BlockDecl)}
+        out = []
+        for b in items:
+            if isinstance(b, _BlockLike):
+                like = declared.get(b.like)
+                if like is None:
+                    raise SourceError(f"block '{b.name}' is declared like '{b.like}', which is not a block declared "
+                                      "with a body", b.like_loc, _did_you_mean_block(b.like, list(declared)))
+                b = ast.BlockDecl(b.name, b.count, like.params, like.forward, b.loc)
+            out.append(b)
+        return tuple(out)
 
     def _one_forward(self, items, name: Token, what: str) -> ast.Forward:
-        forwards = [i for i in items if isinstance(i, ast.Forward)]
+        forwards = [i for i in items if isinstance(i, ast.Forward) and i.name is None]
         if not forwards:
             raise SourceError(f"{what} has no forward(...) {{ ... }}", self._tok(name))
         if len(forwards) > 1:
@@ -226,29 +248,37 @@ class _ToAst(Transformer):
     block_body = forward_body = recipe_body = section_body = model_body
 
     def param(self, meta, c):
-        name, shape, source, cond = c
+        name, shape, source, fallback, cond = c
         src = ast.Str(_unquote(source), self._tok(source)) if source is not None else None
-        return ast.ParamDecl(str(name), shape, src, cond, self._tok(name))
+        alt = ast.Str(_unquote(fallback), self._tok(fallback)) if fallback is not None else None
+        return ast.ParamDecl(str(name), shape, src, cond, self._tok(name), alt)
 
     def shape(self, meta, c):
         return tuple(i for i in c if _is_node(i))
 
     def block(self, meta, c):
         name, count, body = c
+        if isinstance(body, Token):  # `like other`
+            return _BlockLike(str(name), count, str(body), self._tok(name), self._tok(body))
         params = tuple(i for i in body if isinstance(i, ast.ParamDecl))
+        named = next((f for f in body if isinstance(f, ast.Forward) and f.name is not None), None)
+        if named is not None:
+            raise SourceError(f"block '{name}' declares forward '{named.name}'; named forwards belong to the model",
+                              named.loc)
         forward = self._one_forward(body, name, f"block '{name}'")
         return ast.BlockDecl(str(name), count, params, forward, self._tok(name))
 
     def forward(self, meta, c):
-        *args, body = c
-        return ast.Forward(tuple(str(a) for a in args if a is not None), tuple(body), self._loc(meta))
+        name, *args, cond, body = c
+        return ast.Forward(tuple(str(a) for a in args if a is not None), tuple(body), self._loc(meta),
+                           None if name is None else str(name), cond)
 
     def assign(self, meta, c):
         *targets, value = c
         return ast.Assign(tuple(str(t) for t in targets), value, self._loc(meta))
 
     def return_stmt(self, meta, c):
-        return ast.Return(c[0], self._loc(meta))
+        return ast.Return(c[0], self._loc(meta), tuple(c[1:]))
 
     # -- recipes
 
@@ -356,6 +386,22 @@ class _ToAst(Transformer):
 
     add_op = mul_op = unary_op = cmp_op
 
+
+
+class _BlockLike:
+    """`block name[count] like other`, until the model's blocks are all parsed."""
+
+    __slots__ = ("count", "like", "like_loc", "loc", "name")
+
+    def __init__(self, name: str, count: ast.Expr, like: str, loc: Loc, like_loc: Loc):
+        self.name, self.count, self.like, self.loc, self.like_loc = name, count, like, loc, like_loc
+
+
+def _did_you_mean_block(name: str, options: list[str]) -> tuple[str, ...]:
+    import difflib
+
+    close = difflib.get_close_matches(name, options, n=1)
+    return (f"did you mean '{close[0]}'?",) if close else ()
 
 
 class _Kwarg:

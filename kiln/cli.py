@@ -46,7 +46,7 @@ def cmd_recipe_from_hf(args: argparse.Namespace) -> int:
     from kiln.recipe_from_hf import recipe_from_hf
 
     text = recipe_from_hf(args.checkpoint, target=args.target, out_file=args.output, dtype=args.dtype,
-                          name=args.name)
+                          name=args.name, mtp=not args.no_mtp)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text)
@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
     r.add_argument("--name", help="recipe name (default: from the directory name)")
     r.add_argument("-o", "--output", help="recipe file to write (default: stdout)")
+    r.add_argument("--no-mtp", action="store_true",
+                   help="leave out a DeepSeek-V3 multi-token-prediction head (num_nextn_predict_layers)")
     r.set_defaults(func=cmd_recipe_from_hf)
 
     p = sub.add_parser("generate", help="generate text with a compiled artifact")

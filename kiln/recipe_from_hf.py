@@ -199,6 +199,10 @@ def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
         args["attention_bias"] = True
     if first_dense < layers:
         args.update(_deepseek_moe(cfg, v2=v2))
+        # V3's multi-token-prediction module (checkpoint layer `layers`, a MoE layer): a draft head for
+        # speculative decoding. kiln loads the first module; `from-hf --no-mtp` leaves it out.
+        if int(cfg.get("num_nextn_predict_layers") or 0) > 0:
+            args["nextn"] = int(cfg["num_nextn_predict_layers"])
     return "deepseek_v3", args
 
 
@@ -256,8 +260,24 @@ def _literal(v: Any) -> str:
     return str(v)
 
 
+def _tensor_names(ckpt: Path) -> set[str]:
+    """The tensor names of a safetensors checkpoint (from its index, else from the file headers)."""
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map", {}))
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str | Path | None = None,
-                   dtype: str | None = None, name: str | None = None) -> str:
+                   dtype: str | None = None, name: str | None = None, mtp: bool = True) -> str:
+    """The recipe of a Hugging Face checkpoint. `mtp=False` leaves out a DeepSeek-V3 multi-token-prediction
+    head (its weights are then neither converted nor given KV cache)."""
     ckpt = Path(ckpt_dir)
     cfg_path = ckpt / "config.json"
     if not cfg_path.is_file():
@@ -269,6 +289,9 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
         raise UnsupportedCheckpoint(f"unsupported architecture {', '.join(archs) or '(none given)'} in {cfg_path}; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
     model, args = ARCHITECTURES[arch](cfg)
+    # many converted checkpoints keep num_nextn_predict_layers but drop the MTP layer's weights
+    if "nextn" in args and not (mtp and f"model.layers.{args['layers']}.eh_proj.weight" in _tensor_names(ckpt)):
+        del args["nextn"]
     if dtype is None:
         dtype = "fp32" if target == "cpu" else "bf16"
     if out_file is not None:

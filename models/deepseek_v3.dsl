@@ -28,7 +28,8 @@ model deepseek_v3(vocab: int, hidden: int, layers: int, heads: int, ffn: int,
                   first_k_dense: int = layers, experts: int = 0, top_k: int = 1, moe_ffn: int = ffn,
                   shared_experts: int = 0, n_group: int = 1, topk_group: int = 1,
                   routed_scaling: float = 1.0, norm_topk_prob: bool = true, scoring: str = "sigmoid",
-                  group_score: str = "top2_sum", correction_bias: bool = true) {
+                  group_score: str = "top2_sum", correction_bias: bool = true,
+                  nextn: int = 0) {
   param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
 
   block dense[first_k_dense] {                  # {i} is the layer index
@@ -134,10 +135,31 @@ model deepseek_v3(vocab: int, hidden: int, layers: int, heads: int, ffn: int,
   param norm: [hidden]                          from "model.norm.weight"
   param lm_head: [vocab, hidden]                from "lm_head.weight" if !tie_embeddings
 
+  # Multi-token prediction (HF num_nextn_predict_layers; V3 has one module): checkpoint layer `layers` holds a
+  # module that predicts token t+2 from the main model's last hidden state h_t (before the final norm) and the
+  # embedding of token t+1 — a draft head for speculative decoding. kiln runs the first module (nextn >= 1).
+  # Its decoder layer is a MoE layer like the stack's (it follows the first_k_dense dense layers); its
+  # embed_tokens / shared_head.head copies are stored once when they equal the main ones.
+  param mtp_enorm: [hidden]                     from "model.layers.{layers}.enorm.weight" if nextn > 0
+  param mtp_hnorm: [hidden]                     from "model.layers.{layers}.hnorm.weight" if nextn > 0
+  param mtp_eh_proj: [hidden, 2 * hidden]       from "model.layers.{layers}.eh_proj.weight" if nextn > 0
+  param mtp_embed: [vocab, hidden]              from "model.layers.{layers}.embed_tokens.weight" else "model.embed_tokens.weight" if nextn > 0
+  param mtp_norm: [hidden]                      from "model.layers.{layers}.shared_head.norm.weight" if nextn > 0
+  param mtp_head: [vocab, hidden]               from "model.layers.{layers}.shared_head.head.weight" else "lm_head.weight" if nextn > 0
+  block mtp_layer[1] like moe                   # {i} = layers: the layer after the main stack
+
   forward(tokens) {
     h = embedding(tokens, embed)
     h = first_k_dense > 0 ? dense(h) : h
     h = first_k_dense < layers ? moe(h) : h
-    return logits(rms_norm(h, norm, eps=norm_eps), tie_embeddings ? embed : lm_head)
+    return logits(rms_norm(h, norm, eps=norm_eps), tie_embeddings ? embed : lm_head), h
+  }
+
+  # position t: tokens[t] is token t+1 (the step's tokens shifted by one), h_main[t] the main model's h_t;
+  # attention is causal over this layer's own KV cache. Returns the logits of token t+2.
+  forward mtp(tokens, h_main) if nextn > 0 {
+    e = rms_norm(embedding(tokens, mtp_embed), mtp_enorm, eps=norm_eps)
+    h = linear(concat(e, rms_norm(h_main, mtp_hnorm, eps=norm_eps)), mtp_eh_proj)
+    return logits(rms_norm(mtp_layer(h), mtp_norm, eps=norm_eps), mtp_head)
   }
 }

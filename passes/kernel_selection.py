@@ -30,6 +30,7 @@ register_kernels("cpu", {
     "silu_mul": "cpu.silu_mul",
     "add": "cpu.add",
     "mul": "cpu.mul",
+    "concat": "cpu.concat",
     "logits": "cpu.logits",
     "deinterleave": "cpu.deinterleave",
     "mla_attention": "cpu.mla_attention",

@@ -145,4 +145,8 @@ def _load_weights(art: Path, manifest: dict, device: torch.device) -> dict[str, 
         if dup:
             raise ArtifactError(f"{file}: tensor(s) {sorted(dup)[:3]} also appear in another weight file")
         weights.update(shard)
+    for alias, stored in (wcfg.get("aliases") or {}).items():  # a tensor the converter stored once
+        if stored not in weights:
+            raise ArtifactError(f"manifest.json: weight alias {alias!r} names missing tensor {stored!r}")
+        weights[alias] = weights[stored]
     return weights

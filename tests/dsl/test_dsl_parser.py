@@ -61,8 +61,9 @@ def test_bundled_models_parse_and_check(path: Path):
     module = load_file(path)
     (model,) = module.models
     assert model.name == path.stem
-    # one block kind, or DeepSeek's first-k dense layers then mixture-of-experts layers
-    assert [b.name for b in model.blocks] == (["dense", "moe"] if path.stem == "deepseek_v3" else ["decoder"])
+    # one block kind, or DeepSeek's first-k dense layers then mixture-of-experts layers (+ the MTP head's layer)
+    assert [b.name for b in model.blocks] == (["dense", "moe", "mtp_layer"] if path.stem == "deepseek_v3"
+                                              else ["decoder"])
     for decoder in model.blocks:
         assert decoder.forward.args == ("h",)
         assert isinstance(decoder.forward.body[-1], A.Return)
@@ -70,7 +71,7 @@ def test_bundled_models_parse_and_check(path: Path):
                 and isinstance(s.value, A.Call) and s.value.func == "rope"]  # q, k (MLA: q_pe, k_pe)
         assert len(rope) == 1
         assert all("{i}" in p.source.value for p in decoder.params)
-    assert {p.name for p in model.params} == {"embed", "norm", "lm_head"}
+    assert {p.name for p in model.params if not p.name.startswith("mtp_")} == {"embed", "norm", "lm_head"}
     assert [c.name for c in model.config[:4]] == ["vocab", "hidden", "layers", "heads"]
 
 
