@@ -10,7 +10,8 @@ a package as an artifact would hold them; the weights are made on the GPU, so no
 captured for the batch buckets), then for each batch size B:
   * B requests of CONTEXT random prompt tokens are prefilled, then the engine runs `--warmup` decode steps;
   * steady decode: `--steps` engine steps (schedule, CUDA-graph replay, sample, update, outputs) timed by the
-    wall clock -> step time and tokens/s;
+    wall clock -> step time and tokens/s, against the step's limit: the matrices a decode step reads plus the
+    KV of its context, at the bandwidth gpu_decode.py's GEMV loop measures over those matrices in this run;
   * GPU busy: over `--profile-steps` more steps under torch.profiler (CUDA activity only), the union of the
     kernel intervals / the wall time of those steps (the issue's bar: >= 95%); idle gaps are host time;
   * at B = 1, the top 10 kernels by GPU time with their share of the step, so the next session knows where
@@ -38,6 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_decode  # noqa: E402  (matrices a decode step reads, the GEMV-loop streaming limit)
 
 MODELS = {
     "llama-3.2-1b": dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, rope_theta=500000.0,
@@ -156,7 +159,12 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
     model = model_cls(weights, setup.device)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
     after_weights = _allocated(setup)
-    del weights  # the model holds them
+    # the weight-streaming limit of a step: gpu_decode.py's GEMV loop over the matrices a decode step reads
+    mats = gpu_decode.matrices(weights, tied=cfg.get("tie_embeddings") == "true")
+    step_weight_bytes = sum(m.numel() * m.element_size() for m in mats)
+    gemv = mats if setup.dtype == "bf16" else [m.bfloat16() for m in mats]  # the helper's GEMVs are bf16
+    _, bandwidth = gpu_decode.streaming_limit(gpu_decode.Setup(device=setup.device, smoke=not setup.cuda), gemv)
+    del weights, mats, gemv  # the model holds the weights
     art = LoadedArtifact(path=pkg, manifest=manifest, model=model, tokenizer=None, device=setup.device,
                          model_config=model_config_from_manifest(manifest),
                          kv_cache_config=kv_cache_config_from_manifest(manifest),
@@ -177,6 +185,8 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
         "allocated_after_load_bytes": _allocated(setup) if setup.cuda else None,
         "device_total_bytes": torch.cuda.mem_get_info(setup.device)[1] if setup.cuda else None,
         "engine_init_s": load_s,
+        "step_weight_bytes": step_weight_bytes,
+        "stream_bandwidth": bandwidth,
     }
     return engine, program, res.pass_log, measured
 
@@ -250,7 +260,8 @@ def _profile(setup: Setup, step, n: int) -> dict:
                             for k, v in top]}
 
 
-def steady_decode(setup: Setup, engine, batch: int, vocab: int, seed: int, profile_kernels: bool) -> dict:
+def steady_decode(setup: Setup, engine, batch: int, vocab: int, seed: int, profile_kernels: bool,
+                  measured: dict) -> dict:
     """B requests prefilled, then --warmup, --steps timed and --profile-steps profiled decode steps."""
     from kiln.runtime.sampling_params import SamplingParams
 
@@ -281,9 +292,15 @@ def steady_decode(setup: Setup, engine, batch: int, vocab: int, seed: int, profi
     wall = time.perf_counter() - t0
     assert len(engine.scheduler.running) == batch, (
         f"{len(engine.scheduler.running)} running, expected {batch}: not a steady decode batch")
-    row = {"batch": batch, "context": setup.context, "steps": setup.steps, "step_s": wall / setup.steps,
-           "tokens_per_s": batch * setup.steps / wall, "prefill_s": prefill_s,
-           "prefill_peak_activation_bytes": prefill_peak}
+    # the limit of a step: its weights plus the KV it reads (mid-window context) at the streaming bandwidth
+    kv = engine.runner.kv_caches
+    kv_per_token = sum(t[0].numel() * t.element_size() for t in kv) // engine.runner.block_size
+    context = setup.context + setup.warmup + setup.steps // 2
+    limit = (measured["step_weight_bytes"] + batch * context * kv_per_token) / measured["stream_bandwidth"]
+    step_s = wall / setup.steps
+    row = {"batch": batch, "context": setup.context, "steps": setup.steps, "step_s": step_s,
+           "tokens_per_s": batch * setup.steps / wall, "limit_s": limit, "ratio": limit / step_s,
+           "prefill_s": prefill_s, "prefill_peak_activation_bytes": prefill_peak}
     if setup.profile_steps:
         try:
             prof = _profile(setup, engine.step, setup.profile_steps)
@@ -311,11 +328,11 @@ def bench_model(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
         if time.time() > deadline:
             print(f"  batch {bs}: skipped (time budget)")
             continue
-        row = steady_decode(setup, engine, bs, cfg["vocab"], seed=k, profile_kernels=(bs == 1))
+        row = steady_decode(setup, engine, bs, cfg["vocab"], seed=k, profile_kernels=(bs == 1), measured=measured)
         res["decode"].append(row)
         busy = row.get("gpu_busy")
-        print(f"  decode b={bs:4d}: {row['step_s'] * 1e3:8.3f} ms/step, {row['tokens_per_s']:10.1f} tok/s"
-              + (f", GPU busy {busy:.1%}" if busy is not None else ""))
+        print(f"  decode b={bs:4d}: {row['step_s'] * 1e3:8.3f} ms/step, {row['tokens_per_s']:10.1f} tok/s, "
+              f"{row['ratio']:.0%} of the streaming limit" + (f", GPU busy {busy:.1%}" if busy is not None else ""))
     res["measured"]["prefill_peak_activation_bytes"] = max(
         (r["prefill_peak_activation_bytes"] or 0 for r in res["decode"]), default=None)
     return res
@@ -327,13 +344,14 @@ def _gb(n) -> str:
 
 def tables(result: dict) -> str:
     lines = ["", "steady decode (LLMEngine.step, CUDA graphs on GPU)",
-             f"{'model':<15} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'GPU busy':>9} {'kernel ms':>10}"]
+             f"{'model':<15} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'limit ms':>9} {'of limit':>8} "
+             f"{'GPU busy':>9} {'kernel ms':>10}"]
     for name, r in result["models"].items():
         for row in r.get("decode", []):
             busy = "-" if row.get("gpu_busy") is None else f"{row['gpu_busy']:.1%}"
             kern = "-" if row.get("kernel_s_per_step") is None else f"{row['kernel_s_per_step'] * 1e3:.3f}"
             lines.append(f"{name:<15} {row['batch']:5d} {row['step_s'] * 1e3:9.3f} {row['tokens_per_s']:10.1f} "
-                         f"{busy:>9} {kern:>10}")
+                         f"{row['limit_s'] * 1e3:9.3f} {row['ratio']:8.0%} {busy:>9} {kern:>10}")
         if "error" in r:
             lines.append(f"{name:<15} ERROR {r['error']}")
     for name, r in result["models"].items():

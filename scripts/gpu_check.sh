@@ -85,16 +85,17 @@ if d:
         for row in r.get("decode", []):
             g = row.get("graph_step_s")
             share = f"{row['limit_s'] / g:.0%}" if g else "-"
-            print(f"    {name:15s} {row['batch']:4d} {row['step_s'] * 1e3:9.3f} "
-                  f"{(g or 0) * 1e3:9.3f} {share:>6}")
+            graph = f"{g * 1e3:.3f}" if g else "-"
+            print(f"    {name:15s} {row['batch']:4d} {row['step_s'] * 1e3:9.3f} {graph:>9} {share:>6}")
 e = load("gpu_engine.json")
 if e:
-    print("\n  engine steady decode (gpu_engine.json): model, batch, ms/step, tok/s, GPU busy (bar: 95%)")
+    print("\n  engine steady decode (gpu_engine.json): model, batch, ms/step, tok/s, share of the streaming limit, "
+          "GPU busy (bar: 95%)")
     for name, r in e.get("models", {}).items():
         for row in r.get("decode", []):
             busy = row.get("gpu_busy")
             print(f"    {name:15s} {row['batch']:4d} {row['step_s'] * 1e3:9.3f} {row['tokens_per_s']:10.1f} "
-                  f"{'-' if busy is None else f'{busy:.1%}':>7}")
+                  f"{row['ratio']:6.0%} {'-' if busy is None else f'{busy:.1%}':>7}")
         if "predicted" in r:
             p, m = r["predicted"], r["measured"]
             print(f"    {name:15s} KV tokens: --report {p['kv_tokens']:,} (datasheet), "

@@ -41,10 +41,16 @@ def test_cpu_smoke_measures_steady_decode_and_the_memory_plan(gpu_engine, tmp_pa
     m = r["measured"]
     assert m["kv_tokens"] == m["kv_blocks"] * gpu_engine.BLOCK and m["kv_bytes"] == m["kv_tokens"] * kv_per_token
     assert r["fuse_rope_kv_write_matches"] == 1 and r["cuda_graphs"] is False
+    # a decode step reads every matrix but the (untied) embedding table, and the KV of its context
+    assert m["step_weight_bytes"] == 4 * (params - v * h - (2 * n_layers + 1) * h)
     rows = r["decode"]
     assert [row["batch"] for row in rows] == [1, 3]
     for row in rows:
         assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(row["batch"] / row["step_s"])
+        context = 12 + 1 + 3 // 2  # prompt, warmup steps, half the timed steps (the --cpu-smoke setup)
+        need = m["step_weight_bytes"] + row["batch"] * context * kv_per_token
+        assert row["limit_s"] == pytest.approx(need / m["stream_bandwidth"])
+        assert row["ratio"] == pytest.approx(row["limit_s"] / row["step_s"])
         assert row["profiled_steps"] == 2 and row["gpu_busy"] is None  # no GPU: busy is not defined
     top = rows[0]["top_kernels"]
     assert 0 < len(top) <= gpu_engine.TOP_KERNELS and "top_kernels" not in rows[1]
