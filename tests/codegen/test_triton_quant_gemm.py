@@ -64,7 +64,7 @@ def _close(out, ref, dtype):
 
 @pytest.mark.parametrize("fmt,act_order", [("awq", False), ("gptq", False), ("gptq", True)],
                          ids=["awq", "gptq", "gptq-act-order"])
-@pytest.mark.parametrize("m", [1, 5, 20])
+@pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w4a16_matches_reference(K, small_tiles, fmt, act_order, m, dtype):
     n, k, group = 72, 96, 32  # N not a multiple of the column tile; 3 groups of 2 K tiles
