@@ -154,3 +154,29 @@ def test_full_pipeline_fuses_after_quantize_kv_cache():
     (node,) = [n for _, n in after.graphs["decoder"].items() if n.op == "attention"]
     assert node.attrs["rope"] == {"theta": 10000.0} and node.attrs["kernel"] == "cpu.paged_attention"
     assert after.graphs["decoder"].count("rope") == 0
+
+
+MLA = """
+program p dtype=f32 {
+  config {}
+  param w_kv_b: f32[48, 16] from ["kv_b_proj.weight"]
+  graph entry {
+    %q_nope = input "q_nope" : f32[T, 2, 8]
+    %q_pe0 = input "q_pe" : f32[T, 2, 4]
+    %c_kv = input "c_kv" : f32[T, 16]
+    %k_pe0 = input "k_pe" : f32[T, 1, 4]
+    %w_kv_b = param "w_kv_b" : f32[48, 16]
+    %q_pe = rope(%q_pe0) {theta=10000.0}
+    %k_pe = rope(%k_pe0) {theta=10000.0}
+    %a = mla_attention(%q_nope, %q_pe, %c_kv, %k_pe, %w_kv_b)
+    return %a
+  }
+}
+"""
+
+
+def test_mla_attention_keeps_its_ropes():
+    """MLA ropes only q_pe / k_pe, separate inputs of mla_attention (its latent cache is written by its own
+    kernel): not the pattern, nothing changes."""
+    before, out, ctx = run_pass_on_text(FuseRopeKVWrite(), MLA)
+    assert out is before and ctx.stats["matches"] == 0
