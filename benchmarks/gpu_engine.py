@@ -13,7 +13,8 @@ captured for the batch buckets), then for each batch size B:
     wall clock -> step time and tokens/s, against the step's limit: the matrices a decode step reads plus the
     KV of its context, at the bandwidth gpu_decode.py's GEMV loop measures over those matrices in this run;
   * GPU busy: over `--profile-steps` more steps under torch.profiler (CUDA activity only), the union of the
-    kernel intervals / the wall time of those steps (the issue's bar: >= 95%); idle gaps are host time;
+    kernel intervals / the wall time of those steps (the issue's bar: >= 95%); idle gaps are host time. Without
+    the profiler: the bucket's decode graph replayed back to back (the model's GPU time per step) / step time;
   * at B = 1, the top 10 kernels by GPU time with their share of the step, so the next session knows where
     decode time goes.
 Memory plan: what `kiln compile --report` predicts (weights, KV pool bytes and tokens for the datasheet memory
@@ -260,6 +261,29 @@ def _profile(setup: Setup, step, n: int) -> dict:
                             for k, v in top]}
 
 
+def graph_replay_s(setup: Setup, engine, batch: int) -> float | None:
+    """Seconds of one replay of the decode graph serving `batch` sequences, replays back to back (CUDA events,
+    median of 20): the model's GPU time per step without any host work between steps. The replay repeats the
+    last step on the graph's static buffers (same tokens, same slots), so no sequence's state changes."""
+    runner = engine.runner.graph_runner
+    if not setup.cuda or runner is None or not runner.graphs:
+        return None
+    graph = runner.graphs.get(runner.bucket_for(batch))
+    if graph is None:
+        return None
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def steady_decode(setup: Setup, engine, batch: int, vocab: int, seed: int, profile_kernels: bool,
                   measured: dict) -> dict:
     """B requests prefilled, then --warmup, --steps timed and --profile-steps profiled decode steps."""
@@ -301,6 +325,9 @@ def steady_decode(setup: Setup, engine, batch: int, vocab: int, seed: int, profi
     row = {"batch": batch, "context": setup.context, "steps": setup.steps, "step_s": step_s,
            "tokens_per_s": batch * setup.steps / wall, "limit_s": limit, "ratio": limit / step_s,
            "prefill_s": prefill_s, "prefill_peak_activation_bytes": prefill_peak}
+    graph_s = graph_replay_s(setup, engine, batch)
+    if graph_s is not None:  # a profiler-free view of the same question: GPU time of the model per engine step
+        row["graph_replay_s"], row["graph_share_of_step"] = graph_s, graph_s / step_s
     if setup.profile_steps:
         try:
             prof = _profile(setup, engine.step, setup.profile_steps)
@@ -345,13 +372,14 @@ def _gb(n) -> str:
 def tables(result: dict) -> str:
     lines = ["", "steady decode (LLMEngine.step, CUDA graphs on GPU)",
              f"{'model':<15} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'limit ms':>9} {'of limit':>8} "
-             f"{'GPU busy':>9} {'kernel ms':>10}"]
+             f"{'GPU busy':>9} {'kernel ms':>10} {'graph ms':>9}"]
     for name, r in result["models"].items():
         for row in r.get("decode", []):
             busy = "-" if row.get("gpu_busy") is None else f"{row['gpu_busy']:.1%}"
             kern = "-" if row.get("kernel_s_per_step") is None else f"{row['kernel_s_per_step'] * 1e3:.3f}"
+            graph = "-" if row.get("graph_replay_s") is None else f"{row['graph_replay_s'] * 1e3:.3f}"
             lines.append(f"{name:<15} {row['batch']:5d} {row['step_s'] * 1e3:9.3f} {row['tokens_per_s']:10.1f} "
-                         f"{row['limit_s'] * 1e3:9.3f} {row['ratio']:8.0%} {busy:>9} {kern:>10}")
+                         f"{row['limit_s'] * 1e3:9.3f} {row['ratio']:8.0%} {busy:>9} {kern:>10} {graph:>9}")
         if "error" in r:
             lines.append(f"{name:<15} ERROR {r['error']}")
     for name, r in result["models"].items():
