@@ -411,22 +411,24 @@ def bench_quantized(setup: Setup, name: str, cfg: dict, quant: str, batches: lis
     return res
 
 
-def kv_capacity(setup: Setup, name: str, cfg: dict, work: Path, bf16_weight_bytes: int) -> dict:
+def kv_capacity(setup: Setup, name: str, cfg: dict, work: Path) -> dict:
     """KV tokens that fit in one byte budget, bf16 vs fp8 KV, sized as the runtime sizes its pool: the
     manifest's kv_cache section -> KVCacheConfig -> resolve_num_blocks(kv_cache_bytes=budget). The budget is
     what `kv_cache.memory_fraction` leaves of the device after the bf16 weights (CPU smoke: 1 GiB)."""
     from kiln.codegen.artifact import build_manifest
+    from kiln.codegen.weights import total_weight_bytes
     from kiln.runtime.config import kv_cache_config_from_manifest
     from kiln.runtime.model_runner import resolve_num_blocks
 
+    programs = {kv_name: compile_program(f"{name}-kv-{kv_name}", cfg, work, quantize)
+                for kv_name, quantize in (("bf16", ""), ("fp8", "kv_cache = fp8"))}
     if setup.cuda:
         total = torch.cuda.get_device_properties(setup.device).total_memory
-        budget = int(total * KV_MEMORY_FRACTION) - bf16_weight_bytes
+        budget = int(total * KV_MEMORY_FRACTION) - total_weight_bytes(programs["bf16"])
     else:
         budget = 2**30
     out = {"budget_bytes": budget}
-    for kv_name, quantize in (("bf16", ""), ("fp8", "kv_cache = fp8")):
-        program = compile_program(f"{name}-kv-{kv_name}", cfg, work, quantize)
+    for kv_name, program in programs.items():
         manifest = build_manifest(program, kiln_version="bench", recipe_hash="0" * 64, max_model_len=8192,
                                   hf_config={}, gen_config={}, weight_files=[], has_tokenizer=False, pass_log=[])
         kv = kv_cache_config_from_manifest(manifest)
@@ -451,22 +453,23 @@ def _run_quantized(setup: Setup, args, models: dict, result: dict, work: Path) -
     unknown = [q for q in quants if q not in QUANT_SCHEMES]
     if unknown:
         raise SystemExit(f"--quant: unknown variant {unknown[0]!r} (known: {', '.join(QUANT_SCHEMES)})")
-    name = QUANT_MODEL if QUANT_MODEL in models else next(iter(models))
-    base = result["models"].get(name, {})
-    if not quants or "stream_bandwidth" not in base:
-        if quants:
-            print(f"quantized variants skipped: no bf16 {name} run to compare with")
+    if not quants:
         return
+    name = QUANT_MODEL if QUANT_MODEL in models else next(iter(models))
     deadline = time.time() + args.quant_budget_s
-    batches = [int(b) for b in args.quant_batches.split(",")]
     out = result.setdefault("quantized", {})
     try:
-        out["kv_capacity"] = kv_capacity(setup, name, models[name], work, base["weight_bytes_read_per_step"])
+        out["kv_capacity"] = kv_capacity(setup, name, models[name], work)
     except Exception as e:
         import traceback
 
         traceback.print_exc()
         out["kv_capacity"] = {"error": f"{type(e).__name__}: {e}"}
+    base = result["models"].get(name, {})
+    if "stream_bandwidth" not in base:
+        print(f"quantized decode skipped: no bf16 {name} run to compare with")
+        return
+    batches = [int(b) for b in args.quant_batches.split(",")]
     for quant in quants:
         if time.time() > deadline:
             print(f"{name} {quant}: skipped (quant time budget)")
