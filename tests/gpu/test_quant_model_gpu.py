@@ -42,10 +42,12 @@ def _logprobs(out):
     return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])])
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("quantize,kernel", [("awq(group=128)", "triton.linear_w4a16"),
-                                             ("fp8(per_channel=true)", "triton.linear_fp8"),
-                                             ("fp8", "triton.linear_fp8")])
+@pytest.mark.parametrize("quantize,kernel,dtype", [
+    ("awq(group=128)", "triton.linear_w4a16", "fp32"),
+    ("awq(group=128)", "triton.linear_w4a16", "bf16"),
+    ("fp8", "triton.linear_fp8", "fp32"),  # per-tensor scales, merged into per-channel ones
+    ("fp8(per_channel=true)", "triton.linear_fp8", "bf16"),
+])
 def test_quantized_h200_artifact_vs_cpu(quantize, kernel, dtype, tiny_checkpoint, tmp_path):
     ckpt = tiny_checkpoint("llama", hidden_size=128, intermediate_size=256)
     if quantize.startswith("awq"):
