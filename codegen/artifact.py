@@ -230,8 +230,11 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         # GPU targets: the cuda_graph_plan pass's capture plan (runtime/graph_runner.py follows it)
         **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)}
            if "max_blocks_per_seq" in _section(program.meta, "cuda_graphs") else {}),
-        # draft heads (named forwards, e.g. DeepSeek MTP) for speculative decoding, only when there are some
+        # draft heads (named forwards, e.g. DeepSeek MTP) for speculative decoding, only when there are some;
+        # the recipe's `speculative` section turns decoding with one on by default
         **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
+        **({"speculative": {"method": spec["method"], "num_tokens": int(spec.get("tokens", 1))}}
+           if (spec := _section(program.meta, "speculative")).get("method") else {}),
         # the recipe's `quantize` section, only when there is one (readers: kiln eval, humans)
         **({"quantization": quantize} if (quantize := _section(program.meta, "quantize")) else {}),
     }

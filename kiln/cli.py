@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(args.artifact, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
-          log_level=args.log_level, prefix_cache=not args.no_prefix_cache)
+          log_level=args.log_level, prefix_cache=not args.no_prefix_cache, speculative=args.speculative)
     return 0
 
 
@@ -122,6 +122,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from the manifest)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
+    p.add_argument("--speculative", choices=["mtp", "none"],
+                   help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -56,7 +56,6 @@ def resolve_weights(recipe: A.RecipeDecl, recipe_file: Path) -> tuple[Path | Non
 # Recipe options kiln parses but cannot build yet: compiling an artifact with them is an error at the
 # option's location (never silently ignored). Planning (`--report` without `-o`) still models them.
 _NOT_YET = {
-    "speculative": "speculative decoding is not implemented yet",
     "lora": "LoRA adapters are not implemented yet",
     "disaggregate": "prefill/decode disaggregation is not implemented yet",
     "kv_cache.offload": "KV offload to CPU is not implemented yet",
@@ -87,6 +86,28 @@ def check_buildable(recipe: A.RecipeDecl, options: dict[str, Any]) -> None:
                                       ent.value.loc)
             if sec.name == "cuda_graphs":
                 _check_cuda_graphs(ent, target, options)
+            if sec.name == "speculative":
+                _check_speculative(ent)
+
+
+# speculative { method = ...; tokens = N }: the draft heads kiln builds, and how many tokens each proposes
+_DRAFT_METHODS = {"mtp": 1}
+
+
+def _check_speculative(ent: A.Setting | A.PassHook) -> None:
+    if not isinstance(ent, A.Setting):
+        return
+    if ent.key == "method":
+        method = ent.value.id if isinstance(ent.value, A.Name) else None
+        if method not in _DRAFT_METHODS:
+            raise SourceError(f"speculative decoding method {method!r} is not implemented yet (kiln builds: "
+                              f"{', '.join(_DRAFT_METHODS)}, a draft head compiled into the model)", ent.value.loc)
+    elif ent.key == "draft":
+        raise SourceError("speculative decoding with a separate draft model is not implemented yet; "
+                          "method = mtp uses the model's own MTP head", ent.value.loc)
+    elif ent.key == "tokens" and isinstance(ent.value, A.Num) and ent.value.value != 1:
+        raise SourceError(f"speculative.tokens = {ent.value.value}: an MTP head proposes 1 token a step",
+                          ent.value.loc)
 
 
 def _check_cuda_graphs(ent: A.Setting, target: str, options: dict[str, Any]) -> None:
@@ -132,6 +153,12 @@ def _check_compiled(recipe: A.RecipeDecl, program: Program) -> None:
     ent = next((e for e in (sec.entries if sec else ()) if getattr(e, "key", None) == "kv_cache"), None)
     if ent is not None and any(g.count("mla_attention") for g in program.graphs.values()):
         raise SourceError("quantize.kv_cache = fp8 is not implemented for MLA latent caches yet", ent.loc)
+    spec = next((s for s in recipe.sections if s.name == "speculative"), None)
+    method = next((e for e in (spec.entries if spec else ()) if getattr(e, "key", None) == "method"), None)
+    if method is not None and method.value.id not in program.forward_graphs():
+        raise SourceError(f"speculative method {method.value.id} needs a model with that draft head (a "
+                          f"`forward {method.value.id}(...)`, e.g. deepseek_v3 with nextn >= 1; from-hf sets it "
+                          "when the checkpoint has MTP weights)", method.value.loc)
 
 
 def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, target: str | None = None,

@@ -109,6 +109,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # blocks looked up
     prefix_cache_hits: int = 0
+    spec_num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and of them accepted
+    spec_num_accepted_tokens: int = 0
 
 
 class RequestObserver:
@@ -343,7 +345,8 @@ class AsyncLLMEngine:
         self.stats = EngineStats(
             num_requests_running=s["num_running"], num_requests_waiting=s["num_waiting"],
             kv_cache_usage=s["kv_usage"], num_preemptions=s["num_preemptions"],
-            prefix_cache_queries=s["prefix_cache_queries"], prefix_cache_hits=s["prefix_cache_hits"])
+            prefix_cache_queries=s["prefix_cache_queries"], prefix_cache_hits=s["prefix_cache_hits"],
+            spec_num_draft_tokens=s["spec_num_draft_tokens"], spec_num_accepted_tokens=s["spec_num_accepted_tokens"])
 
     def _post(self, fn: Callable[[list], None], items: list) -> None:
         if not items:

@@ -127,6 +127,31 @@ def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding with a draft head compiled into the artifact (manifest `drafts`): `method` names
+    the head (DeepSeek's "mtp"), `model_method` its model.py method; it proposes `num_tokens` tokens a step."""
+
+    method: str
+    model_method: str
+    num_tokens: int = 1
+
+
+def speculative_config(manifest: dict, method: str | None, num_tokens: int | None = None) -> SpeculativeConfig | None:
+    """`method` (e.g. "mtp"; None or "none": off) checked against the artifact's draft heads."""
+    if method in (None, "none"):
+        return None
+    drafts = manifest.get("drafts") or {}
+    if method not in drafts:
+        have = ", ".join(drafts) or "none"
+        raise ArtifactError(f"speculative method {method!r} needs a draft head of that name in the artifact "
+                            f"(it has: {have}); compile a checkpoint with an MTP layer (DeepSeek-V3, nextn >= 1)")
+    n = 1 if num_tokens is None else int(num_tokens)
+    if n != 1:
+        raise ArtifactError(f"speculative {method}: {n} draft tokens per step; an MTP head proposes 1")
+    return SpeculativeConfig(method, str(drafts[method]["method"]), n)
+
+
+@dataclass(frozen=True, slots=True)
 class CUDAGraphConfig:
     """The manifest's `cuda_graphs` plan (GPU artifacts; passes/cuda_graph_plan.py): decode batches of up to
     max(batch_sizes) sequences replay a graph captured for the smallest bucket that holds them."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .artifact import LoadedArtifact, load_artifact
+from .config import speculative_config
 from .errors import RequestError
 from .kv_cache import BlockManager, SwapSpace, cdiv
 from .model_runner import ModelRunner, resolve_num_blocks
@@ -42,6 +43,11 @@ class LLMEngine:
     (CPU default 256 MiB). Scheduler limits default to the manifest's `scheduler` section.
     On a CUDA device, a manifest `cuda_graphs` plan has decode graphs captured at load (after the KV cache is
     allocated); `enforce_eager=True` skips that. CPU always runs eagerly.
+
+    `speculative="mtp"` (default: the manifest's `speculative` section) decodes with the artifact's MTP draft
+    head: after each step the head proposes one token per greedy sequence, and the next step verifies it with
+    the target model (accepted when it is the target's greedy token, so outputs equal plain greedy decoding).
+    Sampled requests, and those with penalties or logprobs, decode one token a step as usual.
     """
 
     def __init__(self, artifact: LoadedArtifact | str | Path, *, device: str | torch.device = "cpu",
@@ -49,7 +55,8 @@ class LLMEngine:
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
-                 seed: int = 0, enforce_eager: bool = False) -> None:
+                 seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
+                 num_speculative_tokens: int | None = None) -> None:
         if not isinstance(artifact, LoadedArtifact):
             artifact = load_artifact(artifact, device)
         self.artifact = artifact
@@ -72,6 +79,12 @@ class LLMEngine:
         graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
         self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device, num_swap_blocks, graphs)
         self.sampler = Sampler(seed)
+        spec = artifact.manifest.get("speculative") or {}
+        self.speculative = speculative_config(
+            artifact.manifest, spec.get("method") if speculative is _UNSET else speculative,
+            num_speculative_tokens if num_speculative_tokens is not None else spec.get("num_tokens"))
+        self.num_draft_tokens = 0  # drafts verified so far, and of them accepted
+        self.num_accepted_tokens = 0
         eos = set(self.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -132,12 +145,84 @@ class LLMEngine:
                 or batch.swap_out, \
                 "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
             return self._drain_aborted()
+        if self.speculative is not None:
+            return self._step_speculative(batch)
         logits, layout = self.runner.execute(batch)
         sampled = self.sampler.sample(logits, layout, batch.seqs)
         grown = self.scheduler.update(batch, sampled.sampled)
         return self._process(batch, sampled, grown)
 
-    def _process(self, batch: ScheduledBatch, sampled: SamplerOutput, grown: list[Sequence]) -> list[RequestOutput]:
+    # Speculative decoding ---------------------------------------------------------------------------------
+    @staticmethod
+    def _drafts_for(seq: Sequence) -> bool:
+        """Greedy requests without penalties or logprobs: their verification is an exact argmax match."""
+        p = seq.params
+        return p.greedy and not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
+
+    def _step_speculative(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """The step, then the draft head: schedule (drafting seqs run their last token + drafts) -> target forward
+        keeping hidden states -> sample / verify (the longest draft prefix equal to the target's greedy tokens,
+        plus the target's next token) -> update (rejected drafts' KV rolled back) -> draft head over the same
+        positions with the tokens shifted by one -> next drafts."""
+        seqs = batch.seqs
+        drafting = any(self._drafts_for(seq) for seq in seqs)
+        if drafting:
+            logits, layout, draft_input = self.runner.execute_with_hidden(batch)
+        else:
+            logits, layout = self.runner.execute(batch)
+        sampled = self.sampler.sample(logits, layout, seqs)
+        starts = [seq.num_computed_tokens for seq in seqs]
+        new_tokens = self._verify(batch, logits, layout, sampled.sampled)
+        grown = self.scheduler.update_verified(batch, new_tokens)
+        outputs = self._process(batch, sampled, grown, [len(t) for t in new_tokens])
+        if drafting:
+            self._propose(batch, draft_input, starts, new_tokens)
+        return outputs
+
+    def _verify(self, batch: ScheduledBatch, logits: torch.Tensor, layout, sampled: list[int | None]) -> list[list[int]]:
+        """Per seq, the tokens it gains: a verifying seq's accepted drafts then the target's next token."""
+        out = [[] if t is None else [t] for t in sampled]
+        verifying = [i for i, seq in enumerate(batch.seqs) if seq.draft_token_ids]
+        if not verifying:
+            return out
+        rows = [layout.sample_rows[i] + 1 + j for i in verifying for j in range(len(batch.seqs[i].draft_token_ids))]
+        targets = logits[rows].argmax(dim=-1).tolist()
+        k = 0
+        for i in verifying:
+            drafts = batch.seqs[i].draft_token_ids
+            after = targets[k:k + len(drafts)]  # the target's token after each draft
+            k += len(drafts)
+            accepted = out[i]
+            for d, t in zip(drafts, after):
+                if accepted[-1] != d:
+                    break
+                accepted.append(t)
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += len(accepted) - 1
+        return out
+
+    def _propose(self, batch: ScheduledBatch, draft_input, starts: list[int], new_tokens: list[list[int]]) -> None:
+        """Runs the draft head over the step's tokens (keeping its KV complete for every computed position) and
+        stores a draft for each greedy seq that goes on decoding."""
+        input_ids: list[int] = []
+        rows: list[int] = []
+        wanting: list[Sequence] = []
+        k = self.speculative.num_tokens
+        for seq, n, start, tokens in zip(batch.seqs, batch.num_new_tokens, starts, new_tokens, strict=True):
+            ids = seq.token_ids[start + 1:start + 1 + n]  # token t+1 at position t
+            base = len(input_ids)
+            input_ids.extend(ids + [0] * (n - len(ids)))  # rows past a rejected draft: unread
+            if (tokens and seq.finish_reason is None and self._drafts_for(seq)
+                    and seq.num_tokens + k <= self.model_config.max_model_len
+                    and seq.num_output_tokens + 1 < seq.max_tokens):
+                rows.append(base + seq.num_computed_tokens - 1 - start)  # the last position with valid KV
+                wanting.append(seq)
+        drafts = self.runner.propose(self.speculative.model_method, draft_input, input_ids, rows)
+        for seq, d in zip(wanting, drafts, strict=True):
+            seq.draft_token_ids = [d]
+
+    def _process(self, batch: ScheduledBatch, sampled: SamplerOutput, grown: list[Sequence],
+                 num_new: list[int] | None = None) -> list[RequestOutput]:
         for seq, plp, lp in zip(batch.seqs, sampled.prompt_logprobs, sampled.logprobs, strict=True):
             if plp is not None:
                 seq.prompt_logprobs.extend(self._logprob_dict(x) for x in plp)
@@ -145,8 +230,12 @@ class LLMEngine:
                 seq.output_logprobs.append(self._logprob_dict(lp))
                 seq.cumulative_logprob += lp[1][0]
         touched: dict[str, Request] = {}
+        added = dict(zip(map(id, batch.seqs), num_new, strict=True)) if num_new is not None else None
         for seq in grown:
-            self._check_stop(seq)
+            if added is not None and added[id(seq)] > 1:
+                self._check_stop_each(seq, added[id(seq)])
+            else:
+                self._check_stop(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
@@ -175,6 +264,16 @@ class LLMEngine:
                 return
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
             seq.finish_reason = "length"
+
+    def _check_stop_each(self, seq: Sequence, m: int) -> None:
+        """`_check_stop` for each of the last `m` tokens in turn; tokens after a stop are dropped."""
+        tail = seq.token_ids[-m:]
+        del seq.token_ids[-m:]
+        for token in tail:
+            seq.token_ids.append(token)
+            self._check_stop(seq)
+            if seq.finish_reason is not None:
+                return
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence, before: int) -> bool:
@@ -250,4 +349,7 @@ class LLMEngine:
                 "num_swapped_out": self.scheduler.num_swapped_out,
                 "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
                 "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0,
-                "cuda_graph_bytes": self.runner.graph_runner.memory_bytes if self.runner.graph_runner else 0}
+                "cuda_graph_bytes": self.runner.graph_runner.memory_bytes if self.runner.graph_runner else 0,
+                "spec_num_draft_tokens": self.num_draft_tokens, "spec_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
+                                         if self.num_draft_tokens else 0.0)}

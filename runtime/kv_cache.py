@@ -89,6 +89,16 @@ class BlockManager:
             self.prefix_cache.insert(hashes[i], seq.block_table[i])
         seq.num_registered_blocks = num_full
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Drops the tail blocks of `seq` past its first `num_tokens` tokens (KV slots of rejected draft tokens);
+        they were never published to the prefix cache, so nobody else holds them."""
+        keep = cdiv(num_tokens, self.block_size)
+        for b in seq.block_table[keep:]:
+            assert self.ref_counts[b] == 1, f"tail block {b} of seq {seq.seq_id} has ref count {self.ref_counts[b]}"
+            self.ref_counts[b] = 0
+            self._free.append(b)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references, tail first, so the LRU evicts a prefix's last blocks before its first."""
         for b in reversed(seq.block_table):

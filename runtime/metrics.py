@@ -95,7 +95,17 @@ class _EngineCollector(Collector):
                  s.prefix_cache_queries * self._block_size),
                 ("kiln:prefix_cache_hits", "Prompt tokens served by the prefix cache (whole blocks).",
                  s.prefix_cache_hits * self._block_size),
-                ("kiln:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)):
+                ("kiln:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
+                ("kiln:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+                 s.spec_num_draft_tokens),
+                ("kiln:spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
+                 s.spec_num_accepted_tokens)):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(values, value)
             yield family
+        family = GaugeMetricFamily("kiln:spec_decode_draft_acceptance_rate",
+                                   "Accepted / verified draft tokens since start (0 without speculation).",
+                                   labels=labels)
+        family.add_metric(values, s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+                          if s.spec_num_draft_tokens else 0.0)
+        yield family

@@ -1,7 +1,7 @@
 """Model runner: owns the paged KV tensors, turns a ScheduledBatch into a ForwardBatch, runs the model."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,10 +23,21 @@ class LogitsLayout:
     `sample_rows[i]` is the row to sample seq i's next token from (None: mid-prefill chunk).
     `prompt_rows[i]` = (first row, count, first position): rows for prompt positions p..p+count-1, whose
     log-softmax scores the prompt tokens p+1..p+count (None when no prompt logprobs are due this step).
+    A seq verifying k draft tokens has k + 1 consecutive rows from `sample_rows[i]`: the target model's token
+    after its last token, then after each draft.
     """
 
     sample_rows: list[int | None]
     prompt_rows: list[tuple[int, int, int] | None]
+
+
+@dataclass(slots=True)
+class DraftInput:
+    """What a draft head reads after the target model's step: its batch (positions, slots, block tables) and
+    the hidden states the forward returned for every token."""
+
+    batch: ForwardBatch
+    hidden: torch.Tensor
 
 
 def resolve_num_blocks(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int | None = None,
@@ -122,6 +133,18 @@ class ModelRunner:
         for seq, n in zip(seqs[num_decodes:], batch.num_new_tokens[num_decodes:], strict=True):
             start, end, base = seq.num_computed_tokens, seq.num_computed_tokens + n, query_start_loc[-1]
             input_ids.extend(seq.token_ids[start:end])
+            if seq.draft_token_ids:  # verify: the last token, then the drafts, each row scored
+                input_ids.extend(seq.draft_token_ids)
+                positions.extend(range(start, end))
+                table = seq.block_table
+                assert len(table) * bs >= end, f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens"
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                prompt_rows.append(None)
+                sample_rows.append(len(logits_indices))
+                logits_indices.extend(range(base, base + n))
+                query_start_loc.append(base + n)
+                seq_lens.append(end)
+                continue
             positions.extend(range(start, end))
             table = seq.block_table
             assert len(table) * bs >= end, f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens"
@@ -168,3 +191,21 @@ class ModelRunner:
         assert logits.dim() == 2 and logits.shape[0] == fb.logits_indices.shape[0], (
             f"model returned logits {tuple(logits.shape)}, expected [{fb.logits_indices.shape[0]}, vocab]")
         return logits.float(), layout
+
+    @torch.inference_mode()
+    def execute_with_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:
+        """`execute`, eagerly, also keeping what a draft head reads afterwards: the step's ForwardBatch and the
+        hidden states of every token (speculative decoding)."""
+        self.swap(batch)
+        fb, layout = self.prepare(batch)
+        logits, hidden = self.model.forward(fb, self.kv_caches, return_hidden=True)
+        return logits.float(), layout, DraftInput(fb, hidden)
+
+    @torch.inference_mode()
+    def propose(self, method: str, draft: DraftInput, input_ids: list[int], rows: list[int]) -> list[int]:
+        """Runs the draft head `method` over the step's positions (writing its own KV layers), `input_ids` being
+        the step's tokens shifted by one; returns the greedy draft token at each of `rows`."""
+        fb = replace(draft.batch, input_ids=torch.tensor(input_ids, dtype=torch.int32, device=self.device),
+                     logits_indices=torch.tensor(rows, dtype=torch.int32, device=self.device))
+        logits = getattr(self.model, method)(fb, draft.hidden, self.kv_caches)
+        return logits.argmax(dim=-1).tolist()

@@ -97,7 +97,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                (decodes if seq.is_decoding else prefills).append((seq, n))
+                # a decode verifying draft tokens runs several query tokens: the prefill path of the kernels
+                (decodes if seq.is_decoding and n == 1 else prefills).append((seq, n))
                 budget -= n
                 i += 1
 
@@ -151,6 +152,28 @@ class Scheduler:
                 grew.append(seq)
         return grew
 
+    def update_verified(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> list[Sequence]:
+        """`update` for a speculative step: `new_tokens[i]` are the tokens seq i gains (a verifying seq: its
+        accepted drafts, then the target model's next token). A verifying seq's KV is valid up to its last
+        accepted draft; the rejected drafts' slots are rolled back (tail blocks freed)."""
+        grew = []
+        for seq, n, tokens in zip(batch.seqs, batch.num_new_tokens, new_tokens, strict=True):
+            drafts = len(seq.draft_token_ids)
+            seq.draft_token_ids = []
+            if drafts:
+                assert 1 <= len(tokens) <= drafts + 1, f"seq {seq.seq_id}: {len(tokens)} tokens for {drafts} drafts"
+                seq.num_computed_tokens += len(tokens)  # the last token, then the accepted drafts
+                self.block_manager.truncate(seq, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens += n
+            if tokens:
+                assert seq.num_computed_tokens == seq.num_tokens + len(tokens) - 1, f"seq {seq.seq_id} sampled mid-prefill"
+                seq.token_ids.extend(tokens)
+                grew.append(seq)
+            assert seq.num_computed_tokens <= seq.num_tokens, f"seq {seq.seq_id} computed past its tokens"
+            self.block_manager.register_full_blocks(seq)
+        return grew
+
     def finish(self, seq: Sequence) -> None:
         """Removes `seq` from whichever queue holds it and frees its blocks (finished or aborted)."""
         if seq.status is SequenceStatus.RUNNING:
@@ -167,11 +190,16 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed_tokens
         assert remaining > 0, f"running seq {seq.seq_id} has nothing to compute"
+        if remaining == 1 and seq.draft_token_ids:  # verify the drafts with the last token, or drop them
+            if 1 + len(seq.draft_token_ids) <= budget:
+                return 1 + len(seq.draft_token_ids)
+            seq.draft_token_ids = []
         return min(remaining, budget) if remaining == 1 else min(remaining, self._chunk, budget)
 
     def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]]) -> None:
         """`seq` was just popped from `running`."""
         self.num_preemptions += 1
+        seq.draft_token_ids = []  # its slots were allocated in this step, now given up
         # Every block of a running sequence holds computed K/V (allocation is all-or-nothing per step).
         assert len(seq.block_table) == cdiv(seq.num_computed_tokens, self.block_manager.block_size), \
             f"seq {seq.seq_id}: {len(seq.block_table)} blocks for {seq.num_computed_tokens} computed tokens"

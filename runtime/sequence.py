@@ -52,6 +52,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine when a tokenizer exists
+    # speculative decoding: tokens a draft head proposed after the last one; the next step verifies them with
+    # the target model. Not part of token_ids until accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -16,10 +16,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def add_mtp_layer(ckpt: pathlib.Path, *, seed: int = 7, copies: bool = True) -> dict[str, torch.Tensor]:
+def add_mtp_layer(ckpt: pathlib.Path, *, seed: int = 7, copies: bool = True,
+                  repeat_head: bool = False) -> dict[str, torch.Tensor]:
     """Adds random MTP weights (layer `num_hidden_layers`) to a saved HF DeepSeek-V3 checkpoint in place and sets
     num_nextn_predict_layers = 1; returns the MTP tensors by checkpoint name. `copies`: also store the embedding
-    and LM head copies DeepSeek's checkpoints carry (equal to the main ones)."""
+    and LM head copies DeepSeek's checkpoints carry (equal to the main ones).
+
+    `repeat_head`: weights that make the head a drafter with a known behaviour: eh_proj passes hnorm(h_t) through,
+    the decoder layer adds nothing (zero output projections), and the head is the main model's final norm + LM
+    head, so the draft for token t+2 is the main model's choice for token t+1 — right whenever the model repeats
+    a token (tiny random models often do), so a test sees drafts accepted and rejected."""
     from transformers import AutoConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
@@ -52,6 +58,13 @@ def add_mtp_layer(ckpt: pathlib.Path, *, seed: int = 7, copies: bool = True) -> 
     mtp[prefix + "eh_proj.weight"] = torch.randn(h, 2 * h) * 0.1
     file = ckpt / "model.safetensors"
     tensors = load_file(str(file))
+    if repeat_head:
+        mtp[prefix + "eh_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+        mtp[prefix + "hnorm.weight"] = torch.ones(h)
+        mtp[prefix + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        for name in mtp:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                mtp[name] = torch.zeros_like(mtp[name])
     if copies:
         mtp[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         mtp[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()

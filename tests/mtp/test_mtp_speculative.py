@@ -1,0 +1,147 @@
+"""Speculative decoding with the MTP draft head: greedy outputs with it on equal plain greedy decoding (fp32,
+batch of 4, exact tokens), drafts are accepted and rejected (acceptance counted in engine stats and /metrics),
+every KV block is free afterwards, and a batch mixing sampled and greedy requests runs (the sampled ones decode
+one token a step, with the same seeded tokens as without speculation)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 512
+LENS = (5, 17, 30, 9)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in LENS]
+
+
+def _run(art, speculative, params, **engine_kw):
+    """All requests through LLMEngine.step(); returns (token ids per request, steps, engine)."""
+    from kiln.runtime.engine import LLMEngine
+
+    engine = LLMEngine(art, speculative=speculative, num_kv_blocks=64, **engine_kw)
+    for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
+        engine.add_request(str(i), prompt, p)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[str(i)] for i in range(len(params))], steps, engine
+
+
+def _greedy(max_tokens: int = 24):
+    from kiln.runtime.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _assert_all_blocks_free(engine) -> None:
+    bm = engine.block_manager
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("repeat_head", [True, False], ids=["repeat_head", "random_head"])
+def test_greedy_equal_with_and_without_speculation(mtp_artifact, repeat_head):
+    _, art, _ = mtp_artifact(True, repeat_head=repeat_head)
+    params = [_greedy(m) for m in (24, 7, 24, 13)]
+    plain, plain_steps, _ = _run(art, None, params)
+    spec, spec_steps, engine = _run(art, "mtp", params)
+    assert spec == plain
+    assert [len(t) for t in spec] == [24, 7, 24, 13]
+    stats = engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    if repeat_head:  # drafts "the last token again": right where the model repeats itself, wrong elsewhere
+        assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+        assert 0 < stats["spec_acceptance_rate"] < 1
+        assert spec_steps < plain_steps  # accepted drafts are tokens gained without a step of their own
+    _assert_all_blocks_free(engine)
+
+
+def test_mixed_batch_with_sampled_requests(mtp_artifact):
+    from kiln.runtime.sampling_params import SamplingParams
+
+    _, art, _ = mtp_artifact(True, repeat_head=True)
+    params = [_greedy(20), SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+              _greedy(20), SamplingParams(max_tokens=20, temperature=1.0, seed=6, ignore_eos=True)]
+    plain, _, _ = _run(art, None, params)
+    spec, _, engine = _run(art, "mtp", params)
+    assert spec == plain  # greedy: verified exactly; seeded sampled ones: one token a step, same draws
+    assert engine.stats()["spec_num_accepted_tokens"] > 0
+    _assert_all_blocks_free(engine)
+
+
+def test_stop_token_inside_accepted_drafts_ends_there(mtp_artifact):
+    """A stop token among a step's accepted tokens ends the output at it, as without speculation."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    _, art, _ = mtp_artifact(True, repeat_head=True)
+    plain, _, _ = _run(art, None, [_greedy(24)] * 4)
+    # stop at the third occurrence of a repeated token of prompt 2's output (reached by an accepted draft)
+    stop = max(set(plain[2]), key=plain[2].count)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop]) for _ in range(4)]
+    plain_stop, _, _ = _run(art, None, params)
+    spec_stop, _, engine = _run(art, "mtp", params)
+    assert spec_stop == plain_stop and len(spec_stop[2]) < 24
+    _assert_all_blocks_free(engine)
+
+
+def test_speculative_refused_without_a_draft_head(mtp_artifact):
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.errors import ArtifactError
+
+    _, art, _ = mtp_artifact(True, no_mtp=True)
+    with pytest.raises(ArtifactError, match="needs a draft head"):
+        LLMEngine(art, speculative="mtp", num_kv_blocks=8)
+
+
+def test_acceptance_in_metrics_endpoint(mtp_artifact):
+    """/metrics reports verified and accepted draft tokens and their ratio (server over the real engine)."""
+    from fastapi.testclient import TestClient
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.server import build_app
+
+    _, art, _ = mtp_artifact(True, repeat_head=True)
+    app = build_app(LLMEngine(art, speculative="mtp", num_kv_blocks=64), served_model_name="m")
+    with TestClient(app) as client:
+        for prompt in _prompts():
+            r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 16,
+                                                     "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        text = client.get("/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("kiln:spec_decode")}
+    drafts, accepted = values["kiln:spec_decode_num_draft_tokens_total"], values["kiln:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and 0 < accepted < drafts
+    assert values["kiln:spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafts)
+
+
+SPEC_SECTION = ("  serve ", "  speculative { method = mtp; tokens = 1 }\n  serve ")
+
+
+def test_recipe_speculative_section_turns_it_on(mtp_artifact):
+    import json
+
+    from kiln.runtime.engine import LLMEngine
+
+    _, art, _ = mtp_artifact(True, edits=(SPEC_SECTION,))
+    assert json.loads((art / "manifest.json").read_text())["speculative"] == {"method": "mtp", "num_tokens": 1}
+    assert LLMEngine(art, num_kv_blocks=8).speculative.method == "mtp"
+    assert LLMEngine(art, num_kv_blocks=8, speculative=None).speculative is None  # `kiln serve --speculative none`
+
+
+def test_recipe_speculative_mtp_needs_the_head(mtp_checkpoint, tmp_path, capsys):
+    from kiln.cli import main
+
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(mtp_checkpoint(True)), "-o", str(recipe), "--no-mtp"]) == 0
+    recipe.write_text(recipe.read_text().replace(*SPEC_SECTION))
+    capsys.readouterr()
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "art")]) == 2
+    line = next(i for i, ln in enumerate(recipe.read_text().splitlines(), 1) if "speculative" in ln)
+    err = capsys.readouterr().err
+    assert f"{recipe}:{line}:" in err and "needs a model with that draft head" in err, err
+    assert not (tmp_path / "art").exists()
