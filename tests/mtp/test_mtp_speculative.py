@@ -20,7 +20,7 @@ def _run(art, speculative, params, **engine_kw):
     """All requests through LLMEngine.step(); returns (token ids per request, steps, engine)."""
     from kiln.runtime.engine import LLMEngine
 
-    engine = LLMEngine(art, speculative=speculative, num_kv_blocks=64, **engine_kw)
+    engine = LLMEngine(art, speculative=speculative, **{"num_kv_blocks": 64, **engine_kw})
     for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
         engine.add_request(str(i), prompt, p)
     done, steps = {}, 0
@@ -58,6 +58,19 @@ def test_greedy_equal_with_and_without_speculation(mtp_artifact, repeat_head):
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
         assert 0 < stats["spec_acceptance_rate"] < 1
         assert spec_steps < plain_steps  # accepted drafts are tokens gained without a step of their own
+    _assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_under_a_small_pool(mtp_artifact, preemption):
+    """6 blocks of 16 tokens for 4 sequences needing 12: sequences are preempted (drafts dropped, KV recomputed
+    or swapped, the MTP layer's with it) and resume with the same greedy tokens."""
+    _, art, _ = mtp_artifact(True, repeat_head=True)
+    params = [_greedy(24)] * 4
+    plain, _, _ = _run(art, None, params)
+    spec, _, engine = _run(art, "mtp", params, num_kv_blocks=6, preemption=preemption, swap_space_bytes=2**22)
+    assert engine.stats()["num_preemptions"] > 0
+    assert spec == plain
     _assert_all_blocks_free(engine)
 
 
