@@ -2,12 +2,13 @@
 # One prepared GPU session, at most 8 minutes on an H200: kiln's GPU tests, then the benchmarks —
 # decode/prefill vs hardware limits (gpu_decode.py, quantized variants at its defaults), the real engine in
 # steady decode with its memory plan (gpu_engine.py), one DeepSeek-V3-shaped layer vs its bytes limit
-# (gpu_deepseek_layer.py). Each step runs under its own `timeout` (tests 140 s, decode 185 s, engine 75 s,
-# deepseek 55 s: 455 s + ~20 s of setup), writes its log and JSON under $OUT (default ./out) as it goes, so a
-# step that runs out of time still leaves what it measured; a summary table is printed last.
+# (gpu_deepseek_layer.py). Each step runs under its own `timeout` (tests 180 s, decode 220 s, engine 70 s,
+# deepseek 50 s: 520 s + ~25 s of setup), writes its log and JSON under $OUT (default ./out) as it goes, so a
+# step that runs out of time still leaves what it measured; a summary table is printed last. A session has
+# ~15 min of device time including start-up: this is meant to be ONE call; rerun a failed step with STEPS=.
 #
 # Before the call, on the CPU machine:  bash /work/shared/wheels/stage.sh     (lark wheel -> .whl/)
-# The call:   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# The call:   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=580)
 # One step alone:   STEPS="engine deepseek" bash scripts/gpu_check.sh      (names: tests decode engine deepseek)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,10 +48,10 @@ step() {
     SECS[$name]=$((SECONDS - t0))
 }
 
-step tests 140 python3 -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$OUT/tests_gpu.xml"
-step decode 185 python3 benchmarks/gpu_decode.py --out "$OUT" --budget-s 100
-step engine 75 python3 benchmarks/gpu_engine.py --out "$OUT" --budget-s 55
-step deepseek 55 python3 benchmarks/gpu_deepseek_layer.py --out "$OUT" --budget-s 35
+step tests 180 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=15 --junitxml="$OUT/tests_gpu.xml"
+step decode 220 python3 benchmarks/gpu_decode.py --out "$OUT" --budget-s 90 --quant fp8,int4 --quant-budget-s 60
+step engine 70 python3 benchmarks/gpu_engine.py --out "$OUT" --budget-s 50
+step deepseek 50 python3 benchmarks/gpu_deepseek_layer.py --out "$OUT" --budget-s 32
 
 # Summary: each step's outcome, then the headline figures from the JSON the benchmarks wrote.
 echo
@@ -87,6 +88,22 @@ if d:
             share = f"{row['limit_s'] / g:.0%}" if g else "-"
             graph = f"{g * 1e3:.3f}" if g else "-"
             print(f"    {name:15s} {row['batch']:4d} {row['step_s'] * 1e3:9.3f} {graph:>9} {share:>6}")
+    q = d.get("quantized", {})
+    if q:
+        print("\n  quantized 8B decode (gpu_decode.json): scheme, batch, ms (graph if captured), share of its limit, "
+              "tokens/s vs bf16 (bars: fp8 >= 1.8x, int4 >= 2.5x at batch 1)")
+        for scheme, r in q.items():
+            if scheme == "kv_capacity" or not isinstance(r, dict):
+                continue
+            for row in r.get("decode", []):
+                t = row.get("graph_step_s") or row["step_s"]
+                sp = f"{row['speedup_vs_bf16']:.2f}x" if "speedup_vs_bf16" in row else "-"
+                print(f"    {scheme:15s} {row['batch']:4d} {t * 1e3:9.3f} {row['limit_s'] / t:6.0%} {sp:>7}")
+            if "error" in r:
+                print(f"    {scheme:15s} ERROR {r['error']}")
+        cap = q.get("kv_capacity", {})
+        if "ratio" in cap:
+            print(f"    fp8 KV holds {cap['ratio']:.2f}x the bf16 KV tokens in the same memory (bar >= 1.9x)")
 e = load("gpu_engine.json")
 if e:
     print("\n  engine steady decode (gpu_engine.json): model, batch, ms/step, tok/s, share of the streaming limit, "
