@@ -45,9 +45,12 @@ class LLMEngine:
     allocated); `enforce_eager=True` skips that. CPU always runs eagerly.
 
     `speculative="mtp"` (default: the manifest's `speculative` section) decodes with the artifact's MTP draft
-    head: after each step the head proposes one token per greedy sequence, and the next step verifies it with
-    the target model (accepted when it is the target's greedy token, so outputs equal plain greedy decoding).
-    Sampled requests, and those with penalties or logprobs, decode one token a step as usual.
+    head: after each step the head proposes one token per sequence (its argmax), and the next step verifies it
+    with the target model: the target's token after the last one is sampled as usual, the draft is accepted when
+    it equals it, and then the target's token after the draft is sampled too. For a greedy request that is plain
+    greedy decoding; for a sampled one it is rejection sampling against a one-point draft distribution (accept d
+    with probability p(d), else sample p without d), so tokens follow the target distribution exactly. Requests
+    with penalties or logprobs decode one token a step as usual.
     """
 
     def __init__(self, artifact: LoadedArtifact | str | Path, *, device: str | torch.device = "cpu",
@@ -155,9 +158,9 @@ class LLMEngine:
     # Speculative decoding ---------------------------------------------------------------------------------
     @staticmethod
     def _drafts_for(seq: Sequence) -> bool:
-        """Greedy requests without penalties or logprobs: their verification is an exact argmax match."""
+        """Requests without penalties (they would have to count the drafts) or logprobs (one row a step)."""
         p = seq.params
-        return p.greedy and not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
+        return not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
 
     def _step_speculative(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """The step, then the draft head: schedule (drafting seqs run their last token + drafts) -> target forward
@@ -180,13 +183,15 @@ class LLMEngine:
         return outputs
 
     def _verify(self, batch: ScheduledBatch, logits: torch.Tensor, layout, sampled: list[int | None]) -> list[list[int]]:
-        """Per seq, the tokens it gains: a verifying seq's accepted drafts then the target's next token."""
+        """Per seq, the tokens it gains: a verifying seq's accepted drafts (each equal to the target's token
+        sampled at its position), then the target's token after the last accepted one."""
         out = [[] if t is None else [t] for t in sampled]
         verifying = [i for i, seq in enumerate(batch.seqs) if seq.draft_token_ids]
         if not verifying:
             return out
+        row_seqs = [batch.seqs[i] for i in verifying for _ in batch.seqs[i].draft_token_ids]
         rows = [layout.sample_rows[i] + 1 + j for i in verifying for j in range(len(batch.seqs[i].draft_token_ids))]
-        targets = logits[rows].argmax(dim=-1).tolist()
+        targets = self.sampler.sample_tokens(logits[rows], row_seqs)
         k = 0
         for i in verifying:
             drafts = batch.seqs[i].draft_token_ids

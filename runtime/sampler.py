@@ -65,6 +65,12 @@ class Sampler:
                 out.logprobs[idx[j]] = (ids[:top_n], lps[:top_n], ranks[:top_n])
         return out
 
+    @torch.inference_mode()
+    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row, row j with seqs[j]'s parameters and generator (speculative decoding's verification
+        rows: the target model's token after each draft)."""
+        return self._sample_rows(logits, seqs)
+
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = [s.params for s in seqs]
         if any(p.has_penalties for p in params):

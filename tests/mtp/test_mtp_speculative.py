@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP draft head: greedy outputs with it on equal plain greedy decoding (fp32,
 batch of 4, exact tokens), drafts are accepted and rejected (acceptance counted in engine stats and /metrics),
-every KV block is free afterwards, and a batch mixing sampled and greedy requests runs (the sampled ones decode
-one token a step, with the same seeded tokens as without speculation)."""
+every KV block is free afterwards, a batch mixing sampled and greedy requests runs (seeded sampled requests
+reproducible), and verification of a sampled request draws tokens from the target distribution."""
 from __future__ import annotations
 
 import pytest
@@ -82,9 +82,43 @@ def test_mixed_batch_with_sampled_requests(mtp_artifact):
               _greedy(20), SamplingParams(max_tokens=20, temperature=1.0, seed=6, ignore_eos=True)]
     plain, _, _ = _run(art, None, params)
     spec, _, engine = _run(art, "mtp", params)
-    assert spec == plain  # greedy: verified exactly; seeded sampled ones: one token a step, same draws
+    again, _, _ = _run(art, "mtp", params)
+    assert [spec[0], spec[2]] == [plain[0], plain[2]]  # greedy: verified exactly
+    assert spec == again and [len(t) for t in spec] == [20] * 4  # seeded sampled requests: reproducible
     assert engine.stats()["spec_num_accepted_tokens"] > 0
     _assert_all_blocks_free(engine)
+
+
+def test_verifying_a_sampled_draft_keeps_the_target_distribution(mtp_artifact):
+    """Rejection sampling with a one-point draft: accept draft d with probability p(d), else a token from p
+    without d — so the first token of a verify step is distributed as p, and d is accepted p(d) of the time.
+    4000 sequences with the same draft and logits, one verify step, through the engine's sampler and verifier."""
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.model_runner import LogitsLayout
+    from kiln.runtime.sampling_params import SamplingParams
+    from kiln.runtime.scheduler import ScheduledBatch
+    from kiln.runtime.sequence import Sequence
+
+    _, art, _ = mtp_artifact(True, repeat_head=True)
+    engine = LLMEngine(art, speculative="mtp", num_kv_blocks=8, seed=11)
+    n, draft = 4000, 7
+    row = torch.full((VOCAB,), -1e9)
+    row[[3, 7, 9]] = torch.tensor([2.0, 1.0, 0.0])
+    p = torch.softmax(row, -1)
+    params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    seqs = [Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[1, 2], num_prompt_tokens=1, params=params,
+                     max_tokens=8, arrival=i, draft_token_ids=[draft]) for i in range(n)]
+    logits = row.repeat(2 * n, 1)  # each seq: the row after its last token, the row after the draft
+    layout = LogitsLayout(sample_rows=list(range(0, 2 * n, 2)), prompt_rows=[None] * n)
+    batch = ScheduledBatch(seqs=seqs, num_new_tokens=[2] * n)
+    sampled = engine.sampler.sample(logits, layout, seqs)
+    tokens = engine._verify(batch, logits, layout, sampled.sampled)
+    first = torch.tensor([t[0] for t in tokens])
+    freq = torch.stack([(first == v).float().mean() for v in (3, 7, 9)])
+    torch.testing.assert_close(freq, p[[3, 7, 9]], atol=0.03, rtol=0)
+    accepted = sum(len(t) == 2 for t in tokens)
+    assert accepted == (first == draft).sum() and abs(accepted / n - float(p[draft])) < 0.03
+    assert engine.num_draft_tokens == n and engine.num_accepted_tokens == accepted
 
 
 def test_stop_token_inside_accepted_drafts_ends_there(mtp_artifact):
