@@ -11,7 +11,7 @@ from .artifact import LoadedArtifact, load_artifact
 from .config import speculative_config
 from .errors import RequestError
 from .kv_cache import BlockManager, SwapSpace, cdiv
-from .model_runner import ModelRunner, resolve_num_blocks
+from .model_runner import DraftInput, LogitsLayout, ModelRunner, resolve_num_blocks
 from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .prefix_cache import make_prefix_cache
 from .sampler import Sampler, SamplerOutput, TokenLogprobs
@@ -164,8 +164,8 @@ class LLMEngine:
 
     def _step_speculative(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """The step, then the draft head: schedule (drafting seqs run their last token + drafts) -> target forward
-        keeping hidden states -> sample / verify (the longest draft prefix equal to the target's greedy tokens,
-        plus the target's next token) -> update (rejected drafts' KV rolled back) -> draft head over the same
+        keeping hidden states -> sample / verify (the longest draft prefix equal to the target's tokens, plus
+        the target's next token) -> update (rejected drafts' KV rolled back) -> draft head over the same
         positions with the tokens shifted by one -> next drafts."""
         seqs = batch.seqs
         drafting = any(self._drafts_for(seq) for seq in seqs)
@@ -182,7 +182,8 @@ class LLMEngine:
             self._propose(batch, draft_input, starts, new_tokens)
         return outputs
 
-    def _verify(self, batch: ScheduledBatch, logits: torch.Tensor, layout, sampled: list[int | None]) -> list[list[int]]:
+    def _verify(self, batch: ScheduledBatch, logits: torch.Tensor, layout: LogitsLayout,
+                sampled: list[int | None]) -> list[list[int]]:
         """Per seq, the tokens it gains: a verifying seq's accepted drafts (each equal to the target's token
         sampled at its position), then the target's token after the last accepted one."""
         out = [[] if t is None else [t] for t in sampled]
@@ -206,9 +207,10 @@ class LLMEngine:
             self.num_accepted_tokens += len(accepted) - 1
         return out
 
-    def _propose(self, batch: ScheduledBatch, draft_input, starts: list[int], new_tokens: list[list[int]]) -> None:
+    def _propose(self, batch: ScheduledBatch, draft_input: DraftInput, starts: list[int],
+                 new_tokens: list[list[int]]) -> None:
         """Runs the draft head over the step's tokens (keeping its KV complete for every computed position) and
-        stores a draft for each greedy seq that goes on decoding."""
+        stores a draft for each seq that drafts (`_drafts_for`) and goes on decoding."""
         input_ids: list[int] = []
         rows: list[int] = []
         wanting: list[Sequence] = []
