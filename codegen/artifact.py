@@ -318,6 +318,7 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
                                   has_tokenizer=bool(copied), pass_log=pass_log)
         if aliases:  # tensors stored once under another name (equal copies, e.g. DeepSeek MTP's embedding)
             manifest["weights"]["aliases"] = dict(sorted(aliases.items()))
+            manifest["weights"]["total_bytes"] = total_weight_bytes(program, aliases)  # stored bytes, once
         _write(tmp / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700; an artifact is an ordinary directory
         _install(tmp, out)

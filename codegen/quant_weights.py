@@ -2,9 +2,14 @@
 
 * fp8 weights (`role` weight / weight_scale, sources = the float weight's): a checkpoint that already holds
   e4m3 weights is loaded as is, with its scales — compressed-tensors `<stem>.weight_scale` ([1] / [N, 1])
-  or DeepSeek `<stem>.weight_scale_inv` ([ceil(N/128), ceil(K/128)]); an optional `input_scale` is not read
-  (activations are quantized dynamically, if at all). A float checkpoint (or random weights) is quantized here,
-  at compile time. Either way the granularity must be the recipe's.
+  or DeepSeek `<stem>.weight_scale_inv` ([ceil(N/128), ceil(K/128)]). A float checkpoint (or random weights) is
+  quantized here, at compile time. Either way the granularity must be the recipe's.
+* static activation scales (`role` input_scale, fp8(act=static)): a pre-quantized (e4m3) checkpoint must hold
+  compressed-tensors' `<stem>.input_scale` (one f32, the scale it was calibrated with; missing: an error naming
+  it); for a float checkpoint or random weights there is none to read, so it is calibrated like the KV scales:
+  absmax of the linear's input / 448 over the calibration tokens, from a run with weight-only fp8 linears. A
+  merged projection (fuse_qkv / fuse_gate_up) takes the largest of its parts' checkpoint scales (one x, one
+  scale: see passes/linear_fusion.py); calibration observes the merged linear's input directly.
 * int4 (`role` qweight / qzeros / scales / g_idx): AutoAWQ / AutoGPTQ tensors exactly as published (a missing
   GPTQ `g_idx` is the identity grouping k // group). Never re-quantized; random weights are refused.
 * merged projections (fuse_qkv / fuse_gate_up over quantized weights; `quant["parts"]` = ((original param,
@@ -41,6 +46,12 @@ CALIBRATION_TEXT = (
 CALIBRATION_TOKENS = 256
 
 
+def _input_scale_name(weight_source: str) -> str:
+    """compressed-tensors' activation scale of a linear: `<stem>.input_scale` next to `<stem>.weight`."""
+    stem = weight_source[: -len(".weight")] if weight_source.endswith(".weight") else weight_source
+    return f"{stem}.input_scale"
+
+
 def _granularity_of(shape: tuple[int, ...], n: int) -> str:
     if len(shape) == 0 or (len(shape) == 1 and shape[0] == 1) or shape == (1, 1):
         return "tensor"
@@ -68,6 +79,16 @@ class QuantizedWeights:
                                   "weights = random(...) has none", spec.loc)
             return
         sources = spec.sources_for(entry.layer)
+        if q["role"] == "input_scale":
+            for src in sources:
+                if src in ckpt and self._is_fp8(src) and _input_scale_name(src) not in ckpt:
+                    raise WeightError(
+                        f"quantize.weights = fp8(act=static), but the fp8 checkpoint {ckpt.path} has no "
+                        f"'{_input_scale_name(src)}' (the static activation scale of param '{q['of']}')", spec.loc,
+                        ("a pre-quantized fp8 checkpoint is used with the activation scales it was calibrated "
+                         "with; use fp8(act=dynamic) for per-token scales, or compile the float checkpoint to "
+                         "calibrate static scales",))
+            return
         if q["role"] == "kv_scale":
             if q["scales"] == "checkpoint" and self._kv_source(entry) is None:
                 raise WeightError(f"kv_cache = fp8(scales=checkpoint), but {ckpt.path} has no "
@@ -112,7 +133,31 @@ class QuantizedWeights:
             return self._fp8_part(entry)
         if q["role"] == "kv_scale":
             return self._kv_scale(entry)
+        if q["role"] == "input_scale":
+            return self._input_scale(entry)
         return self._int4_part(entry)
+
+    def _is_fp8(self, src: str) -> bool:
+        return self.ckpt.dtype_name(src) == "F8_E4M3"
+
+    def _input_scale(self, entry: Any) -> torch.Tensor | None:
+        """The checkpoint's static activation scale (the largest of a merged projection's parts); None when the
+        weights are not pre-quantized (float checkpoint, random weights): calibrated then."""
+        spec = entry.spec
+        if self.ckpt is None:
+            return None
+        sources = spec.sources_for(entry.layer)
+        if not all(src in self.ckpt and self._is_fp8(src) for src in sources):
+            return None
+        scales = []
+        for src in sources:
+            name = _input_scale_name(src)
+            t = self.ckpt.get(name).float().reshape(-1)
+            if t.numel() != 1 or not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise WeightError(f"checkpoint '{name}' ({_fmt(t.shape)}) is not one positive activation scale "
+                                  "(fp8(act=static) reads compressed-tensors' per-tensor input_scale)", spec.loc)
+            scales.append(t)
+        return torch.stack(scales).amax(dim=0).contiguous()
 
     def _fp8_part(self, entry: Any) -> torch.Tensor:
         q = entry.spec.quant
@@ -286,4 +331,58 @@ def calibrate_kv_scales(program: Program, weights: Mapping[str, torch.Tensor],
     return {name: (a / FP8_MAX).clamp(min=1e-8).contiguous() for name, a in amax.items()}
 
 
-__all__ = ["CALIBRATION_TEXT", "QuantizedWeights", "calibrate_kv_scales", "calibration_tokens"]
+# ---------------------------------------------------------------- static activation scale calibration
+
+
+def _static_linears(program: Program) -> dict[tuple[str, str], str]:
+    """(graph, value id) -> input-scale param name of every static-activation linear_fp8."""
+    out = {}
+    for gname, graph in program.graphs.items():
+        for vid, node in graph.items():
+            if node.op == "linear_fp8" and node.attrs.get("act") == "static_per_tensor":
+                out[gname, vid] = graph.node(node.inputs[3]).attrs["name"]
+    return out
+
+
+def _weight_only(program: Program) -> Program:
+    """The program with every static-activation linear_fp8 weight-only (same value ids): what calibration runs."""
+    graphs = {}
+    for name, graph in program.graphs.items():
+        g = None
+        for vid, node in graph.items():
+            if node.op == "linear_fp8" and node.attrs.get("act") == "static_per_tensor":
+                g = g or graph.copy()
+                g.replace(vid, node.with_(inputs=(*node.inputs[:3], *node.inputs[4:]),
+                                          attrs={**node.attrs, "act": "none"}))
+                if not g.users(node.inputs[3]):
+                    g.remove(node.inputs[3])
+        if g is not None:
+            graphs[name] = g
+    return program.with_graphs(graphs)
+
+
+@torch.no_grad()
+def calibrate_input_scales(program: Program, weights: Mapping[str, torch.Tensor],
+                           tokens: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """absmax / 448 of every static-activation linear_fp8's input over `tokens`, per layer (the reference
+    interpreter with those linears weight-only, as llm-compressor's observers see unquantized activations).
+    Returns artifact tensor name -> f32 [1]."""
+    targets = _static_linears(program)
+    amax: dict[str, torch.Tensor] = {}
+
+    def observe(graph, vid, node, layer, args) -> None:
+        pname = targets.get((graph.name, vid))
+        if pname is None:
+            return
+        name = program.params[pname].layer_name(layer) if layer is not None else pname
+        a = args[0].float().abs().amax().reshape(1)
+        amax[name] = a if name not in amax else torch.maximum(amax[name], a)
+
+    plain = _weight_only(program)
+    for ids in tokens:
+        interpret(plain, weights, ids, observe=observe)
+    return {name: (a / FP8_MAX).clamp(min=1e-12).contiguous() for name, a in amax.items()}
+
+
+__all__ = ["CALIBRATION_TEXT", "QuantizedWeights", "calibrate_input_scales", "calibrate_kv_scales",
+           "calibration_tokens"]

@@ -13,7 +13,7 @@ import difflib
 import hashlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .errors import CheckpointError, CodegenError, WeightError
 from .errors import fmt_shape as _fmt
-from .quant_weights import QuantizedWeights, calibrate_kv_scales, calibration_tokens
+from .quant_weights import QuantizedWeights, calibrate_input_scales, calibrate_kv_scales, calibration_tokens
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 QUANT_DTYPES = {"fp8e4m3": torch.float8_e4m3fn, "i32": torch.int32}  # quantized params only (ParamSpec.quant)
@@ -91,6 +91,10 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._open(self.file_of[name]).get_tensor(name)
 
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype of a tensor ("BF16", "F8_E4M3", ...), from the header."""
+        return self._open(self.file_of[name]).get_slice(name).get_dtype()
+
     def close_matches(self, name: str) -> list[str]:
         return difflib.get_close_matches(name, list(self.file_of), n=1, cutoff=0.75)
 
@@ -128,8 +132,11 @@ def weight_entries(program: Program) -> list[_Entry]:
     return entries
 
 
-def total_weight_bytes(program: Program) -> int:
-    return sum(e.nbytes for e in weight_entries(program))
+def total_weight_bytes(program: Program, aliases: Mapping[str, str] | None = None) -> int:
+    """Bytes of the artifact's weights as stored: a tensor in `aliases` (stored once, under another name, by
+    convert_weights) is not counted again."""
+    dropped = set(aliases or ())
+    return sum(e.nbytes for e in weight_entries(program) if e.name not in dropped)
 
 
 def _where(entry: _Entry) -> str:
@@ -327,18 +334,21 @@ def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir
 
 def _calibrated(program: Program, entries: list[_Entry], ckpt: Checkpoint | None, roles: dict[str, str], seed: int,
                 bar: tqdm, quant: QuantizedWeights, checkpoint_dir: str | Path | None) -> dict[str, torch.Tensor] | None:
-    """Every tensor, with the fp8 KV scales the checkpoint lacks calibrated (codegen/quant_weights.py), when
-    some are missing; None (stream shard by shard) otherwise. Calibration needs the whole model in memory."""
-    kv = [e for e in entries if e.spec.quant is not None and e.spec.quant["role"] == "kv_scale"]
-    loaded = {e.name: quant.load(e) for e in kv}
+    """Every tensor, with the static activation scales and fp8 KV scales the checkpoint lacks calibrated
+    (codegen/quant_weights.py), when some are missing; None (stream shard by shard) otherwise. Activation
+    scales come first (the KV calibration run reads them). Calibration needs the whole model in memory."""
+    scales = [e for e in entries if e.spec.quant is not None and e.spec.quant["role"] in ("kv_scale", "input_scale")]
+    loaded = {e.name: quant.load(e) for e in scales}
     if all(t is not None for t in loaded.values()):
         return loaded or None
     others = [e for e in entries if e.name not in loaded]
     ready = dict(_materialise(others, ckpt, roles, seed, bar, quant))
-    missing = {name for name, t in loaded.items() if t is None}
-    calibrated = calibrate_kv_scales(program, ready, calibration_tokens(program, checkpoint_dir))
-    for name in missing:
-        loaded[name] = calibrated[name]
+    tokens = calibration_tokens(program, checkpoint_dir)
+    for role, calibrate in (("input_scale", calibrate_input_scales), ("kv_scale", calibrate_kv_scales)):
+        missing = {e.name for e in scales if e.spec.quant["role"] == role and loaded[e.name] is None}
+        if missing:
+            calibrated = calibrate(program, {**ready, **{n: t for n, t in loaded.items() if t is not None}}, tokens)
+            loaded.update({name: calibrated[name] for name in missing})
     ready.update(loaded)
     bar.reset()
     return ready

@@ -516,7 +516,7 @@ register_op(OpDef("mla_attention", 5, 5, infer=_infer_mla_attention, reference=_
 # into the [N, K] float weight a `linear` reads; `fuse_dequant_linear` then fuses each dequant into its GEMM
 # (linear_fp8, linear_w4a16). Numerics: kiln.compiler.quant.
 
-FP8_ACTS = ("none", "dynamic_per_token")
+FP8_ACTS = ("none", "dynamic_per_token", "static_per_tensor")
 
 
 def _infer_fp8_weight(w: TensorType, scale: TensorType, a: Attrs) -> None:
@@ -590,24 +590,41 @@ register_op(OpDef("dequant_int4", 3, 4, infer=_infer_dequant_int4, reference=_re
 def _infer_linear_fp8(ins: list[TensorType], a: Attrs) -> TensorType:
     x, w, scale = ins[:3]
     _infer_fp8_weight(w, scale, a)
-    _check(a.get("act", "none") in FP8_ACTS, f"linear_fp8 act={a.get('act')!r}; expected one of {FP8_ACTS}")
-    return _infer_linear([x, TensorType(w.shape, x.dtype), *ins[3:]], a)
+    act = a.get("act", "none")
+    _check(act in FP8_ACTS, f"linear_fp8 act={act!r}; expected one of {FP8_ACTS}")
+    rest = ins[3:]
+    if act == "static_per_tensor":
+        _check(a.get("granularity", "tensor") != "block", "linear_fp8 act='static_per_tensor' takes tensor or "
+               "channel weight scales, not block")
+        _check(len(rest) >= 1 and rest[0].shape == (1,) and rest[0].dtype == "f32",
+               f"linear_fp8 act='static_per_tensor' needs the input scale f32[1] as input 3, got {rest[:1]}")
+        rest = rest[1:]
+    _check(len(rest) <= 1, f"linear_fp8 act={act!r} takes x, w_q, scale, "
+           f"{'x_scale, ' if act == 'static_per_tensor' else ''}[bias]; got {len(ins)} inputs")
+    return _infer_linear([x, TensorType(w.shape, x.dtype), *rest], a)
 
 
-def _ref_linear_fp8(ctx: RefContext, x, w, scale, bias=None, *, granularity: str, block: int, act: str):
-    from kiln.compiler.quant import fp8_dequantize, fp8_scaled_matmul
+def _ref_linear_fp8(ctx: RefContext, x, w, scale, *rest, granularity: str, block: int, act: str):
+    from kiln.compiler.quant import fp8_dequantize, fp8_scaled_matmul, fp8_static_matmul
 
     block = block if granularity == "block" else 0
+    if act == "static_per_tensor":
+        x_scale, bias = rest[0], (rest[1] if len(rest) > 1 else None)
+        y = fp8_static_matmul(x.reshape(-1, x.shape[-1]), w, scale, x_scale).to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+    bias = rest[0] if rest else None
     if act == "dynamic_per_token":
         y = fp8_scaled_matmul(x.reshape(-1, x.shape[-1]), w, scale, block).to(x.dtype).reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
     return F.linear(x, fp8_dequantize(w, scale, block).to(x.dtype), bias)
 
 
-register_op(OpDef("linear_fp8", 3, 4, infer=_infer_linear_fp8, reference=_ref_linear_fp8, cost=_linear_cost,
+register_op(OpDef("linear_fp8", 3, 5, infer=_infer_linear_fp8, reference=_ref_linear_fp8, cost=_linear_cost,
                   attrs={"granularity": "tensor", "block": 0, "act": "none"},
                   doc="x @ dequant(w_q, scale).T (+ b). act='dynamic_per_token' also quantizes x to e4m3 per "
-                      "token (per token and B columns for block scales) and multiplies in fp8, as torch._scaled_mm."))
+                      "token (per token and B columns for block scales) and multiplies in fp8, as torch._scaled_mm. "
+                      "act='static_per_tensor' (inputs x, w_q, scale, x_scale[1], [b]) quantizes x with the "
+                      "calibrated x_scale instead (compressed-tensors static W8A8)."))
 
 
 def _infer_linear_w4a16(ins: list[TensorType], a: Attrs) -> TensorType:

@@ -104,6 +104,18 @@ def fp8_scaled_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     return (x_q.float() @ w_q.float().T) * x_scale * sw
 
 
+def fp8_static_matmul(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor
+                      ) -> torch.Tensor:
+    """Static W8A8 (compressed-tensors `input_activations.dynamic = false`): x quantized with the calibrated
+    per-tensor scale `x_scale` ([1]; values beyond ±448·x_scale saturate), e4m3 products accumulated in fp32,
+    then scaled by x_scale · w_scale (per tensor [1] or per output channel [N]) — what `torch._scaled_mm`
+    computes with a scalar scale_a. Returns f32 [T, N]."""
+    s = x_scale.float().reshape(())
+    x_q = fp8_cast(x.float() / s)
+    sw = w_scale.float().reshape(1, -1)
+    return (x_q.float() @ w_q.float().T) * s * sw
+
+
 def fp8_fake_quantize(x: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
     """x rounded through e4m3 with one scale per index of `dim` (the KV cache's per-head scales)."""
     shape = [1] * x.dim()
@@ -155,4 +167,4 @@ def dequant_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
 
 __all__ = ["AWQ_PACK_ORDER", "FP8_DTYPE", "FP8_GRANULARITIES", "FP8_MAX", "INT4_FORMATS", "awq_unpack",
            "dequant_awq", "dequant_gptq", "expand_block_scale", "fp8_cast", "fp8_dequantize", "fp8_fake_quantize",
-           "fp8_quantize", "fp8_quantize_per_token", "fp8_scaled_matmul"]
+           "fp8_quantize", "fp8_quantize_per_token", "fp8_scaled_matmul", "fp8_static_matmul"]

@@ -12,6 +12,11 @@ every output row keeps the values and scale it had:
   scales concatenate; per-tensor scales become one per output row (each part's scale repeated over its
   rows, so the merged op is per-channel); 128x128 block scales concatenate along N when every part's N is a
   multiple of the block (else a block would straddle two projections, and they stay separate).
+* fp8 with static activation scales (`linear_fp8` act=static, compressed-tensors `input_scale`): q, k and v
+  (gate and up) read the same x, so the merged GEMM quantizes x once, with one scale: the largest of the
+  parts' scales (vLLM does the same). llm-compressor calibrates each projection's scale from that same x, so
+  they are normally equal and the merge is exact; where they differ, a part with a smaller scale sees x
+  rounded on a coarser grid (and no clipping it would not also have) — bounded in tests/quant.
 * int4 AWQ (`dequant_int4`, format awq): qweight [K, N/8], qzeros [K/g, N/8] and scales [K/g, N] pack
   output columns along dim 1, in whole int32 words (N is a multiple of 8), so they concatenate along dim 1.
 * int4 GPTQ is left unmerged: its g_idx [K] is one per projection, and act-order checkpoints may order q,
@@ -90,8 +95,10 @@ def _slices(m: Match, b: Builder, roles: Sequence[str], y: str, rows: Sequence[i
 # ---------------------------------------------------------------- quantized siblings
 
 # The op a quantized projection reads its weight through -> its param inputs, in order. `linear_fp8` is the
-# w8a8 form (act=dynamic), which quantize_weights emits directly: its params are the GEMM's inputs 1 and 2.
-QUANT_WEIGHT_OPS = {"dequant_fp8": 2, "dequant_int4": 3, "linear_fp8": 2}
+# w8a8 form (act=dynamic), which quantize_weights emits directly: its params are the GEMM's inputs 1 and 2;
+# "linear_fp8_static" is the same op with act=static, whose input 3 is the activation's scale.
+QUANT_WEIGHT_OPS = {"dequant_fp8": 2, "dequant_int4": 3, "linear_fp8": 2, "linear_fp8_static": 3}
+_GEMM_OPS = {"linear_fp8": "linear_fp8", "linear_fp8_static": "linear_fp8"}  # keys of QUANT_WEIGHT_OPS that are GEMMs
 
 
 def quantized_projection(op: str, role: str, bias: bool, through: Sequence[str] = ()) -> Pat:
@@ -100,13 +107,13 @@ def quantized_projection(op: str, role: str, bias: bool, through: Sequence[str] 
     {r}_p0, {r}_p1, ... (the quantized params) and b{r}."""
     params = [P("param", name=f"{role}_p{i}") for i in range(QUANT_WEIGHT_OPS[op])]
     tail = (P("param", name=f"b{role}"),) if bias else ()
-    if op == "linear_fp8":
-        return P("linear_fp8", V("x"), *params, *tail, name=role, through=through)
+    if op in _GEMM_OPS:
+        return P(_GEMM_OPS[op], V("x"), *params, *tail, name=role, through=through)
     return P("linear", V("x"), P(op, *params, name=f"dq{role}"), *tail, name=role, through=through)
 
 
 def _quant_node(m: Match, op: str, role: str):
-    return m.node(role if op == "linear_fp8" else f"dq{role}")
+    return m.node(role if op in _GEMM_OPS else f"dq{role}")
 
 
 def fusible_quantized(m: Match, op: str, roles: Sequence[str], bias: bool) -> bool:
@@ -120,6 +127,8 @@ def fusible_quantized(m: Match, op: str, roles: Sequence[str], bias: bool) -> bo
     a = dict(attrs.pop())
     if op == "dequant_int4" and a.get("format") != "awq":
         return False
+    if op in _GEMM_OPS and (op == "linear_fp8_static") != (a.get("act") == "static_per_tensor"):
+        return False  # a static linear_fp8's input 3 is its activation scale, not a bias
     for i in range(QUANT_WEIGHT_OPS[op]):
         specs = [m.param(f"{r}_p{i}") for r in roles]
         if any(s.quant is None or s.sharding is not None or s.quant.get("parts") for s in specs):
@@ -142,7 +151,9 @@ def _merged_quant_param(specs: Sequence[ParamSpec], fused_of: str, parts: tuple)
     n = sum(rows for _, rows in parts)
     role, k = q["role"], q["weight_shape"][1]
     suffix = first.name[len(q["of"]):]  # "decoder.wq_fp8" -> "_fp8"
-    if q["scheme"] == "fp8":
+    if role == "input_scale":  # one activation x feeds every part: one scale, the parts' max (see fuse_*)
+        dim, shape = 0, (1,)
+    elif q["scheme"] == "fp8":
         dim = 0
         shape = (n, k) if role == "weight" else (n,) if q["granularity"] in ("tensor", "channel") else (
             sum(s.shape[0] for s in specs), first.shape[1])
@@ -171,8 +182,8 @@ def fuse_quantized_linears(m: Match, b: Builder, op: str, roles: Sequence[str], 
     if attrs.get("granularity") == "tensor":
         attrs["granularity"] = "channel"
     tail = _merged_bias(m, b, roles, bias, fused)
-    if op == "linear_fp8":
-        y = b.add("linear_fp8", (m["x"], *params, *tail), hint=fused, **attrs)
+    if op in _GEMM_OPS:
+        y = b.add(_GEMM_OPS[op], (m["x"], *params, *tail), hint=fused, **attrs)
     else:
         dq = b.add(op, params, hint=f"w{fused}_dq", **attrs)
         y = b.add("linear", (m["x"], dq, *tail), hint=fused)

@@ -9,6 +9,8 @@ from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, PassError, Progra
 from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
+# fp8(act=...) -> linear_fp8's `act` attribute
+FP8_ACT_OPTIONS = {"none": "none", "dynamic": "dynamic_per_token", "static": "static_per_tensor"}
 T = TypeVar("T")
 
 
@@ -17,7 +19,9 @@ class WeightScheme:
     """A parsed `quantize { weights = ... }`.
 
     fp8:  `fp8` (per-tensor scale), `fp8(per_channel=true)` (one scale per output row), `fp8(block=128)`
-          (one per 128x128 tile, DeepSeek-V3); `act=dynamic` also quantizes activations per token (w8a8).
+          (one per 128x128 tile, DeepSeek-V3); `act=dynamic` also quantizes activations per token (w8a8);
+          `act=static` quantizes them with one calibrated scale per linear input (compressed-tensors
+          `input_scale`; computed at compile time for a float checkpoint).
     awq:  `awq(group=128)` — AutoAWQ GEMM checkpoints, loaded as published.
     gptq: `gptq(group=128, sym=true, format=v1)` — AutoGPTQ/GPTQModel checkpoints; format v1 (zeros stored
           minus one: what both libraries write) or v2 (GPTQModel's internal gptq_v2).
@@ -63,10 +67,13 @@ def _fp8(opts: Mapping[str, Any]) -> WeightScheme:
     if block is not None and per_channel:
         raise ValueError("fp8 takes per_channel=true or block=N, not both")
     act = opts.get("act", "none")
-    if act not in ("none", "dynamic"):
-        raise ValueError(f"fp8(act=...) is none (weight-only) or dynamic (per-token fp8 activations), got {act!r}")
+    if act not in FP8_ACT_OPTIONS:
+        raise ValueError(f"fp8(act=...) is none (weight-only), dynamic (per-token fp8 activations) or static "
+                         f"(one calibrated per-tensor activation scale), got {act!r}")
+    if act == "static" and block is not None:
+        raise ValueError("fp8(block=N) takes act=dynamic (1x128 activation tiles), not act=static")
     granularity = "block" if block else "channel" if per_channel else "tensor"
-    return WeightScheme("fp8", granularity, block or 0, "dynamic_per_token" if act == "dynamic" else "none")
+    return WeightScheme("fp8", granularity, block or 0, FP8_ACT_OPTIONS[act])
 
 
 def _group(kind: str, opts: Mapping[str, Any]) -> int:
@@ -140,7 +147,13 @@ def _fp8_weight(m: Match, b: Builder, scheme: WeightScheme, spec: ParamSpec) -> 
         {**quant, "role": "weight"}), loc=spec.loc)
     s = ParamSpec(f"{spec.name}_scale", scale_shape[scheme.granularity], "f32", spec.source, spec.block,
                   quant=Attrs({**quant, "role": "weight_scale"}), loc=spec.loc)
-    return b.add_param(w, after=spec.name), b.add_param(s, after=spec.name)
+    params = (b.add_param(w, after=spec.name), b.add_param(s, after=spec.name))
+    if scheme.act != "static_per_tensor":
+        return params
+    # the checkpoint's `<stem>.input_scale` (derived from the weight's source by the converter), else calibrated
+    xs = ParamSpec(f"{spec.name}_input_scale", (1,), "f32", spec.source, spec.block,
+                   quant=Attrs({**quant, "role": "input_scale"}), loc=spec.loc)
+    return (*params, b.add_param(xs, after=spec.name))
 
 
 def _int4_weight(m: Match, b: Builder, scheme: WeightScheme, spec: ParamSpec) -> tuple[str, ...]:
@@ -166,9 +179,9 @@ def _quantize(scheme: WeightScheme) -> Callable[[Match, Builder], str | None]:
         x_dtype = m.graph.node(m["x"]).out.dtype
         bias = (m["b"],) if "b" in m.bindings else ()
         if scheme.kind == "fp8":
-            w, s = _fp8_weight(m, b, scheme, spec)
-            if scheme.act == "dynamic_per_token":  # w8a8: no weight-only form to fuse later
-                return b.add("linear_fp8", (m["x"], w, s, *bias), hint=m.root, **scheme.to_attrs())
+            w, s, *xs = _fp8_weight(m, b, scheme, spec)
+            if scheme.act != "none":  # w8a8: no weight-only form to fuse later
+                return b.add("linear_fp8", (m["x"], w, s, *xs, *bias), hint=m.root, **scheme.to_attrs())
             dq = b.add("dequant_fp8", (w, s), hint=f"{spec.local_name}_dq", granularity=scheme.granularity,
                        block=scheme.block, dtype=x_dtype)
         else:
@@ -191,7 +204,7 @@ def _plain_weight(m: Match) -> bool:
 def weight_rewrites(scheme: WeightScheme) -> tuple[Rewrite, ...]:
     replace = _quantize(scheme)
     return (
-        # linear(x, w) -> linear(x, dequant(w_q, scales...))     (w8a8 fp8: linear_fp8(x, w_q, w_scale))
+        # linear(x, w) -> linear(x, dequant(w_q, scales...))     (w8a8 fp8: linear_fp8(x, w_q, w_scale[, x_scale]))
         Rewrite("weight", P("linear", V("x"), P("param", name="w")), replace=replace, extra_check=_plain_weight),
         # linear(x, w, b) -> linear(x, dequant(w_q, scales...), b)
         Rewrite("weight_bias", P("linear", V("x"), P("param", name="w"), V("b")), replace=replace,
@@ -204,7 +217,8 @@ class QuantizeWeights(Pass):
     """Requires: typed IR; the scheme from the recipe's `quantize { weights = ... }` (ctx.options, else
     program.meta; absent: nothing changes). Guarantees: every `linear` whose weight is a plain 2-D float param
     (one checkpoint source or none) reads it through a dequant op over quantized params instead —
-    `dequant_fp8(w_fp8, w_scale)` (fp8; with act=dynamic directly `linear_fp8`), or `dequant_int4(qweight,
+    `dequant_fp8(w_fp8, w_scale)` (fp8; with act=dynamic directly `linear_fp8`; with act=static
+    `linear_fp8(x, w_fp8, w_scale, w_input_scale)`), or `dequant_int4(qweight,
     qzeros, scales[, g_idx])` (awq/gptq, sources `<stem>.qweight` ... for a `<stem>.weight` source). The new
     params carry `quant` attrs the weight converter reads (role, scheme, granularity/group, the original
     param); fp8 ones keep the float weight's source and are quantized at compile time unless the checkpoint
