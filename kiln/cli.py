@@ -84,7 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(args.artifact, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
-          log_level=args.log_level, prefix_cache=not args.no_prefix_cache, speculative=args.speculative)
+          log_level=args.log_level, prefix_cache=not args.no_prefix_cache, speculative=args.speculative,
+          async_scheduling=args.async_scheduling)
     return 0
 
 
@@ -124,6 +125,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
     p.add_argument("--speculative", choices=["mtp", "none"],
                    help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each step before the previous one's tokens are read back, overlapping "
+                   "host work with the device (default: the recipe's, else on for CUDA, off for CPU)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -66,6 +66,7 @@ class SchedulerConfig:
     prefix_cache: str | None = "radix"  # None / "none" disables
     preemption: str = "recompute"  # recompute | swap: a preempted sequence's KV is copied to CPU memory
     swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV blocks (preemption = swap)
+    async_scheduling: bool | None = None  # overlap host work with the device (LLMEngine); None: on for CUDA
 
     def with_overrides(self, **overrides: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -123,7 +124,17 @@ def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
                            policy=str(s.get("policy", default.policy)),
                            prefix_cache=None if prefix in (None, False, "none") else str(prefix),
                            preemption=str(s.get("preemption", default.preemption)),
-                           swap_space=int(s.get("swap_space", default.swap_space)))
+                           swap_space=int(s.get("swap_space", default.swap_space)),
+                           async_scheduling=_flag(s.get("async_scheduling"), "scheduler.async_scheduling"))
+
+
+def _flag(value: Any, where: str) -> bool | None:
+    """A manifest switch: a JSON bool, or a recipe's `true` / `false` (kept as text by the compiler)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if str(value) in ("true", "false"):
+        return str(value) == "true"
+    raise ArtifactError(f"manifest.json: {where} must be true or false, not {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from .prefix_cache import make_prefix_cache
 from .sampler import Sampler, SamplerOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import PLACEHOLDER_TOKEN, Sequence
 from .tokenizer import IncrementalDetokenizer
 
 _UNSET = object()
@@ -36,6 +36,21 @@ class Request:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A step launched but not read back (async scheduling): row `rows[k]` of its sampled `tokens` (on the
+    device; `host` is their copy, complete once `ready` fires) belongs to `seqs[k]`, whose token_ids hold a
+    placeholder for it at `positions[k]`."""
+
+    seqs: list[Sequence]
+    positions: list[int]
+    rows: list[int]
+    row_of: dict[int, int]  # seq_id -> row, for the next step's device-side input ids
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: object | None  # torch.cuda.Event on CUDA
+
+
 class LLMEngine:
     """Serves one loaded artifact. Not thread-safe: a server drives it from one loop.
 
@@ -51,6 +66,18 @@ class LLMEngine:
     greedy decoding; for a sampled one it is rejection sampling against a one-point draft distribution (accept d
     with probability p(d), else sample p without d), so tokens follow the target distribution exactly. Requests
     with penalties or logprobs decode one token a step as usual.
+
+    `async_scheduling` (default: the manifest's `scheduler.async_scheduling`, else on for CUDA, off for CPU,
+    where torch runs synchronously and nothing could overlap) overlaps the host's work with the device's:
+    `step()` schedules and launches step N+1 before step N's sampled tokens reach the host, assuming every
+    sequence step N sampled for goes on (a placeholder token stands for it; step N+1 takes its input id from
+    step N's token tensor on the device), then reads step N's tokens back and processes them (detokenize,
+    stops, outputs) while step N+1 runs. So `step()` returns the outputs of the step before the one it
+    launched. A sequence found finished late computed one token too many: it is dropped and its KV freed, so
+    outputs equal the synchronous engine's for greedy and seeded requests (unseeded ones draw from the shared
+    generator in another order). A step runs synchronously (after reading back any step in flight) when a
+    sequence in it has penalties (they count the previous token on the host), logprobs or prompt logprobs
+    (read back every step), or when speculative decoding is on.
     """
 
     def __init__(self, artifact: LoadedArtifact | str | Path, *, device: str | torch.device = "cpu",
@@ -59,7 +86,7 @@ class LLMEngine:
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
                  seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
-                 num_speculative_tokens: int | None = None) -> None:
+                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None) -> None:
         if not isinstance(artifact, LoadedArtifact):
             artifact = load_artifact(artifact, device)
         self.artifact = artifact
@@ -96,6 +123,10 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+        if async_scheduling is None:
+            async_scheduling = sched.async_scheduling
+        self.async_scheduling = artifact.device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
+        self._inflight: _InFlight | None = None
 
     # Requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -133,6 +164,8 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+                if seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # its step is in flight: a token not yet seen
+                    seq.token_ids.pop()
         self._aborted.append(self._make_output(request))
 
     def has_unfinished_requests(self) -> bool:
@@ -140,7 +173,10 @@ class LLMEngine:
 
     # The step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one forward pass; returns the cumulative output of every request that progressed."""
+        """Runs one forward pass; returns the cumulative output of every request that progressed (with async
+        scheduling: that progressed in the previous forward pass, whose results this call reads back)."""
+        if self.async_scheduling or self._inflight is not None:
+            return self._step_overlapped()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self.runner.swap(batch)  # everything running was swapped out this step
@@ -154,6 +190,91 @@ class LLMEngine:
         sampled = self.sampler.sample(logits, layout, batch.seqs)
         grown = self.scheduler.update(batch, sampled.sampled)
         return self._process(batch, sampled, grown)
+
+    # Async scheduling ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _overlaps(seq: Sequence) -> bool:
+        """Whether `seq` may sample on the device without its token read back before the next step."""
+        p = seq.params
+        return not p.has_penalties and p.logprobs is None and not seq.needs_prompt_logprobs()
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """schedule N+1 (step N's sequences assumed one token longer) -> launch N+1 (input ids of step N's
+        sequences gathered on the device) -> sample N+1 on the device, its tokens copied to the host without a
+        sync -> read back and process step N -> advance N+1's sequences by a placeholder each. A step that
+        cannot overlap (`_overlaps`, speculative decoding, async scheduling switched off) samples and is
+        processed at once, after step N."""
+        prev, self._inflight = self._inflight, None
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            self.runner.swap(batch)
+            if prev is not None:  # what is not scheduled may be finishing in the step in flight
+                return self._finish_inflight(prev)
+            assert not (self.scheduler.waiting or self.scheduler.swapped) or self.scheduler.running \
+                or batch.swap_out, \
+                "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
+            return self._drain_aborted()
+        overlap = self.async_scheduling and self.speculative is None and all(map(self._overlaps, batch.seqs))
+        if prev is None and not overlap:
+            if self.speculative is not None:
+                return self._step_speculative(batch)
+            logits, layout = self.runner.execute(batch)
+            sampled = self.sampler.sample(logits, layout, batch.seqs)
+            return self._process(batch, sampled, self.scheduler.update(batch, sampled.sampled))
+        patch = self._input_patch(batch, prev)
+        logits, layout = self.runner.execute(batch) if patch is None else self.runner.execute(batch, patch)
+        if overlap:
+            tokens = self.sampler.sample_on_device(logits, layout, batch.seqs)
+            host, ready = _copy_to_host(tokens)
+        outputs = self._finish_inflight(prev) if prev is not None else self._drain_aborted()
+        live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]  # finished late: drop the extra
+        live_batch = ScheduledBatch(seqs=[batch.seqs[i] for i in live],
+                                    num_new_tokens=[batch.num_new_tokens[i] for i in live])
+        if overlap:
+            rows = {id(batch.seqs[i]): layout.sample_rows[i] for i in live}
+            grown = self.scheduler.update(live_batch, [None if rows[id(s)] is None else PLACEHOLDER_TOKEN
+                                                       for s in live_batch.seqs])
+            row_list = [rows[id(s)] for s in grown]
+            self._inflight = _InFlight(seqs=grown, positions=[s.num_tokens - 1 for s in grown], rows=row_list,
+                                       row_of={s.seq_id: r for s, r in zip(grown, row_list)},
+                                       tokens=tokens, host=host, ready=ready)
+            return outputs
+        sampled = self.sampler.sample(logits, layout, batch.seqs)
+        sampled = SamplerOutput(*([getattr(sampled, f)[i] for i in live]
+                                  for f in ("sampled", "logprobs", "prompt_logprobs")))
+        grown = self.scheduler.update(live_batch, sampled.sampled)
+        return _latest(outputs + self._process(live_batch, sampled, grown))
+
+    @staticmethod
+    def _input_patch(batch: ScheduledBatch, prev: _InFlight | None) -> tuple[list[int], list[int], torch.Tensor] | None:
+        """(input rows, rows of step N's tokens, those tokens): the input ids of the batch's sequences whose
+        last token is still on the device. Only decodes can have one (a preempted sequence is readmitted
+        only after its step was read back)."""
+        if prev is None:
+            return None
+        dst, src = [], []
+        for i, seq in enumerate(batch.seqs):
+            if seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                assert i < batch.num_decodes, f"seq {seq.seq_id}: a prefill chunk reads a token still in flight"
+                dst.append(i)
+                src.append(prev.row_of[seq.seq_id])
+        return (dst, src, prev.tokens) if dst else None
+
+    def _finish_inflight(self, prev: _InFlight) -> list[RequestOutput]:
+        """Reads step N's tokens back (waiting for that step only), puts them in place of the placeholders
+        and processes them as the synchronous step would have."""
+        if prev.ready is not None:
+            prev.ready.synchronize()
+        values = prev.host.tolist()
+        grown = []
+        for seq, pos, row in zip(prev.seqs, prev.positions, prev.rows, strict=True):
+            if seq.is_finished:  # aborted meanwhile (abort_request dropped the placeholder)
+                continue
+            assert pos == seq.num_tokens - 1 and seq.token_ids[pos] == PLACEHOLDER_TOKEN, \
+                f"seq {seq.seq_id}: no placeholder at {pos}"
+            seq.token_ids[pos] = values[row]
+            grown.append(seq)
+        return self._outputs(grown)
 
     # Speculative decoding ---------------------------------------------------------------------------------
     @staticmethod
@@ -236,8 +357,13 @@ class LLMEngine:
             if lp is not None:
                 seq.output_logprobs.append(self._logprob_dict(lp))
                 seq.cumulative_logprob += lp[1][0]
-        touched: dict[str, Request] = {}
         added = dict(zip(map(id, batch.seqs), num_new, strict=True)) if num_new is not None else None
+        return self._outputs(grown, added)
+
+    def _outputs(self, grown: list[Sequence], added: dict[int, int] | None = None) -> list[RequestOutput]:
+        """Stop checks of the sequences that grew (`added`: by how many tokens, when more than one), then the
+        outputs: aborted requests first, then every request that progressed."""
+        touched: dict[str, Request] = {}
         for seq in grown:
             if added is not None and added[id(seq)] > 1:
                 self._check_stop_each(seq, added[id(seq)])
@@ -360,3 +486,21 @@ class LLMEngine:
                 "spec_num_draft_tokens": self.num_draft_tokens, "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
                                          if self.num_draft_tokens else 0.0)}
+
+
+def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    """A host copy of `tokens` that does not wait for the device: pinned memory filled by an async copy, and
+    the event that marks it complete. On CPU the tensor is its own copy."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _latest(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per request (a step that reads back step N and then runs N+1 synchronously has two; they
+    are cumulative, so the later one says everything)."""
+    return list({out.request_id: out for out in outputs}.values())

@@ -173,18 +173,34 @@ class ModelRunner:
             tables.append(seq.block_table[:used] + [-1] * (max_blocks - used))
 
         def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
+            return self._to_device(values, torch.int32)
 
         fb = ForwardBatch(input_ids=i32(input_ids), positions=i32(positions),
                           query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens), block_tables=i32(tables),
-                          slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+                          slot_mapping=self._to_device(slots, torch.int64),
                           logits_indices=i32(logits_indices), num_decodes=num_decodes)
         return fb, LogitsLayout(sample_rows=sample_rows, prompt_rows=prompt_rows)
 
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor without waiting for the device: a blocking host-to-device copy
+        synchronizes the stream, which would stall async scheduling behind the step in flight. The pinned
+        staging buffer is reused only after the copy ran (torch's host allocator records it on the stream)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout]:
+    def execute(self, batch: ScheduledBatch,
+                input_patch: tuple[list[int], list[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, LogitsLayout]:
+        """`input_patch` = (input rows, token rows, tokens): those input ids are taken, on the device, from a
+        previous step's sampled tokens (async scheduling: their values are not on the host yet). CUDA-graph
+        replay then copies them into the graph's static input buffer, device to device."""
         self.swap(batch)
         fb, layout = self.prepare(batch)
+        if input_patch is not None:
+            dst, src, tokens = input_patch
+            index = self._to_device([dst, src], torch.int64)
+            fb.input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(fb.input_ids.dtype))
         logits = self.graph_runner.run(fb) if self.graph_runner is not None else None
         if logits is None:
             logits = self.model.forward(fb, self.kv_caches)

@@ -71,31 +71,51 @@ class Sampler:
         rows: the target model's token after each draft)."""
         return self._sample_rows(logits, seqs)
 
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, layout: LogitsLayout, seqs: list[Sequence]) -> torch.Tensor:
+        """Async scheduling: the next token of every sampled sequence as a device tensor, row r of it from
+        logits row r, without reading anything back. The step has no prompt-logprob rows, logprobs or
+        penalties (the engine runs such steps synchronously), so every logits row is a sample row."""
+        batch = [seqs[i] for i, r in enumerate(layout.sample_rows) if r is not None]
+        assert len(batch) == logits.shape[0], f"{logits.shape[0]} logits rows for {len(batch)} sampled seqs"
+        assert not any(s.params.has_penalties for s in batch), "penalties read the previous token on the host"
+        return self._sample_tensor(logits, batch)
+
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return self._sample_tensor(logits, seqs).tolist()
+
+    def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), seqs)
         greedy_tokens = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
-            return greedy_tokens.tolist()
+            return greedy_tokens
 
         device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+
+        def vec(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+            # no blocking host-to-device copy: it would synchronize with the step in flight
+            if device.type != "cuda":
+                return torch.tensor(values, device=device, dtype=dtype)
+            return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+        greedy = vec([p.greedy for p in params])
+        temperature = vec([p.temperature if not p.greedy else 1.0 for p in params])
         x = logits / temperature.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
-            x = apply_top_k(x, torch.tensor([p.top_k for p in params], device=device))
+            x = apply_top_k(x, vec([p.top_k for p in params]))
         if any(p.top_p < 1.0 for p in params):
-            x = apply_top_p(x, torch.tensor([p.top_p for p in params], device=device, dtype=x.dtype))
+            x = apply_top_p(x, vec([p.top_p for p in params], x.dtype))
         if any(p.min_p > 0.0 for p in params):
-            x = apply_min_p(x, torch.tensor([p.min_p for p in params], device=device, dtype=x.dtype))
+            x = apply_min_p(x, vec([p.min_p for p in params], x.dtype))
         probs = torch.softmax(x, dim=-1)
         noise = torch.empty_like(probs)
         for j, seq in enumerate(seqs):
             if not params[j].greedy:
                 noise[j].exponential_(generator=seq.generator or self.generator)
         sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled).tolist()
+        return torch.where(greedy, greedy_tokens, sampled)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -89,6 +89,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_output_tokens >= seq.max_tokens:
+                i += 1  # async scheduling: its last token, still in flight, ends it by length; nothing to run
+                continue
             n = self._num_new_tokens(seq, budget)
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running.pop()  # the tail: `remove` would scan the whole queue for it

@@ -9,6 +9,10 @@ import torch
 from .outputs import FinishReason, PositionLogprobs
 from .sampling_params import SamplingParams
 
+# Async scheduling: stands in `token_ids` for a token sampled by a step still running on the device (the
+# engine writes the real one when it reads that step back). Never a real id, so a slip shows as a bad index.
+PLACEHOLDER_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted: holds no KV blocks
