@@ -365,7 +365,8 @@ def _weight_only(program: Program) -> Program:
 def calibrate_input_scales(program: Program, weights: Mapping[str, torch.Tensor],
                            tokens: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """absmax / 448 of every static-activation linear_fp8's input over `tokens`, per layer (the reference
-    interpreter with those linears weight-only, as llm-compressor's observers see unquantized activations).
+    interpreter with those linears weight-only and the KV cache unquantized, as llm-compressor's observers see
+    unquantized activations).
     Returns artifact tensor name -> f32 [1]."""
     targets = _static_linears(program)
     amax: dict[str, torch.Tensor] = {}
@@ -378,7 +379,7 @@ def calibrate_input_scales(program: Program, weights: Mapping[str, torch.Tensor]
         a = args[0].float().abs().amax().reshape(1)
         amax[name] = a if name not in amax else torch.maximum(amax[name], a)
 
-    plain = _weight_only(program)
+    plain = _weight_only(_without_kv_quantization(program))  # KV scales, if calibrated too, come after
     for ids in tokens:
         interpret(plain, weights, ids, observe=observe)
     return {name: (a / FP8_MAX).clamp(min=1e-12).contiguous() for name, a in amax.items()}

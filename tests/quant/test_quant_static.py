@@ -185,13 +185,19 @@ def test_missing_input_scale_is_refused_with_its_name(ckpt, work, scales):
     assert "fp8(act=static)" in str(e.value) and "fp8(act=dynamic)" in e.value.format()
 
 
-def test_static_on_float_checkpoint_is_calibrated_and_bounded(ckpt, work, tokens):
+@pytest.mark.parametrize("quantize,bound", [("weights = fp8(act=static)", KL_BOUND),
+                                            ("weights = fp8(act=static); kv_cache = fp8", KL_BOUND + 0.012)],
+                         ids=["static", "static+kv"])
+def test_static_on_float_checkpoint_is_calibrated_and_bounded(quantize, bound, ckpt, work, tokens):
+    """A float checkpoint has no input scales: they are calibrated at compile time (before the fp8 KV scales,
+    when those are calibrated too)."""
     base = log_probs(build(ckpt, work / "base"), tokens)
-    art = build(ckpt, work / "calibrated", "weights = fp8(act=static)")
-    assert kl(base, log_probs(art, tokens)) < KL_BOUND
+    art = build(ckpt, work / f"calibrated_{len(quantize)}", quantize)
+    assert kl(base, log_probs(art, tokens)) < bound
     f = safe_open(str(next((art / "weights" / "rank0").glob("*.safetensors"))), framework="pt")
     xs = [float(f.get_tensor(n)) for n in f.keys() if n.endswith("_input_scale")]  # noqa: SIM118
     assert len(xs) == 2 * 4 and all(s > 0 for s in xs)  # qkv, o, gate_up, down per layer, each calibrated
+    assert len(set(xs)) == len(xs)
 
 
 def test_static_scheme_options_are_checked(ckpt, work):
