@@ -485,9 +485,28 @@ def _run_quantized(setup: Setup, args, models: dict, result: dict, work: Path) -
         _write(args, result)
 
 
+def tuned_configs() -> dict:
+    """The configs the Triton kernels' autotuning chose so far ({kernel key: config}), over every rendered
+    kernels module imported in this process (empty with KILN_AUTOTUNE=0 or without a GPU)."""
+    out: dict = {}
+    for m in list(sys.modules.values()):
+        fn = getattr(m, "tuned_configs", None)
+        if callable(fn) and getattr(m, "__name__", "").endswith(".triton"):
+            out.update(fn())
+    return out
+
+
+def _print_tuned(result: dict) -> None:
+    tuned = result.get("autotune") or {}
+    print(f"\nautotuned kernel configs ({len(tuned)}; KILN_AUTOTUNE=0 disables, KILN_AUTOTUNE_LOG=1 logs timings):")
+    for key, cfg in sorted(tuned.items()):
+        print(f"  {key}: {cfg}")
+
+
 def _write(args, result: dict) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    result["autotune"] = tuned_configs()
     (out / "gpu_decode.json").write_text(json.dumps(result, indent=2))
 
 
@@ -524,6 +543,7 @@ def _table(result: dict) -> None:
                   f"in the same {cap['budget_bytes'] / 2**30:.1f} GiB -> {cap['ratio']:.2f}x")
         elif "error" in cap:
             print(f"fp8 KV capacity ERROR {cap['error']}")
+    _print_tuned(result)
 
 
 def main(argv: list[str] | None = None) -> int:

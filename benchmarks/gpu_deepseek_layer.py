@@ -290,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             result["layer"] = {"error": f"{type(e).__name__}: {e}"}
+    result["autotune"] = gpu_decode.tuned_configs()  # the MLA-decode (and other) configs the GPU chose
     (out / "gpu_deepseek_layer.json").write_text(json.dumps(result, indent=2))
     print(table(result))
+    gpu_decode._print_tuned(result)
     return 0
 
 
