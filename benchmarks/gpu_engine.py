@@ -16,7 +16,10 @@ captured for the batch buckets), then for each batch size B:
     kernel intervals / the wall time of those steps (the issue's bar: >= 95%); idle gaps are host time. Without
     the profiler: the bucket's decode graph replayed back to back (the model's GPU time per step) / step time;
   * at B = 1, the top 10 kernels by GPU time with their share of the step, so the next session knows where
-    decode time goes.
+    decode time goes;
+  * all of it twice, on the same engine: async scheduling on (rows in "decode": step N+1 launched before step
+    N's tokens are read back) and off (rows in "decode_sync"), so one run shows what the overlap buys. Each
+    measurement starts only inside `--budget-s`.
 Memory plan: what `kiln compile --report` predicts (weights, KV pool bytes and tokens for the datasheet memory
 and, for comparison, for the device's measured memory; decode-graph memory from the cuda_graph_plan pass;
 prefill activations at max_batched_tokens from the same per-token rule) against what the load measured
@@ -351,17 +354,25 @@ def bench_model(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
            "decode": []}
     print(f"{name}: engine up in {measured['engine_init_s']:.1f} s; {measured['kv_blocks']} KV blocks "
           f"({measured['kv_tokens']:,} tokens); graphs {'on' if res['cuda_graphs'] else 'off'}")
+    res["decode_sync"] = []
     for k, bs in enumerate(batches):
-        if time.time() > deadline:
-            print(f"  batch {bs}: skipped (time budget)")
-            continue
-        row = steady_decode(setup, engine, bs, cfg["vocab"], seed=k, profile_kernels=(bs == 1), measured=measured)
-        res["decode"].append(row)
-        busy = row.get("gpu_busy")
-        print(f"  decode b={bs:4d}: {row['step_s'] * 1e3:8.3f} ms/step, {row['tokens_per_s']:10.1f} tok/s, "
-              f"{row['ratio']:.0%} of the streaming limit" + (f", GPU busy {busy:.1%}" if busy is not None else ""))
+        # async scheduling on (rows in "decode"), then off ("decode_sync"): the same engine, batch and steps
+        for flag, rows in ((True, res["decode"]), (False, res["decode_sync"])):
+            mode = "async" if flag else "sync"
+            if time.time() > deadline:
+                print(f"  batch {bs} {mode}: skipped (time budget)")
+                continue
+            engine.async_scheduling = flag
+            row = steady_decode(setup, engine, bs, cfg["vocab"], seed=k, profile_kernels=(bs == 1 and flag),
+                                measured=measured)
+            row["async_scheduling"] = flag
+            rows.append(row)
+            busy = row.get("gpu_busy")
+            print(f"  decode b={bs:4d} {mode:>5}: {row['step_s'] * 1e3:8.3f} ms/step, {row['tokens_per_s']:10.1f} "
+                  f"tok/s, {row['ratio']:.0%} of the streaming limit"
+                  + (f", GPU busy {busy:.1%}" if busy is not None else ""))
     res["measured"]["prefill_peak_activation_bytes"] = max(
-        (r["prefill_peak_activation_bytes"] or 0 for r in res["decode"]), default=None)
+        (r["prefill_peak_activation_bytes"] or 0 for r in res["decode"] + res["decode_sync"]), default=None)
     return res
 
 
@@ -370,16 +381,20 @@ def _gb(n) -> str:
 
 
 def tables(result: dict) -> str:
-    lines = ["", "steady decode (LLMEngine.step, CUDA graphs on GPU)",
-             f"{'model':<15} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'limit ms':>9} {'of limit':>8} "
+    lines = ["", "steady decode (LLMEngine.step, CUDA graphs on GPU; async scheduling on, then off)",
+             f"{'model':<15} {'batch':>5} {'async':>5} {'step ms':>9} {'tok/s':>10} {'limit ms':>9} {'of limit':>8} "
              f"{'GPU busy':>9} {'kernel ms':>10} {'graph ms':>9}"]
     for name, r in result["models"].items():
-        for row in r.get("decode", []):
+        rows = sorted(r.get("decode", []) + r.get("decode_sync", []),
+                      key=lambda row: (row["batch"], not row.get("async_scheduling", False)))
+        for row in rows:
             busy = "-" if row.get("gpu_busy") is None else f"{row['gpu_busy']:.1%}"
             kern = "-" if row.get("kernel_s_per_step") is None else f"{row['kernel_s_per_step'] * 1e3:.3f}"
             graph = "-" if row.get("graph_replay_s") is None else f"{row['graph_replay_s'] * 1e3:.3f}"
-            lines.append(f"{name:<15} {row['batch']:5d} {row['step_s'] * 1e3:9.3f} {row['tokens_per_s']:10.1f} "
-                         f"{row['limit_s'] * 1e3:9.3f} {row['ratio']:8.0%} {busy:>9} {kern:>10} {graph:>9}")
+            mode = "on" if row.get("async_scheduling") else "off"
+            lines.append(f"{name:<15} {row['batch']:5d} {mode:>5} {row['step_s'] * 1e3:9.3f} "
+                         f"{row['tokens_per_s']:10.1f} {row['limit_s'] * 1e3:9.3f} {row['ratio']:8.0%} {busy:>9} "
+                         f"{kern:>10} {graph:>9}")
         if "error" in r:
             lines.append(f"{name:<15} ERROR {r['error']}")
     for name, r in result["models"].items():

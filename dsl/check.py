@@ -353,6 +353,11 @@ def _choice(*choices: str) -> Validator:
     return check
 
 
+def _flag(expr: ast.Expr, key: str) -> None:
+    if not isinstance(expr, ast.Bool):
+        raise SourceError(f"'{key}' must be true or false", expr.loc)
+
+
 def _symbol(expr: ast.Expr, key: str) -> None:
     if not isinstance(expr, ast.Name):
         raise SourceError(f"'{key}' must be a name such as fp8 or auto", expr.loc)
@@ -433,7 +438,7 @@ _SECTIONS: dict[str, dict[str, Validator]] = {
                  "num_blocks": _pos_int},
     "scheduler": {"max_seqs": _pos_int, "max_batched_tokens": _pos_int, "chunked_prefill": _chunked_prefill,
                   "policy": _choice("fcfs", "priority"), "prefix_cache": _choice("radix", "none"),
-                  "preemption": _choice("recompute", "swap"), "swap_space": _size},
+                  "preemption": _choice("recompute", "swap"), "swap_space": _size, "async_scheduling": _flag},
     "speculative": {"method": _symbol, "tokens": _pos_int, "draft": _draft},
     "lora": {"max_loras": _pos_int, "max_rank": _pos_int},
     "cuda_graphs": {"batch_sizes": _batch_sizes},

@@ -104,7 +104,9 @@ class Sampler:
         temperature = vec([p.temperature if not p.greedy else 1.0 for p in params])
         x = logits / temperature.unsqueeze(1)
         if any(p.top_k > 0 for p in params):
-            x = apply_top_k(x, vec([p.top_k for p in params]))
+            vocab = x.shape[1]
+            x = apply_top_k(x, vec([p.top_k for p in params]),
+                            max_k=min(vocab, max(p.top_k if p.top_k > 0 else vocab for p in params)))
         if any(p.top_p < 1.0 for p in params):
             x = apply_top_p(x, vec([p.top_p for p in params], x.dtype))
         if any(p.min_p > 0.0 for p in params):
@@ -138,11 +140,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keeps each row's k largest logits (k <= 0: row untouched)."""
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """Keeps each row's k largest logits (k <= 0: row untouched). `max_k`, the largest effective k when the
+    caller knows it on the host, saves reading it back from the device (a sync under async scheduling)."""
     vocab = logits.shape[1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    kth = logits.topk(max_k if max_k is not None else int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 

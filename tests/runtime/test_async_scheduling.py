@@ -217,3 +217,20 @@ def test_server_with_async_scheduling(artifact_dir):
         server.wait_idle()
     finally:
         server.stop()
+
+
+def test_recipe_option(tmp_path):
+    from kiln.dsl import SourceError, load_recipe
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dsl"))
+    from test_dsl_errors import MODEL
+
+    def recipe(value: str) -> Path:
+        path = tmp_path / f"r_{value}.dsl"
+        path.write_text(MODEL + "recipe r {\n  model = tiny(vocab=1, hidden=2)\n"
+                        f"  scheduler {{ max_seqs = 8; async_scheduling = {value} }}\n}}\n")
+        return path
+
+    load_recipe(str(recipe("false")))
+    with pytest.raises(SourceError, match="'async_scheduling' must be true or false"):
+        load_recipe(str(recipe("3")))
