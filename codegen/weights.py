@@ -257,7 +257,9 @@ def _materialise(entries: list[_Entry], ckpt: Checkpoint | None, roles: dict[str
         elif e.spec.quant is not None:
             t = quant.load(e)
             if t is None:
-                raise WeightError(f"{_where(e)}: no KV scale in the checkpoint and none calibrated", e.spec.loc)
+                what = {"kv_scale": "KV scale", "input_scale": "activation input_scale"}.get(e.spec.quant["role"], "scale")
+                raise WeightError(f"{_where(e)}: no {what} in the checkpoint and none calibrated (calibration runs "
+                                  "the model's main forward only)", e.spec.loc)
         else:
             t = _load(e, ckpt) if ckpt is not None else _random(e, roles.get(e.spec.name), seed)
         assert tuple(t.shape) == e.spec.shape, f"{e.name}: built {tuple(t.shape)}, declared {e.spec.shape}"
@@ -348,8 +350,8 @@ def _calibrated(program: Program, entries: list[_Entry], ckpt: Checkpoint | None
         missing = {e.name for e in scales if e.spec.quant["role"] == role and loaded[e.name] is None}
         if missing:
             calibrated = calibrate(program, {**ready, **{n: t for n, t in loaded.items() if t is not None}}, tokens)
-            loaded.update({name: calibrated[name] for name in missing})
-    ready.update(loaded)
+            loaded.update({name: calibrated[name] for name in missing if name in calibrated})
+    ready.update({name: t for name, t in loaded.items() if t is not None})  # the rest: a located error later
     bar.reset()
     return ready
 

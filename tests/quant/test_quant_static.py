@@ -219,3 +219,32 @@ def test_manifest_total_bytes_counts_aliased_tensors_once(ckpt, work):
         with safe_open(str(art / manifest["weights"]["dir"] / file), framework="pt") as f:
             stored += sum(f.get_tensor(n).numel() * f.get_tensor(n).element_size() for n in f.keys())  # noqa: SIM118
     assert manifest["weights"]["total_bytes"] == stored
+
+
+@pytest.mark.parametrize("weights,acts,expected", [
+    ({"strategy": "tensor"}, {"strategy": "tensor", "dynamic": False}, "fp8(act=static)"),
+    ({"strategy": "channel"}, {"strategy": "token", "dynamic": True}, "fp8(per_channel=true, act=dynamic)"),
+    ({"strategy": "block", "block_structure": [128, 128]}, {"strategy": "group", "dynamic": True},
+     "fp8(block=128, act=dynamic)"),
+    ({"strategy": "channel"}, None, "fp8(per_channel=true)"),
+])
+def test_from_hf_maps_compressed_tensors_fp8_configs(weights, acts, expected):
+    from kiln.recipe_from_hf import _weight_quantization
+
+    cfg = _llm_compressor_config("tensor")
+    group = cfg["config_groups"]["group_0"]
+    group["weights"].update(weights)
+    group["input_activations"] = None if acts is None else {**group["input_activations"], **acts}
+    assert _weight_quantization({"quantization_config": cfg}) == expected
+
+
+def test_from_hf_refuses_other_compressed_tensors_formats():
+    from kiln.recipe_from_hf import UnsupportedCheckpoint, _weight_quantization
+
+    cfg = _llm_compressor_config("channel")
+    cfg["format"] = "pack-quantized"
+    cfg["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int", strategy="group", group_size=128)
+    cfg["config_groups"]["group_0"]["input_activations"] = None
+    with pytest.raises(UnsupportedCheckpoint, match="4-bit int weights; kiln reads its FP8"):
+        _weight_quantization({"quantization_config": cfg})
+    assert _weight_quantization({"quantization_config": {"quant_method": "fp8"}}) is None  # not compressed-tensors
