@@ -6,6 +6,12 @@ engine's: schedule, build the ForwardBatch, sample, update, stop checks + detoke
 baseline/current runs in fresh processes (ABAB...) so that a noisy, shared machine hits both alike.
 
     python benchmarks/engine_overhead.py --baseline HEAD --repeats 3 --torch-threads 1 --json out.json
+    python benchmarks/engine_overhead.py --async-scheduling both --torch-threads 1   # overlap off vs on
+
+`--async-scheduling on` runs the engine with async scheduling forced on (`both`: off and on, alternating, like
+a baseline). On CPU nothing overlaps (torch is synchronous), so this shows only the bookkeeping's cost; the
+phase rows are still those of the synchronous step (the async step interleaves them), the `step` row is
+`LLMEngine.step()` as configured.
 """
 from __future__ import annotations
 
@@ -34,9 +40,37 @@ def _use_runtime(runtime_dir: Path) -> None:
     spec.loader.exec_module(module)
 
 
+def _force_async_scheduling() -> None:
+    """Every LLMEngine the measurement builds gets async_scheduling=True; its phase-by-phase steps (which call
+    the synchronous step's parts directly) first read back the step in flight and run with it off."""
+    from kiln.runtime.engine import LLMEngine
+
+    import kiln.bench as bench
+
+    init, timed_step = LLMEngine.__init__, bench._timed_step
+
+    def async_init(self, *a, **kw):
+        kw.setdefault("async_scheduling", True)
+        init(self, *a, **kw)
+
+    def sync_timed_step(engine, clock):
+        engine.async_scheduling = False
+        while engine._inflight is not None:
+            engine.step()
+        try:
+            return timed_step(engine, clock)
+        finally:
+            engine.async_scheduling = True
+
+    LLMEngine.__init__ = async_init
+    bench._timed_step = sync_timed_step
+
+
 def _child(args: argparse.Namespace) -> None:
     if args.runtime_dir:
         _use_runtime(Path(args.runtime_dir))
+    if args.async_scheduling == "on":
+        _force_async_scheduling()
     from kiln.bench import run_engine_overhead
 
     result = run_engine_overhead(args.artifact, batch_sizes=tuple(int(x) for x in args.batch_sizes.split(",")),
@@ -44,9 +78,10 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def _run_once(artifact: Path, runtime_dir: Path | None, args: argparse.Namespace) -> dict:
+def _run_once(artifact: Path, runtime_dir: Path | None, args: argparse.Namespace, async_scheduling: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--artifact", str(artifact), "--batch-sizes", args.batch_sizes,
-           "--steps", str(args.steps), "--temperature", str(args.temperature)]
+           "--steps", str(args.steps), "--temperature", str(args.temperature),
+           "--async-scheduling", async_scheduling]
     if args.torch_threads:
         cmd += ["--torch-threads", str(args.torch_threads)]
     if runtime_dir:
@@ -92,6 +127,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--torch-threads", type=int)
+    ap.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
+                    help="measure with async scheduling off (default), forced on, or both (alternating)")
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
@@ -99,8 +136,13 @@ def main() -> None:
     if args.child:
         return _child(args)
 
+    if args.baseline and args.async_scheduling == "both":
+        ap.error("--async-scheduling both compares two modes of the working tree; drop --baseline")
     name, artifact = (args.artifact, Path(args.artifact)) if args.artifact else ensure_artifact()
     variants: dict[str, Path | None] = {"current": None}
+    modes = {"current": args.async_scheduling}
+    if args.async_scheduling == "both":
+        variants, modes = {"sync": None, "async": None}, {"sync": "off", "async": "on"}
     tmp = None
     if args.baseline:
         tmp = tempfile.TemporaryDirectory(prefix="kiln-baseline-")
@@ -111,21 +153,23 @@ def main() -> None:
         with tarfile.open(tar_path) as tar:
             tar.extractall(tmp.name, filter="data")
         variants = {"baseline": Path(tmp.name) / "runtime", "current": None}
+        modes = {"baseline": "off", "current": args.async_scheduling}  # an older runtime may not have it
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(args.repeats):
         for variant, runtime_dir in variants.items():
             print(f"run {i + 1}/{args.repeats} {variant} ...", file=sys.stderr, flush=True)
-            runs[variant].append(_run_once(artifact, runtime_dir, args))
-    threads = runs["current"][0]["torch_threads"]
+            runs[variant].append(_run_once(artifact, runtime_dir, args, modes[variant]))
+    threads = next(iter(runs.values()))[0]["torch_threads"]
     report = {"artifact": name, "steps": args.steps, "repeats": args.repeats, "temperature": args.temperature,
-              "torch_threads": threads, "baseline": args.baseline,
+              "torch_threads": threads, "baseline": args.baseline, "async_scheduling": modes,
               "results": {v: _aggregate(r) for v, r in runs.items()}, "runs": runs}
     for variant, agg in report["results"].items():
         print(_table(f"\n[{variant}] {name}, steady decode, {args.steps} steps x {args.repeats} runs "
                      f"(median of runs), temperature {args.temperature:g}, {threads} torch threads", agg))
-    if args.baseline:
-        base, cur = report["results"]["baseline"], report["results"]["current"]
-        print("\nstep mean, baseline -> current: " + ", ".join(
+    if args.baseline or args.async_scheduling == "both":
+        a, b = list(report["results"])
+        base, cur = report["results"][a], report["results"][b]
+        print(f"\nstep mean, {a} -> {b}: " + ", ".join(
             f"B={s}: {base[s]['step_us']['mean']:.0f} -> {cur[s]['step_us']['mean']:.0f} µs "
             f"({base[s]['step_us']['mean'] / cur[s]['step_us']['mean']:.2f}x)" for s in cur))
     if args.json:

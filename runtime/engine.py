@@ -228,15 +228,14 @@ class LLMEngine:
             host, ready = _copy_to_host(tokens)
         outputs = self._finish_inflight(prev) if prev is not None else self._drain_aborted()
         live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]  # finished late: drop the extra
-        live_batch = ScheduledBatch(seqs=[batch.seqs[i] for i in live],
-                                    num_new_tokens=[batch.num_new_tokens[i] for i in live])
+        live_batch = batch if len(live) == len(batch.seqs) else ScheduledBatch(
+            seqs=[batch.seqs[i] for i in live], num_new_tokens=[batch.num_new_tokens[i] for i in live])
         if overlap:
-            rows = {id(batch.seqs[i]): layout.sample_rows[i] for i in live}
-            grown = self.scheduler.update(live_batch, [None if rows[id(s)] is None else PLACEHOLDER_TOKEN
-                                                       for s in live_batch.seqs])
-            row_list = [rows[id(s)] for s in grown]
-            self._inflight = _InFlight(seqs=grown, positions=[s.num_tokens - 1 for s in grown], rows=row_list,
-                                       row_of={s.seq_id: r for s, r in zip(grown, row_list)},
+            rows = [layout.sample_rows[i] for i in live]
+            grown = self.scheduler.update(live_batch, [None if r is None else PLACEHOLDER_TOKEN for r in rows])
+            rows = [r for r in rows if r is not None]  # update returns the sampled seqs in batch order
+            self._inflight = _InFlight(seqs=grown, positions=[s.num_tokens - 1 for s in grown], rows=rows,
+                                       row_of=dict(zip([s.seq_id for s in grown], rows, strict=True)),
                                        tokens=tokens, host=host, ready=ready)
             return outputs
         sampled = self.sampler.sample(logits, layout, batch.seqs)
@@ -270,9 +269,10 @@ class LLMEngine:
         for seq, pos, row in zip(prev.seqs, prev.positions, prev.rows, strict=True):
             if seq.is_finished:  # aborted meanwhile (abort_request dropped the placeholder)
                 continue
-            assert pos == seq.num_tokens - 1 and seq.token_ids[pos] == PLACEHOLDER_TOKEN, \
+            token_ids = seq.token_ids
+            assert pos == len(token_ids) - 1 and token_ids[pos] == PLACEHOLDER_TOKEN, \
                 f"seq {seq.seq_id}: no placeholder at {pos}"
-            seq.token_ids[pos] = values[row]
+            token_ids[pos] = values[row]
             grown.append(seq)
         return self._outputs(grown)
 
