@@ -17,7 +17,7 @@ from .prefix_cache import make_prefix_cache
 from .sampler import Sampler, SamplerOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import PLACEHOLDER_TOKEN, Sequence
+from .sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from .tokenizer import IncrementalDetokenizer
 
 _UNSET = object()
@@ -227,14 +227,15 @@ class LLMEngine:
             tokens = self.sampler.sample_on_device(logits, layout, batch.seqs)
             host, ready = _copy_to_host(tokens)
         outputs = self._finish_inflight(prev) if prev is not None else self._drain_aborted()
-        live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]  # finished late: drop the extra
+        finished = SequenceStatus.FINISHED  # finished late (or aborted): drop the extra token
+        live = [i for i, seq in enumerate(batch.seqs) if seq.status is not finished]
         live_batch = batch if len(live) == len(batch.seqs) else ScheduledBatch(
             seqs=[batch.seqs[i] for i in live], num_new_tokens=[batch.num_new_tokens[i] for i in live])
         if overlap:
             rows = [layout.sample_rows[i] for i in live]
             grown = self.scheduler.update(live_batch, [None if r is None else PLACEHOLDER_TOKEN for r in rows])
             rows = [r for r in rows if r is not None]  # update returns the sampled seqs in batch order
-            self._inflight = _InFlight(seqs=grown, positions=[s.num_tokens - 1 for s in grown], rows=rows,
+            self._inflight = _InFlight(seqs=grown, positions=[len(s.token_ids) - 1 for s in grown], rows=rows,
                                        row_of=dict(zip([s.seq_id for s in grown], rows, strict=True)),
                                        tokens=tokens, host=host, ready=ready)
             return outputs
@@ -266,8 +267,9 @@ class LLMEngine:
             prev.ready.synchronize()
         values = prev.host.tolist()
         grown = []
+        finished = SequenceStatus.FINISHED
         for seq, pos, row in zip(prev.seqs, prev.positions, prev.rows, strict=True):
-            if seq.is_finished:  # aborted meanwhile (abort_request dropped the placeholder)
+            if seq.status is finished:  # aborted meanwhile (abort_request dropped the placeholder)
                 continue
             token_ids = seq.token_ids
             assert pos == len(token_ids) - 1 and token_ids[pos] == PLACEHOLDER_TOKEN, \
