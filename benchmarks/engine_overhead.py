@@ -11,7 +11,9 @@ baseline/current runs in fresh processes (ABAB...) so that a noisy, shared machi
 `--async-scheduling on` runs the engine with async scheduling forced on (`both`: off and on, alternating, like
 a baseline). On CPU nothing overlaps (torch is synchronous), so this shows only the bookkeeping's cost; the
 phase rows are still those of the synchronous step (the async step interleaves them), the `step` row is
-`LLMEngine.step()` as configured.
+`LLMEngine.step()` as configured. `--async-scheduling both --interleaved` instead builds both engines in one
+process and alternates `--repeats` rounds of `--steps` plain steps between them (so load from other
+processes hits both alike), printing each mode's best and median round.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,6 +67,52 @@ def _force_async_scheduling() -> None:
 
     LLMEngine.__init__ = async_init
     bench._timed_step = sync_timed_step
+
+
+def _interleaved(artifact: Path, args: argparse.Namespace) -> dict:
+    """Sync and async engines side by side in this process, rounds alternating; µs per step."""
+    import random
+
+    import torch
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.kv_cache import cdiv
+    from kiln.runtime.sampling_params import SamplingParams
+
+    from kiln.bench import InstantModel
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    out: dict = {}
+    for n in (int(x) for x in args.batch_sizes.split(",")):
+        engines = {}
+        for mode in (False, True):
+            engine = LLMEngine(artifact, num_kv_blocks=1, async_scheduling=mode)
+            max_len, vocab = engine.model_config.max_model_len, engine.model_config.vocab_size
+            needed = min(max_len, 32 + (args.repeats + 2) * args.steps + 16)
+            engine = LLMEngine(artifact, num_kv_blocks=n * cdiv(needed, engine.block_manager.block_size) + 8,
+                               max_num_seqs=n, max_num_batched_tokens=max(8192, n * 32), async_scheduling=mode)
+            engine.runner.model = InstantModel(vocab, max_rows=n + 1)
+            rng = random.Random(0)
+            params = SamplingParams(max_tokens=needed - 32, ignore_eos=True, temperature=args.temperature)
+            for i in range(n):
+                engine.add_request(f"r{i}", [rng.randrange(min(8, vocab - 1), vocab) for _ in range(32)], params)
+            for _ in range(10):
+                engine.step()
+            engines["async" if mode else "sync"] = engine
+        rounds: dict[str, list[float]] = {m: [] for m in engines}
+        for _ in range(args.repeats):
+            for mode, engine in engines.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    engine.step()
+                rounds[mode].append((time.perf_counter() - t0) / args.steps * 1e6)
+            assert all(len(e.scheduler.running) == n for e in engines.values()), "a sequence finished early"
+        out[str(n)] = {m: {"best_us": min(r), "median_us": statistics.median(r), "rounds_us": r}
+                       for m, r in rounds.items()}
+        print(f"B={n}: step µs best / median, sync {out[str(n)]['sync']['best_us']:.0f} / "
+              f"{out[str(n)]['sync']['median_us']:.0f} -> async {out[str(n)]['async']['best_us']:.0f} / "
+              f"{out[str(n)]['async']['median_us']:.0f}")
+    return out
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -129,6 +178,8 @@ def main() -> None:
     ap.add_argument("--torch-threads", type=int)
     ap.add_argument("--async-scheduling", choices=("off", "on", "both"), default="off",
                     help="measure with async scheduling off (default), forced on, or both (alternating)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="with --async-scheduling both: both engines in this process, rounds alternating")
     ap.add_argument("--json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
@@ -138,7 +189,15 @@ def main() -> None:
 
     if args.baseline and args.async_scheduling == "both":
         ap.error("--async-scheduling both compares two modes of the working tree; drop --baseline")
+    if args.interleaved and args.async_scheduling != "both":
+        ap.error("--interleaved compares the two async-scheduling modes: add --async-scheduling both")
     name, artifact = (args.artifact, Path(args.artifact)) if args.artifact else ensure_artifact()
+    if args.interleaved:
+        report = {"artifact": name, "steps": args.steps, "repeats": args.repeats, "temperature": args.temperature,
+                  "torch_threads": args.torch_threads, "interleaved": _interleaved(artifact, args)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return None
     variants: dict[str, Path | None] = {"current": None}
     modes = {"current": args.async_scheduling}
     if args.async_scheduling == "both":
