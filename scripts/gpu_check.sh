@@ -37,13 +37,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 unset TRITON_INTERPRET
 
 declare -A RC SECS
-# step NAME LIMIT_S COMMAND...: runs COMMAND under `timeout LIMIT_S` (SIGKILL 5 s later), log in $OUT/NAME.log
+# step NAME LIMIT_S COMMAND...: runs COMMAND under `timeout LIMIT_S` with SIGINT (pytest then still prints its
+# summary and writes the junit XML of what ran; SIGKILL 10 s later), log in $OUT/NAME.log
 step() {
     local name=$1 limit=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) RC[$name]=skipped; SECS[$name]=0; return ;; esac
     echo "== $name ($*; limit ${limit}s)"
     local t0=$SECONDS
-    timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
+    timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
     RC[$name]=${PIPESTATUS[0]}
     SECS[$name]=$((SECONDS - t0))
 }
