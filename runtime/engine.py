@@ -108,7 +108,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(num_swap_blocks))
         graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
         self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device, num_swap_blocks, graphs)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, artifact.device)
         spec = artifact.manifest.get("speculative") or {}
         self.speculative = speculative_config(
             artifact.manifest, spec.get("method") if speculative is _UNSET else speculative,
@@ -143,7 +143,7 @@ class LLMEngine:
                            arrival=next(self._arrivals), priority=priority,
                            want_prompt_logprobs=params.prompt_logprobs is not None and i == 0)
             if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed + i)
+                seq.generator = torch.Generator(device=self.artifact.device).manual_seed(params.seed + i)
             if seq.want_prompt_logprobs:
                 seq.prompt_logprobs = [None]
             if params.logprobs is not None:

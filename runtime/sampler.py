@@ -30,8 +30,10 @@ class Sampler:
     logits (before penalties and temperature), as vLLM reports them by default.
     """
 
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # unseeded requests share this one
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        # Unseeded requests share this one. Generators live on the logits' device: a CPU generator cannot
+        # fill a CUDA tensor, and drawing on the host and copying would cost a vocab-sized transfer per row.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, layout: LogitsLayout, seqs: list[Sequence]) -> SamplerOutput:
@@ -112,10 +114,12 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             x = apply_min_p(x, vec([p.min_p for p in params], x.dtype))
         probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs)
+        # Unseeded rows draw in one call from the shared generator; seeded rows then redraw from their own,
+        # so a seeded request's tokens do not depend on what else shares the batch.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for j, seq in enumerate(seqs):
-            if not params[j].greedy:
-                noise[j].exponential_(generator=seq.generator or self.generator)
+            if not params[j].greedy and seq.generator is not None:
+                noise[j].exponential_(generator=seq.generator)
         sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
@@ -123,20 +127,25 @@ class Sampler:
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """vLLM semantics: repetition penalty over prompt and output tokens (divide positive logits, multiply
     negative ones); presence and frequency penalties over output tokens only."""
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
     counts = torch.zeros_like(logits)
     seen = torch.zeros_like(logits, dtype=torch.bool)
     for j, seq in enumerate(seqs):
         out_ids = seq.output_token_ids
         if out_ids:
-            counts[j] = torch.bincount(torch.tensor(out_ids), minlength=vocab)[:vocab].to(logits.dtype)
-        seen[j, seq.prompt_token_ids] = True
+            ids = torch.tensor(out_ids, device=device)
+            counts[j] = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
+        seen[j, torch.tensor(seq.prompt_token_ids, device=device)] = True
     seen |= counts > 0
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=logits.dtype).unsqueeze(1)
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+
+    rep = column([s.params.repetition_penalty for s in seqs])
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype).unsqueeze(1)
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype).unsqueeze(1)
+    freq = column([s.params.frequency_penalty for s in seqs])
+    pres = column([s.params.presence_penalty for s in seqs])
     return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
 
 

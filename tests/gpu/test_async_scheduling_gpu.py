@@ -70,3 +70,33 @@ def test_steady_async_decode_never_synchronizes(h200_art):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert not syncs, syncs[:3]
+
+
+def test_sampling_on_cuda_seeded_penalised_and_logprobs(h200_art):
+    # The sampler's generators live on the logits' device: temperature/top-p sampling, seeded requests
+    # (reproducible whatever shares the batch), penalties and logprobs all run on CUDA tensors.
+    engine = LLMEngine(h200_art, device="cuda", num_kv_blocks=128, max_num_seqs=16)
+    prompts = _prompts(5)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    others = [SamplingParams(max_tokens=10, temperature=1.0, top_k=20, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.2, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)]
+
+    def run(batch):
+        finals = {}
+        for rid, p, sp in batch:
+            engine.add_request(rid, p, sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0]
+        return finals
+
+    alone = run([("s", prompts[0], seeded)])["s"].token_ids
+    mixed = run([("s", prompts[0], seeded)] + [(f"o{i}", prompts[i + 1], sp) for i, sp in enumerate(others)])
+    assert mixed["s"].token_ids == alone
+    assert all(len(o.token_ids) == 10 for o in mixed.values())
+    lp = mixed["o2"].logprobs
+    assert lp is not None and len(lp) == 10 and all(len(step) >= 1 for step in lp)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
