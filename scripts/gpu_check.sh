@@ -107,12 +107,13 @@ if d:
             print(f"    fp8 KV holds {cap['ratio']:.2f}x the bf16 KV tokens in the same memory (bar >= 1.9x)")
 e = load("gpu_engine.json")
 if e:
-    print("\n  engine steady decode (gpu_engine.json): model, batch, ms/step, tok/s, share of the streaming limit, "
+    print("\n  engine steady decode (gpu_engine.json): model, scheduling, batch, ms/step, tok/s, share of the streaming limit, "
           "GPU busy (profiler; bar: 95%), graph replay / step")
     for name, r in e.get("models", {}).items():
-        for row in r.get("decode", []):
+        for mode, rows in (("async", r.get("decode", [])), ("sync", r.get("decode_sync", []))):
+          for row in rows:
             busy, share = row.get("gpu_busy"), row.get("graph_share_of_step")
-            print(f"    {name:15s} {row['batch']:4d} {row['step_s'] * 1e3:9.3f} {row['tokens_per_s']:10.1f} "
+            print(f"    {name:15s} {mode:5s} {row['batch']:4d} {row['step_s'] * 1e3:9.3f} {row['tokens_per_s']:10.1f} "
                   f"{row['ratio']:6.0%} {'-' if busy is None else f'{busy:.1%}':>7} "
                   f"{'-' if share is None else f'{share:.1%}':>7}")
         if "predicted" in r:
