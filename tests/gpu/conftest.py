@@ -3,6 +3,9 @@
 Every test here is skipped without a CUDA device, and also when Triton's interpreter is on in this process
 (tests/codegen/test_triton_kernels.py and scripts/test.sh turn it on; then kernels would not run on the GPU).
 The skip happens in `pytest_runtest_setup`, before any fixture (rendering kernels, building checkpoints) runs.
+Kernel autotuning is off here (KILN_AUTOTUNE=0 unless set): the tests check numerics with the rendered
+defaults, and timing every candidate config for each of their many shapes would take minutes of compiles;
+test_autotune_gpu.py turns it on for its own kernels module and checks every candidate config.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import os
 
 import pytest
 import torch
+
+os.environ.setdefault("KILN_AUTOTUNE", "0")
 
 
 def pytest_runtest_setup(item):

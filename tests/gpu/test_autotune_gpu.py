@@ -5,7 +5,8 @@ under a key without sequence lengths), then capture, then replays with other con
 the static buffers. Each replay is checked against the torch reference (the CPU library / op table on the
 same device), and the capture must not have re-tuned. Shapes: Llama-8B-like paged attention (32 query / 8 KV
 heads, head_dim 128), DeepSeek-like MLA (128 heads, latent 512 + rope 64), an int4 AWQ 4096x4096 GEMM.
-Tolerances as in the other tests/gpu kernel files (bf16: 2e-2 / 3e-2 absolute of an fp32 reference).
+Tolerances as in the other tests/gpu kernel files: attention bf16 within 2e-2 (MLA 3e-2) absolute of an fp32
+reference; the GEMM within 1% of the output's largest magnitude (same bf16 weight, fp32 summation order).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ WIDTH = 64  # block-table columns: contexts up to 1024 tokens
 @pytest.fixture(scope="module")
 def K(render_triton_kernels):
     mod = render_triton_kernels(128, 32, 8, BLOCK)
-    assert mod.AUTOTUNE, "autotuning is on by default on a GPU (KILN_AUTOTUNE unset)"
+    mod.AUTOTUNE = True  # off for the rest of tests/gpu (conftest); on by default in an artifact on a GPU
     return mod
 
 
@@ -57,14 +58,29 @@ def _graph(fn):
     return g, out
 
 
-def test_paged_decode_attention_tuned_then_graphed(K):
-    bs, H, KVH, D = 4, 32, 8, 128
+def _decode_case(bs=4, H=32, KVH=8, D=128):
     batch = _static_batch(bs)
     gd = torch.Generator(device=DEV).manual_seed(0)
     kv = torch.randn(bs * WIDTH + 1, 2, BLOCK, KVH, D, device=DEV, generator=gd).to(torch.bfloat16)
     q = torch.randn(bs, H, D, device=DEV, generator=gd).to(torch.bfloat16)
     k = torch.randn(bs, KVH, D, device=DEV, generator=gd).to(torch.bfloat16)
     v = torch.randn(bs, KVH, D, device=DEV, generator=gd).to(torch.bfloat16)
+    return batch, kv, q, k, v
+
+
+def test_paged_decode_attention_every_config(K):
+    batch, kv, q, k, v = _decode_case()
+    _set_contexts(batch, [1000, 17, 513, 1])
+    for cfg in [K._decode_default()] + K.DECODE_CONFIGS:
+        kv_ref = kv.float()
+        out = K.paged_attention(q, k, v, kv, batch, 128 ** -0.5, config=cfg)
+        ref = K._ref.paged_attention(q.float(), k.float(), v.float(), kv_ref, batch, scale=128 ** -0.5)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0, msg=lambda m, c=cfg: f"{c}: {m}")
+
+
+def test_paged_decode_attention_tuned_then_graphed(K):
+    bs, H, KVH, D = 4, 32, 8, 128
+    batch, kv, q, k, v = _decode_case(bs, H, KVH, D)
     graph, out = _graph(lambda: K.paged_attention(q, k, v, kv, batch, D ** -0.5))
     tuned = {k_: c for k_, c in K.tuned_configs().items() if k_.startswith("decode ")}
     assert len(tuned) == 1, tuned
@@ -77,15 +93,28 @@ def test_paged_decode_attention_tuned_then_graphed(K):
     assert {k_: c for k_, c in K.tuned_configs().items() if k_.startswith("decode ")} == tuned
 
 
-def test_mla_decode_tuned_then_graphed(K):
-    bs, H, L, R, dn, dv = 2, 128, 512, 64, 128, 128
+def _mla_case(bs=2, H=128, L=512, R=64, dn=128, dv=128):
     batch = _static_batch(bs)
     gd = torch.Generator(device=DEV).manual_seed(1)
     rnd = lambda *s: torch.randn(*s, device=DEV, generator=gd).to(torch.bfloat16)  # noqa: E731
     kv = rnd(bs * WIDTH + 1, BLOCK, L + R)
     q_nope, q_pe, c_kv, k_pe = rnd(bs, H, dn), rnd(bs, H, R), rnd(bs, L), rnd(bs, 1, R)
     w_kv_b = (torch.randn(H * (dn + dv), L, device=DEV, generator=gd) * L ** -0.5).to(torch.bfloat16)
-    scale = (dn + R) ** -0.5
+    return batch, kv, (q_nope, q_pe, c_kv, k_pe, w_kv_b), (dn + R) ** -0.5
+
+
+def test_mla_decode_every_config(K):
+    batch, kv, args, scale = _mla_case()
+    _set_contexts(batch, [1000, 3])
+    for cfg in [K._mla_default()] + K.MLA_CONFIGS:
+        kv_ref = kv.float()
+        out = K.mla_attention(*args, kv, batch, scale, "decode", config=cfg)
+        ref = K._ref.mla_attention(*(a.float() for a in args), kv_ref, batch, scale=scale, absorb="decode")
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=0, msg=lambda m, c=cfg: f"{c}: {m}")
+
+
+def test_mla_decode_tuned_then_graphed(K):
+    batch, kv, (q_nope, q_pe, c_kv, k_pe, w_kv_b), scale = _mla_case()
     graph, out = _graph(lambda: K.mla_attention(q_nope, q_pe, c_kv, k_pe, w_kv_b, kv, batch, scale, "decode"))
     tuned = {k_: c for k_, c in K.tuned_configs().items() if k_.startswith("mla_decode ")}
     assert len(tuned) == 1, tuned
@@ -114,4 +143,5 @@ def test_wq_gemm_tuned_then_graphed(K, m):
         graph.replay()
         ref = OPS["linear_w4a16"].reference(RefContext(positions=torch.zeros(0, dtype=torch.int64)), x, qweight,
                                             qzeros, scales, format="awq", group=group, zero_offset=0)
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= 0.01 * ref.float().abs().max().item(), err
