@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One prepared GPU session, at most 8 minutes on an H200: kiln's GPU tests, then the benchmarks —
-# decode/prefill vs hardware limits (gpu_decode.py, quantized variants at its defaults), the real engine in
-# steady decode with its memory plan (gpu_engine.py), one DeepSeek-V3-shaped layer vs its bytes limit
-# (gpu_deepseek_layer.py). Each step runs under its own `timeout` (tests 180 s, decode 220 s, engine 70 s,
-# deepseek 50 s: 520 s + ~25 s of setup), writes its log and JSON under $OUT (default ./out) as it goes, so a
-# step that runs out of time still leaves what it measured; a summary table is printed last. A session has
+# One prepared GPU session, at most ~9.5 minutes on an H200: kiln's GPU tests, then the benchmarks —
+# decode/prefill vs hardware limits (gpu_decode.py, with 8B fp8/int4 variants), the real engine in steady
+# decode with its memory plan (gpu_engine.py), one DeepSeek-V3-shaped layer vs its bytes limit
+# (gpu_deepseek_layer.py). Each step runs under its own `timeout` (tests 190 s, decode 220 s, engine 70 s,
+# deepseek 60 s: 540 s + ~25 s of setup; autotuning's first-call timing included), writes its log and JSON
+# under $OUT (default ./out) as it goes, so a step that runs out of time still leaves what it measured; a
+# summary table is printed last. A session has
 # ~15 min of device time including start-up: this is meant to be ONE call; rerun a failed step with STEPS=.
 #
 # Before the call, on the CPU machine:  bash /work/shared/wheels/stage.sh     (lark wheel -> .whl/)
-# The call:   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=580)
+# The call:   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=590)
 # One step alone:   STEPS="engine deepseek" bash scripts/gpu_check.sh      (names: tests decode engine deepseek)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,10 +50,10 @@ step() {
     SECS[$name]=$((SECONDS - t0))
 }
 
-step tests 180 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=15 --junitxml="$OUT/tests_gpu.xml"
+step tests 190 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=15 --junitxml="$OUT/tests_gpu.xml"
 step decode 220 python3 benchmarks/gpu_decode.py --out "$OUT" --budget-s 90 --quant fp8,int4 --quant-budget-s 60
 step engine 70 python3 benchmarks/gpu_engine.py --out "$OUT" --budget-s 50
-step deepseek 50 python3 benchmarks/gpu_deepseek_layer.py --out "$OUT" --budget-s 32
+step deepseek 60 python3 benchmarks/gpu_deepseek_layer.py --out "$OUT" --budget-s 40
 
 # Summary: each step's outcome, then the headline figures from the JSON the benchmarks wrote.
 echo
