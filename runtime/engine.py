@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -11,7 +12,14 @@ from .artifact import LoadedArtifact, load_artifact
 from .config import speculative_config
 from .errors import RequestError
 from .kv_cache import BlockManager, SwapSpace, cdiv
-from .model_runner import DraftInput, LogitsLayout, ModelRunner, resolve_num_blocks
+from .model_runner import (
+    DraftInput,
+    LogitsLayout,
+    ModelRunner,
+    describe_memory_plan,
+    plan_memory,
+    profile_lengths,
+)
 from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from .prefix_cache import make_prefix_cache
 from .sampler import Sampler, SamplerOutput, TokenLogprobs
@@ -19,6 +27,8 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from .tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
 
 _UNSET = object()
 
@@ -55,7 +65,9 @@ class LLMEngine:
     """Serves one loaded artifact. Not thread-safe: a server drives it from one loop.
 
     KV pool size: `num_kv_blocks` if given, else the manifest's `kv_cache.num_blocks`, else `kv_cache_bytes`
-    (CPU default 256 MiB). Scheduler limits default to the manifest's `scheduler` section.
+    (CPU default 256 MiB), else on CUDA the memory plan (model_runner.plan_memory): memory_fraction of the
+    device less the weights, the activation peak of a dummy max_num_batched_tokens prefill and the decode
+    graphs' estimated reserve; `runner.memory_plan` keeps it. Scheduler limits default to the manifest's `scheduler` section.
     On a CUDA device, a manifest `cuda_graphs` plan has decode graphs captured at load (after the KV cache is
     allocated); `enforce_eager=True` skips that. CPU always runs eagerly.
 
@@ -100,14 +112,20 @@ class LLMEngine:
             raise RequestError(f"unknown preemption mode {sched.preemption!r} (known: recompute, swap)")
         if prefix_cache is not _UNSET:
             sched = replace(sched, prefix_cache=None if prefix_cache in (None, "none") else prefix_cache)
-        num_blocks = resolve_num_blocks(
+        graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
+        plan = plan_memory(
             kv, artifact.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-            memory_fraction=float(artifact.manifest["kv_cache"].get("memory_fraction", 0.9)))
+            memory_fraction=float(artifact.manifest["kv_cache"].get("memory_fraction", 0.9)), model=artifact.model,
+            prefill_lengths=profile_lengths(sched.max_batched_tokens, sched.chunked_prefill,
+                                            self.model_config.max_model_len, sched.max_seqs),
+            graph_reserve=int((artifact.manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0)
+        num_blocks = plan["kv_blocks"]
+        logger.info(describe_memory_plan(plan, kv.block_size))
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
         num_swap_blocks = sched.swap_space // kv.bytes_per_block if sched.preemption == "swap" else 0
         self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(num_swap_blocks))
-        graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
         self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device, num_swap_blocks, graphs)
+        self.runner.memory_plan = plan  # what the pool was sized from (benchmarks/gpu_engine.py prints it)
         self.sampler = Sampler(seed, artifact.device)
         spec = artifact.manifest.get("speculative") or {}
         self.speculative = speculative_config(
