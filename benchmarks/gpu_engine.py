@@ -24,7 +24,8 @@ Memory plan: what `kiln compile --report` predicts (weights, KV pool bytes and t
 and, for comparison, for the device's measured memory; decode-graph memory from the cuda_graph_plan pass;
 prefill activations at max_batched_tokens from the same per-token rule) against what the load measured
 (torch.cuda.memory_allocated around the weights, the KV tensors the runner allocated and their block count,
-the graph pool the capture took, the peak over the prefill steps).
+the graph pool the capture took, the peak over the prefill steps, and the activation peak the load's memory
+plan measured with a dummy max_batched_tokens prefill before sizing the KV pool).
 Writes DIR/gpu_engine.json (after every model) and prints the tables last. Without CUDA (and no --cpu-smoke)
 it says so and exits 0.
 """
@@ -186,6 +187,7 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
         "kv_blocks": runner.num_blocks,
         "kv_tokens": runner.num_blocks * kv.block_size,
         "graphs_bytes": runner.graph_runner.memory_bytes if runner.graph_runner is not None else None,
+        "memory_plan": dict(getattr(runner, "memory_plan", None) or {}),  # what the KV pool was sized from
         "allocated_after_load_bytes": _allocated(setup) if setup.cuda else None,
         "device_total_bytes": torch.cuda.mem_get_info(setup.device)[1] if setup.cuda else None,
         "engine_init_s": load_s,
@@ -420,6 +422,10 @@ def tables(result: dict) -> str:
                   f"  {'prefill activations':<28} {_gb(p['prefill_activations_bytes']):>14} "
                   f"{_gb(m.get('prefill_peak_activation_bytes')):>14}"
                   f"  (predicted: {p['prefill_tokens']} tokens x per-token values; measured: peak over prefill)"]
+        plan = m.get("memory_plan") or {}
+        lines.append(f"  {'activation peak (load plan)':<28} {_gb(p['prefill_activations_bytes']):>14} "
+                     f"{_gb(plan.get('activation_peak')):>14}"
+                     f"  (measured: the load's dummy max_batched_tokens prefill; plan: {plan.get('source', '-')})")
     return "\n".join(lines)
 
 
