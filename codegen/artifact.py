@@ -94,14 +94,21 @@ def _mla_kv_cache_section(program: Program, nodes: list) -> dict[str, Any]:
     if len(dims) > 1:
         raise CodegenError(f"MLA layers differ in latent shape {sorted(dims)}; the paged cache needs one", None)
     kv_lora_rank, rope_dim = dims.pop()
+    fp8 = {node.attrs.get("kv_dtype") == "fp8e4m3" for _, node in nodes}
+    if len(fp8) > 1:
+        raise CodegenError("some MLA layers cache the latent in fp8 and some do not; the runtime allocates one "
+                           "KV dtype", None)
+    dtype, elem = TORCH_DTYPE_NAMES[program.dtype], DTYPE_BYTES[program.dtype]
+    if fp8 == {True}:  # e4m3 with one scale per layer (params `*.kv_scale`)
+        dtype, elem = "float8_e4m3fn", DTYPE_BYTES["fp8e4m3"]
     return {
         "num_layers": len(nodes),
         "kv_lora_rank": kv_lora_rank,
         "qk_rope_head_dim": rope_dim,
         "latent_dim": kv_lora_rank + rope_dim,
-        "dtype": TORCH_DTYPE_NAMES[program.dtype],
+        "dtype": dtype,
         "layout": MLA_KV_LAYOUT,
-        "bytes_per_token": len(nodes) * (kv_lora_rank + rope_dim) * DTYPE_BYTES[program.dtype],
+        "bytes_per_token": len(nodes) * (kv_lora_rank + rope_dim) * elem,
         **_kv_cache_sizing(program),
     }
 

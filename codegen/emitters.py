@@ -43,7 +43,7 @@ EMITTERS: dict[str, str] = {
                          "dtype={dtype})"),
     "cpu.linear_w4a16": "K.linear_w4a16({args}, format={format}, group={group}, zero_offset={zero_offset})",
     "cpu.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
-                          "absorb={absorb})"),
+                          "absorb={absorb}{kv_scales})"),
     "cpu.moe_topk_softmax": "K.moe_topk_softmax({0}, top_k={top_k}, renormalize={renormalize})",
     "cpu.moe_topk_grouped": ("K.moe_topk_grouped({args}, top_k={top_k}, n_group={n_group}, topk_group={topk_group}, "
                              "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
@@ -62,7 +62,7 @@ EMITTERS.update({
                                "sliding_window={sliding_window}{kv_scales}{fused_rope})"),
     "triton.moe_experts": "K.moe_experts({args})",
     "triton.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
-                             "absorb={absorb})"),
+                             "absorb={absorb}{kv_scales})"),
     "triton.linear_fp8": "K.linear_fp8({args}, granularity={granularity}, block={block}, act={act})",
     "triton.linear_w4a16": "K.linear_w4a16({args}, format={format}, group={group}, zero_offset={zero_offset})",
     "torch.linear": "K.linear({args})",  # cuBLAS

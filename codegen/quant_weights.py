@@ -275,11 +275,12 @@ def _without_kv_quantization(program: Program) -> Program:
     for name, graph in program.graphs.items():
         g = None
         for vid, node in graph.items():
-            if node.op == "attention" and node.attrs.get("kv_dtype"):
+            if node.op in ("attention", "mla_attention") and node.attrs.get("kv_dtype"):
                 g = g or graph.copy()
                 attrs = {k: v for k, v in node.attrs.items() if k != "kv_dtype"}
-                g.replace(vid, node.with_(inputs=node.inputs[:3], attrs=attrs))
-                for scale in node.inputs[3:]:
+                plain = 3 if node.op == "attention" else 5
+                g.replace(vid, node.with_(inputs=node.inputs[:plain], attrs=attrs))
+                for scale in node.inputs[plain:]:
                     if not g.users(scale):
                         g.remove(scale)
         if g is not None:
@@ -307,22 +308,28 @@ def calibration_tokens(program: Program, checkpoint_dir: str | Path | None) -> l
 @torch.no_grad()
 def calibrate_kv_scales(program: Program, weights: Mapping[str, torch.Tensor],
                         tokens: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """absmax / 448 of every fp8-KV attention's K and V, per layer and KV head, over `tokens` (the reference
-    interpreter on unquantized KV). Returns artifact tensor name -> f32 [kv_heads]."""
+    """absmax / 448 of every fp8-KV attention's K and V, per layer and KV head, and of every MLA layer's latent
+    row [c_kv | k_pe] (one scale per layer), over `tokens` (the reference interpreter on unquantized KV).
+    Returns artifact tensor name -> f32 [kv_heads] (MLA: [1])."""
     targets = {}
     for gname, graph in program.graphs.items():
         for vid, node in graph.items():
             if node.op == "attention" and node.attrs.get("kv_dtype"):
                 targets[gname, vid] = tuple(program.params[graph.node(i).attrs["name"]] for i in node.inputs[3:5])
+            elif node.op == "mla_attention" and node.attrs.get("kv_dtype"):
+                targets[gname, vid] = (program.params[graph.node(node.inputs[5]).attrs["name"]],)
     amax: dict[str, torch.Tensor] = {}
 
     def observe(graph, vid, node, layer, args) -> None:
         specs = targets.get((graph.name, vid))
         if specs is None:
             return
-        for spec, x in zip(specs, args[1:3], strict=True):
+        if node.op == "mla_attention":  # c_kv [T, L] and k_pe [T, 1, dr] share the one latent scale
+            seen = [torch.stack((args[2].float().abs().amax(), args[3].float().abs().amax())).amax().reshape(1)]
+        else:
+            seen = [x.float().abs().amax(dim=(0, 2)) for x in args[1:3]]
+        for spec, a in zip(specs, seen, strict=True):
             name = spec.layer_name(layer) if layer is not None else spec.name
-            a = x.float().abs().amax(dim=(0, 2))
             amax[name] = a if name not in amax else torch.maximum(amax[name], a)
 
     plain = _without_kv_quantization(program)

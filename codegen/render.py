@@ -255,9 +255,12 @@ def _scale_field(fn: _Function, vid: str, node: Node) -> str:
 
 
 def _kv_scales_field(fn: _Function, vid: str, node: Node) -> str:
-    """`, k_scale=..., v_scale=...` for an attention over an fp8 KV cache (inputs 4 and 5), else nothing."""
+    """`, k_scale=..., v_scale=...` for an attention over an fp8 KV cache (inputs 4 and 5), `, kv_scale=...`
+    for an MLA latent cache (input 6), else nothing."""
     if not node.attrs.get("kv_dtype"):
         return ""
+    if node.op == "mla_attention":
+        return f", kv_scale={fn.expr[node.inputs[5]]}"
     k_scale, v_scale = (fn.expr[i] for i in node.inputs[3:5])
     return f", k_scale={k_scale}, v_scale={v_scale}"
 

@@ -447,7 +447,7 @@ MLA_ABSORB = ("none", "decode")
 
 def _mla_dims(ins: list[TensorType]) -> tuple[int, int, int, int, int]:
     """(heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim) of an mla_attention's inputs."""
-    q_nope, q_pe, c_kv, k_pe, w_kv_b = ins
+    q_nope, q_pe, c_kv, k_pe, w_kv_b = ins[:5]
     _check(q_nope.rank == 3 and q_pe.rank == 3 and q_nope.shape[:2] == q_pe.shape[:2],
            f"mla_attention q_nope {q_nope} and q_pe {q_pe} must be [T, heads, dim] alike")
     _check(c_kv.rank == 2 and _same(c_kv.shape[0], q_nope.shape[0]), f"mla_attention c_kv {c_kv} must be [T, kv_lora_rank]")
@@ -465,11 +465,21 @@ def _mla_dims(ins: list[TensorType]) -> tuple[int, int, int, int, int]:
 def _infer_mla_attention(ins: list[TensorType], a: Attrs) -> TensorType:
     heads, _, _, _, dv = _mla_dims(ins)
     _check(a.get("absorb", "none") in MLA_ABSORB, f"mla_attention absorb={a.get('absorb')!r}; expected one of {MLA_ABSORB}")
+    _check(len(ins) == (6 if a.get("kv_dtype") else 5),
+           f"mla_attention takes q_nope, q_pe, c_kv, k_pe, w_kv_b (and kv_scale with kv_dtype set), got {len(ins)} inputs")
+    if a.get("kv_dtype"):
+        _check(a["kv_dtype"] == "fp8e4m3", f"mla_attention kv_dtype={a['kv_dtype']!r}; only fp8e4m3 is supported")
+        _check(ins[5].shape == (1,) and ins[5].dtype == "f32",
+               f"the MLA latent cache's scale must be f32[1] (one per layer), got {ins[5]}")
     return TensorType((ins[0].shape[0], heads * dv), ins[0].dtype)
 
 
-def _ref_mla_attention(ctx: RefContext, q_nope, q_pe, c_kv, k_pe, w_kv_b, scale: float | None = None,
-                       absorb: str = "none"):
+def _ref_mla_attention(ctx: RefContext, q_nope, q_pe, c_kv, k_pe, w_kv_b, kv_scale=None, scale: float | None = None,
+                       absorb: str = "none", kv_dtype: str | None = None):
+    if kv_dtype is not None:  # the cache holds the latent row [c_kv | k_pe] rounded through e4m3, one scale
+        from kiln.compiler.quant import fp8_fake_quantize
+
+        c_kv, k_pe = fp8_fake_quantize(c_kv, kv_scale, dim=0), fp8_fake_quantize(k_pe, kv_scale, dim=0)
     t, heads, dn = q_nope.shape
     dr, lora = q_pe.shape[2], c_kv.shape[1]
     scale = (dn + dr) ** -0.5 if scale is None else scale
@@ -502,12 +512,13 @@ def _mla_attention_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost
     return Cost(flops, sum(_nbytes(x) for x in ins) + _nbytes(out))  # per token of context; see report
 
 
-register_op(OpDef("mla_attention", 5, 5, infer=_infer_mla_attention, reference=_ref_mla_attention,
-                  cost=_mla_attention_cost, attrs={"scale": None, "absorb": "none"},
+register_op(OpDef("mla_attention", 5, 6, infer=_infer_mla_attention, reference=_ref_mla_attention,
+                  cost=_mla_attention_cost, attrs={"scale": None, "absorb": "none", "kv_dtype": None},
                   doc="Multi-head latent attention (DeepSeek-V2/V3): q_nope [T, H, dn], q_pe [T, H, dr] (roped), "
                       "c_kv [T, L] (normed latent), k_pe [T, 1, dr] (roped), w_kv_b [H*(dn+dv), L] -> [T, H*dv]. "
                       "Only [c_kv | k_pe] is cached. absorb='decode': decode queries run in latent space "
-                      "(q_nope·W_UK, ·W_UV on the output); prefills expand K/V from the latent."))
+                      "(q_nope·W_UK, ·W_UV on the output); prefills expand K/V from the latent. With "
+                      "kv_dtype='fp8e4m3' the latent is cached in e4m3 with one per-layer scale (input 6)."))
 
 
 # ---------------------------------------------------------------- quantized weights (fp8, int4 weight-only)

@@ -56,10 +56,10 @@ def _param_count(program: Program) -> tuple[int, int]:
 
 
 def kv_cache_dtype(program: Program) -> str | None:
-    """"fp8e4m3" when the quantize_kv_cache pass stored the attention KV in fp8, else None (activation dtype)."""
+    """"fp8e4m3" when the quantize_kv_cache pass stored the attention KV (or MLA latent) in fp8, else None."""
     for g in program.graphs.values():
         for _, n in g.items():
-            if n.op == "attention" and n.attrs.get("kv_dtype"):
+            if n.op in ("attention", "mla_attention") and n.attrs.get("kv_dtype"):
                 return n.attrs["kv_dtype"]
     return None
 

@@ -1,4 +1,5 @@
-"""Stores each attention's KV cache in fp8 e4m3 with per-KV-head scales (`quantize { kv_cache = fp8 }`)."""
+"""Stores each attention's KV cache in fp8 e4m3 with per-KV-head scales, and each MLA latent cache with one
+per-layer scale (`quantize { kv_cache = fp8 }`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -69,7 +70,24 @@ def _scales(m: Match, b: Builder, scales: str) -> tuple[str, str]:
     return out[0], out[1]
 
 
+def _latent_scale(m: Match, b: Builder, scales: str) -> str:
+    """The MLA latent cache's one per-layer scale: a [1] param, source `<attn prefix>.k_scale` (the name
+    compressed-tensors gives an attention's cache scale; DeepSeek's own fp8 checkpoints publish none, so
+    "auto" calibrates absmax / 448 over the layer's [c_kv | k_pe])."""
+    block = next((s.name for s in m.program.blocks.values() if s.graph == m.graph.name), None)
+    prefix = _checkpoint_prefix(m, m["c_kv"])
+    name = f"{block}.kv_scale" if block else "kv_scale"
+    spec = ParamSpec(name, (1,), "f32", (f"{prefix}.k_scale",) if prefix else (), block, quant=Attrs(
+        {"scheme": "fp8", "role": "kv_scale", "kv": "latent", "scales": scales, "alt_sources": ()}))
+    return b.add_param(spec)
+
+
 def kv_rewrites(scales: str) -> tuple[Rewrite, ...]:
+    def replace_mla(m: Match, b: Builder) -> str:
+        node = m.node("attention")
+        return b.add("mla_attention", (*node.inputs, _latent_scale(m, b, scales)), hint=m.root,
+                     **{**dict(node.attrs), "kv_dtype": KV_DTYPE})
+
     def replace(m: Match, b: Builder) -> str:
         node = m.node("attention")
         k_scale, v_scale = _scales(m, b, scales)
@@ -80,6 +98,10 @@ def kv_rewrites(scales: str) -> tuple[Rewrite, ...]:
         # attention(q, k, v) -> attention(q, k, v, k_scale, v_scale) {kv_dtype="fp8e4m3"}
         Rewrite("kv_fp8", P("attention", V("q"), V("k"), V("v"), name="attention"), replace=replace,
                 extra_check=lambda m: not m.node("attention").attrs.get("kv_dtype")),
+        # mla_attention(q_nope, q_pe, c_kv, k_pe, w_kv_b) -> mla_attention(..., kv_scale) {kv_dtype="fp8e4m3"}
+        Rewrite("kv_fp8_mla", P("mla_attention", V("q_nope"), V("q_pe"), V("c_kv"), V("k_pe"), V("w_kv_b"),
+                                name="attention"),
+                replace=replace_mla, extra_check=lambda m: not m.node("attention").attrs.get("kv_dtype")),
     )
 
 
@@ -90,8 +112,9 @@ class QuantizeKVCache(Pass):
     `attention` has kv_dtype="fp8e4m3" and reads two new f32 [kv_heads] params, `{block}.k_scale` and
     `{block}.v_scale` (source `<attn prefix>.k_scale`, as compressed-tensors writes it; quant attrs tell the
     weight converter whether it may instead calibrate them: absmax / 448 per layer and KV head over a
-    calibration run of the reference interpreter). `mla_attention` latent caches are left alone (the driver
-    refuses fp8 KV for MLA when it writes an artifact)."""
+    calibration run of the reference interpreter). Every `mla_attention` gets kv_dtype="fp8e4m3" and a sixth
+    input, an f32 [1] `{block}.kv_scale`: one scale for the whole latent row [c_kv | k_pe] (one cached
+    "head"), same sources and calibration (absmax / 448 over the layer's latent entries)."""
 
     def __init__(self, scales: str | None = None):
         self.scales = scales
