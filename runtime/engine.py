@@ -118,7 +118,8 @@ class LLMEngine:
             memory_fraction=float(artifact.manifest["kv_cache"].get("memory_fraction", 0.9)), model=artifact.model,
             prefill_lengths=profile_lengths(sched.max_batched_tokens, sched.chunked_prefill,
                                             self.model_config.max_model_len, sched.max_seqs),
-            graph_reserve=int((artifact.manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0)
+            graph_reserve=int((artifact.manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0,
+            vocab_size=self.model_config.vocab_size)
         num_blocks = plan["kv_blocks"]
         logger.info(describe_memory_plan(plan, kv.block_size))
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))

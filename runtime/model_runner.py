@@ -74,9 +74,11 @@ def profile_lengths(max_batched_tokens: int, chunk: int | None, max_model_len: i
     return ([size] * full + ([rest] if rest else []))[:max_seqs]
 
 
-def profile_batch(lengths: list[int], block_size: int, device: torch.device) -> ForwardBatch:
-    """A prefill ForwardBatch of fresh sequences of `lengths` tokens (token id 0), each in its own consecutive
-    blocks of a cache of sum(ceil(length / block_size)) blocks; one logits row per sequence, like sampling."""
+def profile_batch(lengths: list[int], block_size: int, device: torch.device, vocab_size: int = 1) -> ForwardBatch:
+    """A prefill ForwardBatch of fresh sequences of `lengths` tokens, each in its own consecutive blocks of a cache
+    of sum(ceil(length / block_size)) blocks; one logits row per sequence, like sampling. Token k is
+    (k * 7919) % vocab_size: varied ids, so an MoE model routes the profile's tokens over many experts (as real
+    text does) rather than all to the same few, which would understate the fused-MoE kernels' buffers."""
     bs = block_size
     widths = [cdiv(n, bs) for n in lengths]
     starts = [sum(widths[:i]) for i in range(len(widths))]
@@ -87,18 +89,19 @@ def profile_batch(lengths: list[int], block_size: int, device: torch.device) -> 
     def i32(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
 
-    return ForwardBatch(input_ids=i32([0] * qsl[-1]), positions=i32([p for n in lengths for p in range(n)]),
+    return ForwardBatch(input_ids=i32([k * 7919 % vocab_size for k in range(qsl[-1])]), positions=i32([p for n in lengths for p in range(n)]),
                         query_start_loc=i32(qsl), seq_lens=i32(lengths), block_tables=i32(tables),
                         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
                         logits_indices=i32([q - 1 for q in qsl[1:]]), num_decodes=0)
 
 
 @torch.inference_mode()
-def profile_activation_peak(model: Any, kv: KVCacheConfig, device: torch.device, lengths: list[int]) -> int:
+def profile_activation_peak(model: Any, kv: KVCacheConfig, device: torch.device, lengths: list[int],
+                            vocab_size: int = 1) -> int:
     """Device memory one forward of the prefill `lengths` takes beyond its inputs and a KV cache just big enough
     for it: torch.cuda.max_memory_allocated over the step, less what was allocated before it. The temporary
     cache is freed (and returned to the device) before the real pool is sized."""
-    fb = profile_batch(lengths, kv.block_size, device)
+    fb = profile_batch(lengths, kv.block_size, device, vocab_size)
     caches = [torch.zeros((fb.block_tables.shape[0] * fb.block_tables.shape[1], *kv.shape), dtype=kv.dtype,
                           device=device) for _ in range(kv.num_layers)]
     torch.cuda.synchronize(device)
@@ -114,7 +117,8 @@ def profile_activation_peak(model: Any, kv: KVCacheConfig, device: torch.device,
 
 def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int | None = None,
                 kv_cache_bytes: int | None = None, memory_fraction: float = 0.9, model: Any = None,
-                prefill_lengths: list[int] | None = None, graph_reserve: int = 0) -> dict[str, Any]:
+                prefill_lengths: list[int] | None = None, graph_reserve: int = 0,
+                vocab_size: int = 1) -> dict[str, Any]:
     """The KV pool's size and how it was reached (`kv_blocks`, `kv_bytes`, `source`). An explicit block count
     wins; then the manifest's; then a byte budget (CPU: 256 MiB by default). On CUDA with neither, the pool is
     what `plan_kv_cache` leaves after the weights, the activation peak of a dummy prefill of `prefill_lengths`
@@ -129,8 +133,8 @@ def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int |
     else:
         torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses is free for KV
         weights = torch.cuda.memory_allocated(device)
-        peak = profile_activation_peak(model, kv, device, prefill_lengths) if model is not None and prefill_lengths \
-            else 0
+        peak = (profile_activation_peak(model, kv, device, prefill_lengths, vocab_size)
+                if model is not None and prefill_lengths else 0)
         free, total = torch.cuda.mem_get_info(device)
         return plan_kv_cache(bytes_per_block=kv.bytes_per_block, total=total, fraction=memory_fraction,
                              weights=weights, activation_peak=peak, graph_reserve=graph_reserve, free=free)

@@ -62,18 +62,23 @@ def test_profile_lengths_follow_the_scheduler_chunks():
 
 
 def test_profile_batch_runs_a_prefill_through_the_model(artifact_dir, standin_weights):
-    """The dummy batch is a valid prefill: each sequence's last-token logits equal a dense forward of zeros."""
+    """The dummy batch is a valid prefill of varied token ids: each sequence's last-token logits equal a dense
+    forward of its ids."""
     engine = LLMEngine(artifact_dir, num_kv_blocks=4)
     kv = engine.artifact.kv_cache_config
     lengths = [9, 4, 1]
-    fb = profile_batch(lengths, BLOCK_SIZE, torch.device("cpu"))
+    vocab = engine.model_config.vocab_size
+    fb = profile_batch(lengths, BLOCK_SIZE, torch.device("cpu"), vocab)
+    ids = fb.input_ids.tolist()
+    assert all(0 <= t < vocab for t in ids) and len(set(ids)) > len(ids) // 2  # spread, not one token
     blocks = sum(-(-n // BLOCK_SIZE) for n in lengths)
     assert fb.block_tables.shape[0] * fb.block_tables.shape[1] >= blocks
     caches = [torch.zeros((fb.block_tables.shape[0] * fb.block_tables.shape[1], *kv.shape), dtype=kv.dtype)
               for _ in range(kv.num_layers)]
     with torch.inference_mode():
         logits = engine.artifact.model.forward(fb, caches)
-    expected = torch.stack([dense_logits(standin_weights, [0] * n)[-1] for n in lengths])
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    expected = torch.stack([dense_logits(standin_weights, ids[s:s + n])[-1] for s, n in zip(starts, lengths)])
     torch.testing.assert_close(logits.float(), expected, rtol=1e-4, atol=1e-4)
 
 
