@@ -98,7 +98,13 @@ class LLMEngine:
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
                  seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
-                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None) -> None:
+                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None,
+                 output_kind: str = "cumulative") -> None:
+        if output_kind not in ("cumulative", "final"):
+            raise RequestError(f"unknown output_kind {output_kind!r} (known: cumulative, final)")
+        # "final": `step()` returns a request's output only once it finishes (offline `LLM.generate` reads
+        # nothing else), sparing every step the per-request output with its O(output length) copies.
+        self.output_kind = output_kind
         if not isinstance(artifact, LoadedArtifact):
             artifact = load_artifact(artifact, device)
         self.artifact = artifact
@@ -394,11 +400,13 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
         outputs = self._drain_aborted()
+        final_only = self.output_kind == "final"
         for request in touched.values():
-            output = self._make_output(request)
-            outputs.append(output)
-            if output.finished:
+            if request.finished:
                 del self.requests[request.request_id]
+            elif final_only:
+                continue
+            outputs.append(self._make_output(request))
         return outputs
 
     def _check_stop(self, seq: Sequence) -> None:
@@ -453,16 +461,20 @@ class LLMEngine:
         return out
 
     def _make_output(self, request: Request) -> RequestOutput:
-        completions = [CompletionOutput(
-            index=s.index, text=s.output_text, token_ids=s.output_token_ids,
-            cumulative_logprob=s.cumulative_logprob if s.output_logprobs is not None else None,
-            logprobs=list(s.output_logprobs) if s.output_logprobs is not None else None,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
-        first = request.seqs[0]
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids,
-                             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs else None,
-                             outputs=completions, finished=request.finished)
+        """A snapshot: token ids and logprobs are copied (the sequence keeps growing), the text is immutable.
+        Built for every progressing request every step, so written for speed (positional, no properties)."""
+        completions = []
+        finished = True
+        for s in request.seqs:
+            lps = s.output_logprobs
+            completions.append(CompletionOutput(
+                s.index, s.output_text, s.token_ids[s.num_prompt_tokens:],
+                s.cumulative_logprob if lps is not None else None, lps[:] if lps is not None else None,
+                s.finish_reason, s.stop_reason))
+            finished = finished and s.finish_reason is not None
+        plp = request.seqs[0].prompt_logprobs
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             plp[:] if plp else None, completions, finished)
 
     def _drain_aborted(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []

@@ -25,6 +25,7 @@ class LLM:
     def __init__(self, artifact_dir: str | Path, *, num_kv_blocks: int | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  seed: int = 0, **engine_kwargs: Any) -> None:
+        engine_kwargs.setdefault("output_kind", "final")  # generate() returns finished outputs only
         self.engine = LLMEngine(artifact_dir, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
         self._request_ids = itertools.count()

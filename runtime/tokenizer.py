@@ -34,6 +34,12 @@ class Tokenizer:
         # checkpoints); one with a post-processor already adds what it should.
         self._prepend_bos = bool(self.config.get("add_bos_token")) and self.bos_token_id is not None \
             and self._tok.post_processor is None
+        # Incremental detokenizing decodes the same one-token windows over and over: cache them, per flag.
+        self._piece_cache: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        # A plain byte-level decoder maps each token to bytes on its own and decodes their concatenation, so a
+        # token whose bytes are complete UTF-8 adds exactly its own text (the detokenizer's fast path).
+        from tokenizers.decoders import ByteLevel
+        self.concatenates_pieces = isinstance(self._tok.decoder, ByteLevel)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -60,6 +66,14 @@ class Tokenizer:
 
     def decode(self, token_ids: Seq[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_piece(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode([token_id])`, cached."""
+        cache = self._piece_cache[bool(skip_special_tokens)]
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens)
+        return text
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
@@ -130,14 +144,33 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: Seq[int]) -> str:
         """Appends tokens; returns the newly completed text (possibly empty)."""
-        self.token_ids.extend(new_token_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full_text = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
+        token_ids = self.token_ids
+        if len(new_token_ids) == 1 and self.read_offset == len(token_ids) and self.tokenizer.concatenates_pieces:
+            # Fast path: nothing held back, so the window's text so far ends on a character boundary and a
+            # byte-level token whose own text is clean appends exactly that text (as the slow path would).
+            piece = self.tokenizer.decode_piece(new_token_ids[0], self.skip_special_tokens)
+            if piece and "\ufffd" not in piece:
+                token_ids.append(new_token_ids[0])
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(token_ids)
+                self.text += piece
+                return piece
+        token_ids.extend(new_token_ids)
+        return self._decode_window()
+
+    def _decode_window(self) -> str:
+        """The general path: decode `[prefix_offset, read_offset)` and `[prefix_offset, end)`; the difference
+        is the new text, unless it ends inside a character."""
+        token_ids, skip = self.token_ids, self.skip_special_tokens
+        if self.read_offset - self.prefix_offset == 1:
+            prefix_text = self.tokenizer.decode_piece(token_ids[self.prefix_offset], skip)
+        else:
+            prefix_text = self.tokenizer.decode(token_ids[self.prefix_offset:self.read_offset], skip)
+        full_text = self.tokenizer.decode(token_ids[self.prefix_offset:], skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         delta = full_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        self.read_offset = len(token_ids)
         self.text += delta
         return delta
