@@ -43,7 +43,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        for s in self.seqs:  # read for every progressing request every step: a loop beats all(genexpr)
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 @dataclass(slots=True)
@@ -424,7 +427,8 @@ class LLMEngine:
             seq.output_text = seq.detokenizer.text
             if params.stop_strings and self._truncate_at_stop(seq, before):
                 return
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.model_config.max_model_len:
             seq.finish_reason = "length"
 
     def _check_stop_each(self, seq: Sequence, m: int) -> None:
