@@ -24,8 +24,9 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
+from codegen_helpers import mla_inputs, render_kernels  # noqa: E402
 from kiln.compiler.ops import OPS, RefContext  # noqa: E402
-from test_triton_kernels import _batch, render_kernels  # noqa: E402
+from test_triton_kernels import _batch  # noqa: E402
 
 # rendered at collection: the candidate lists parametrize the tests below
 _K = render_kernels(pathlib.Path(tempfile.mkdtemp(prefix="kiln_autotune_")))
@@ -105,11 +106,7 @@ def _mla_check(K, seqs, cfg, *, heads, partition=None, lora=64, rope_dim=8, dn=8
     batch = _batch(seqs, block_size, num_blocks, g)
     T = batch.num_tokens
     kv = torch.randn(num_blocks, block_size, lora + rope_dim, generator=g).to(dtype)
-    q_nope = torch.randn(T, heads, dn, generator=g).to(dtype)
-    q_pe = torch.randn(T, heads, rope_dim, generator=g).to(dtype)
-    c_kv = torch.randn(T, lora, generator=g).to(dtype)
-    k_pe = torch.randn(T, 1, rope_dim, generator=g).to(dtype)
-    w_kv_b = (torch.randn(heads * (dn + dv), lora, generator=g) * lora ** -0.5).to(dtype)
+    q_nope, q_pe, c_kv, k_pe, w_kv_b = mla_inputs(T, heads, lora, rope_dim, dn, dv, dtype, g)
     scale = (dn + rope_dim) ** -0.5
     kv_ref = kv.clone().float()
     ref = R.mla_attention(q_nope.float(), q_pe.float(), c_kv.float(), k_pe.float(), w_kv_b.float(), kv_ref, batch,
@@ -232,11 +229,11 @@ def test_tuner_off_and_inside_capture_use_the_default(K, fake_timing, monkeypatc
     configs = [{"a": 0}, {"a": 1}]
     monkeypatch.setattr(K.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert K._pick("k", (1,), configs, lambda cfg: None) == configs[0] and not timed and not K._TUNED
+    assert K._pick("k", (1,), configs, lambda: lambda cfg: None) == configs[0] and not timed and not K._TUNED
     monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(K.torch.cuda, "empty_cache", lambda: None)
-    assert K._pick("k", (1,), configs, lambda cfg: None) == configs[1] and len(timed) == 2
-    assert K._pick("k", (1,), configs, lambda cfg: None) == configs[1] and len(timed) == 2  # cached
+    assert K._pick("k", (1,), configs, lambda: lambda cfg: None) == configs[1] and len(timed) == 2
+    assert K._pick("k", (1,), configs, lambda: lambda cfg: None) == configs[1] and len(timed) == 2  # cached
     monkeypatch.setattr(K, "AUTOTUNE", False)
     _decode_check(K, [(5, 1)], None)  # KILN_AUTOTUNE=0: the default, nothing timed
     assert len(timed) == 2 and "decode" not in " ".join(K.tuned_configs())
