@@ -90,20 +90,20 @@ def compile_program(name: str, cfg: dict, work: Path, quantize: str = ""):
     return kiln.compile(recipe, progress=False).program
 
 
-def build_executor(name: str, cfg: dict, work: Path, quantize: str = ""):
-    """Compiles the recipe (no weights written) and renders model.py + kernels into a package; returns
-    (Model class, Program)."""
+def render_executor(program, work: Path, package: str, max_model_len: int) -> tuple[Path, type]:
+    """Renders the compiled program's model.py and kernel libraries into `work/package`, as an artifact holds
+    them, and imports it: returns (package dir, its Model class). gpu_engine.py and gpu_deepseek_layer.py
+    render theirs through this too."""
     from kiln.codegen.artifact import kernel_params
     from kiln.codegen.emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
     from kiln.codegen.render import render_model, template_env
 
-    program = compile_program(name, cfg, work, quantize)
-    pkg = work / f"exec_{_tag(name)}"
+    pkg = work / package
     (pkg / "kernels").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "kernels" / "__init__.py").write_text("")
     (pkg / "model.py").write_text(render_model(program, kiln_version="bench", recipe_hash="0" * 64,
-                                               max_model_len=8192))
+                                               max_model_len=max_model_len))
     params = kernel_params(program)
     env = template_env()
     for ns in TARGET_KERNEL_MODULES[params["target"]]:
@@ -111,10 +111,17 @@ def build_executor(name: str, cfg: dict, work: Path, quantize: str = ""):
             kiln_version="bench", **params))
     sys.path.insert(0, str(work))
     try:
-        module = importlib.import_module(f"{pkg.name}.model")
+        return pkg, importlib.import_module(f"{package}.model").Model
     finally:
         sys.path.remove(str(work))
-    return module.Model, program
+
+
+def build_executor(name: str, cfg: dict, work: Path, quantize: str = ""):
+    """Compiles the recipe (no weights written) and renders model.py + kernels into a package; returns
+    (Model class, Program)."""
+    program = compile_program(name, cfg, work, quantize)
+    _, model_cls = render_executor(program, work, f"exec_{_tag(name)}", 8192)
+    return model_cls, program
 
 
 def _layer_names(program, spec) -> list[str]:
@@ -141,6 +148,9 @@ def _quantized_tensor(spec, g: torch.Generator, device) -> torch.Tensor:
 
 
 def random_weights(program, device) -> dict[str, torch.Tensor]:
+    """Weights of the program's dtype made on `device`: norms 1, matrices N(0, 0.02), quantized params in the
+    executor's layout (gpu_engine.py and gpu_deepseek_layer.py use these too)."""
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[program.dtype]
     g = torch.Generator(device=device).manual_seed(0)
     out = {}
     for spec in program.params.values():
@@ -148,9 +158,9 @@ def random_weights(program, device) -> dict[str, torch.Tensor]:
             if spec.quant is not None:
                 out[n] = _quantized_tensor(spec, g, device)
             elif len(spec.shape) == 1:  # norm weights
-                out[n] = torch.ones(spec.shape, dtype=torch.bfloat16, device=device)
+                out[n] = torch.ones(spec.shape, dtype=dtype, device=device)
             else:
-                out[n] = (torch.randn(spec.shape, generator=g, device=device) * 0.02).to(torch.bfloat16)
+                out[n] = (torch.randn(spec.shape, generator=g, device=device) * 0.02).to(dtype)
     return out
 
 
@@ -211,6 +221,19 @@ def gemm_peak(setup: Setup) -> float:
     return 2 * n**3 / t
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn()`, captured after one warm-up call on a side stream (as torch's docs prescribe)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def streaming_limit(setup: Setup, mats: list[torch.Tensor]) -> tuple[float, float]:
     """(seconds, bytes/s) of a CUDA graph of one batch-1 GEMV per weight matrix (CPU: the GEMVs, eager)."""
     xs = {k: torch.randn(1, k, device=setup.device, dtype=torch.bfloat16) for k in {m.shape[1] for m in mats}}
@@ -223,15 +246,7 @@ def streaming_limit(setup: Setup, mats: list[torch.Tensor]) -> tuple[float, floa
     if not setup.cuda:
         t = timed(setup, gemvs, warmup=1, iters=3)
         return t, nbytes / t
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gemvs()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemvs()
-    t = timed(setup, graph.replay, iters=20)
+    t = timed(setup, capture_graph(gemvs).replay, iters=20)
     return t, nbytes / t
 
 

@@ -37,8 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_decode  # noqa: E402  (the GEMV-loop streaming limit)
-from gpu_engine import random_weights, render_executor  # noqa: E402
+import gpu_decode  # noqa: E402  (executor rendering, random weights, graph capture, the GEMV-loop streaming limit)
 
 V3 = dict(hidden=7168, heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
           v_head_dim=128, moe_ffn=2048, top_k=8, shared_experts=1, n_group=8, topk_group=4, routed_scaling=2.5,
@@ -176,15 +175,7 @@ def graph_time(setup: Setup, call, iters: int) -> float | None:
     if not setup.cuda:
         return None
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            call()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        return timed(setup, graph.replay, iters)
+        return timed(setup, gpu_decode.capture_graph(call).replay, iters)
     except Exception as e:  # report, keep the eager figure
         print(f"  (CUDA graph capture failed: {type(e).__name__}: {e})")
         return None
@@ -196,9 +187,9 @@ def bench(setup: Setup, shape: dict, experts: int, batches: list[int], work: Pat
     recipe = work / "deepseek_v3_layer.dsl"
     recipe.write_text(recipe_text(shape, experts, setup.target, max_position=max(8192, setup.context)))
     program = kiln.compile(recipe, progress=False).program
-    _, model_cls = render_executor(program, work, "ds_layer", max(8192, setup.context))
+    _, model_cls = gpu_decode.render_executor(program, work, "ds_layer", max(8192, setup.context))
     module = sys.modules[model_cls.__module__]  # model.py: its kernel library is `module.K`
-    weights = random_weights(program, setup.device)
+    weights = gpu_decode.random_weights(program, setup.device)
     wb = layer_bytes(program)
     mats = layer_matrices(weights)
     bw = stream_bandwidth(setup, mats)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
 import sys
 import tempfile
@@ -45,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_decode  # noqa: E402  (matrices a decode step reads, the GEMV-loop streaming limit)
+import gpu_decode  # noqa: E402  (executor rendering, random weights, the GEMV-loop streaming limit)
 
 MODELS = {
     "llama-3.2-1b": dict(vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, rope_theta=500000.0,
@@ -84,51 +83,11 @@ def recipe_text(name: str, cfg: dict, target: str, dtype: str, batches: list[int
             f"  scheduler {{ max_seqs = {max(batches)} }}\n{graphs}}}\n")
 
 
-def random_weights(program, device: torch.device) -> dict[str, torch.Tensor]:
-    """Weights of the program's dtype made on `device`: norms 1, matrices N(0, 0.02) (as gpu_decode.py's)."""
-    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[program.dtype]
-    g = torch.Generator(device=device).manual_seed(0)
-    out = {}
-    for spec in program.params.values():
-        names = [spec.layer_name(i) for i in range(program.blocks[spec.block].count)] if spec.block else [spec.name]
-        for n in names:
-            if len(spec.shape) == 1:
-                out[n] = torch.ones(spec.shape, dtype=dtype, device=device)
-            else:
-                out[n] = (torch.randn(spec.shape, generator=g, device=device) * 0.02).to(dtype)
-    return out
-
-
 def _allocated(setup: Setup) -> int:
     if setup.cuda:
         torch.cuda.synchronize(setup.device)
         return torch.cuda.memory_allocated(setup.device)
     return 0
-
-
-def render_executor(program, work: Path, package: str, max_model_len: int) -> tuple[Path, type]:
-    """Renders the compiled program's model.py and kernel libraries into `work/package`, as an artifact holds
-    them, and imports it: returns (package dir, its Model class)."""
-    from kiln.codegen.artifact import kernel_params
-    from kiln.codegen.emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
-    from kiln.codegen.render import render_model, template_env
-
-    pkg = work / package
-    (pkg / "kernels").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "kernels" / "__init__.py").write_text("")
-    (pkg / "model.py").write_text(render_model(program, kiln_version="bench", recipe_hash="0" * 64,
-                                               max_model_len=max_model_len))
-    params = kernel_params(program)
-    env = template_env()
-    for ns in TARGET_KERNEL_MODULES[params["target"]]:
-        (pkg / "kernels" / f"{ns}.py").write_text(env.get_template(KERNEL_MODULES[ns][0]).render(
-            kiln_version="bench", **params))
-    sys.path.insert(0, str(work))
-    try:
-        return pkg, importlib.import_module(f"{package}.model").Model
-    finally:
-        sys.path.remove(str(work))
 
 
 def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Path):
@@ -152,7 +111,7 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
     res = kiln.compile(recipe, progress=False)
     program = res.program
     max_len = resolve_max_model_len(program, None, {})
-    pkg, model_cls = render_executor(program, work, f"engine_{tag}", max_len)
+    pkg, model_cls = gpu_decode.render_executor(program, work, f"engine_{tag}", max_len)
     manifest = build_manifest(program, kiln_version="bench", recipe_hash="0" * 64, max_model_len=max_len,
                               hf_config={}, gen_config={}, weight_files=[], has_tokenizer=False,
                               pass_log=res.pass_log)
@@ -160,7 +119,7 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
     if setup.cuda:
         torch.cuda.empty_cache()
     before = _allocated(setup)
-    weights = random_weights(program, setup.device)
+    weights = gpu_decode.random_weights(program, setup.device)
     model = model_cls(weights, setup.device)
     weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
     after_weights = _allocated(setup)
