@@ -126,8 +126,8 @@ def _to_int32(word: int) -> int:
     return word - (1 << 32) if word >= (1 << 31) else word
 
 
-def pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """AutoAWQ GEMM: [R, C] nibbles -> int32 [R, C/8]; nibble i of word c holds column c*8 + AWQ_ORDER[i]."""
+def _pack_columns(values: torch.Tensor, order) -> torch.Tensor:
+    """[R, C] nibbles -> int32 [R, C/8]; nibble i of word c holds column c*8 + order[i]."""
     rows, cols = values.shape
     out = torch.zeros(rows, cols // 8, dtype=torch.int32)
     v = values.tolist()
@@ -135,37 +135,38 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
         for c in range(cols // 8):
             word = 0
             for i in range(8):
-                word |= (v[r][c * 8 + AWQ_ORDER[i]] & 0xF) << (4 * i)
+                word |= (v[r][c * 8 + order[i]] & 0xF) << (4 * i)
             out[r, c] = _to_int32(word)
     return out
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ GEMM: [R, C] nibbles -> int32 [R, C/8]; nibble i of word c holds column c*8 + AWQ_ORDER[i]."""
+    return _pack_columns(values, AWQ_ORDER)
 
 
 def pack_gptq_rows(values: torch.Tensor) -> torch.Tensor:
     """AutoGPTQ qweight: [K, N] nibbles -> int32 [K/8, N]; nibble j of word (r, n) holds row r*8 + j."""
-    rows, cols = values.shape
-    out = torch.zeros(rows // 8, cols, dtype=torch.int32)
-    v = values.tolist()
-    for r in range(rows // 8):
-        for c in range(cols):
-            word = 0
-            for j in range(8):
-                word |= (v[r * 8 + j][c] & 0xF) << (4 * j)
-            out[r, c] = _to_int32(word)
-    return out
+    return _pack_columns(values.T, range(8)).T.contiguous()
 
 
 def pack_gptq_cols(values: torch.Tensor) -> torch.Tensor:
     """AutoGPTQ qzeros: [G, N] nibbles -> int32 [G, N/8]; nibble j of word (g, c) holds column c*8 + j."""
-    rows, cols = values.shape
-    out = torch.zeros(rows, cols // 8, dtype=torch.int32)
-    v = values.tolist()
-    for r in range(rows):
-        for c in range(cols // 8):
-            word = 0
-            for j in range(8):
-                word |= (v[r][c * 8 + j] & 0xF) << (4 * j)
-            out[r, c] = _to_int32(word)
-    return out
+    return _pack_columns(values, range(8))
+
+
+def awq_checkpoint(ckpt: Path, dst: Path) -> Path:
+    """A copy of checkpoint `ckpt` at `dst` with every `*_proj.weight` replaced by AutoAWQ GEMM tensors
+    (RTN int4, group 128): `.qweight`, `.qzeros`, `.scales`."""
+    def pack(tensors):
+        out = dict(tensors)
+        for name in [n for n in tensors if n.endswith("_proj.weight")]:
+            q, z, s, _ = rtn_int4(out.pop(name), 128)
+            stem = name[: -len(".weight")]
+            out.update({f"{stem}.qweight": pack_awq(q), f"{stem}.qzeros": pack_awq(z), f"{stem}.scales": s})
+        return out
+
+    return rewrite_checkpoint(ckpt, dst, pack)
 
 
 def load_cpu_kernels(tmp: Path):

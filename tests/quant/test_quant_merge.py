@@ -11,7 +11,7 @@ import pytest
 import torch
 from kiln.passes.fuse_gate_up import FuseGateUp
 from kiln.passes.fuse_qkv import FuseQKV
-from quant_testlib import log_probs, pack_awq, recipe_text, rewrite_checkpoint, rtn_int4
+from quant_testlib import awq_checkpoint, log_probs, recipe_text
 
 import kiln
 
@@ -166,21 +166,9 @@ def _build(ckpt: Path, out: Path, quantize: str, merged: bool) -> Path:
     return out
 
 
-def _awq_checkpoint(ckpt: Path, dst: Path) -> Path:
-    def pack(tensors):
-        out = dict(tensors)
-        for name in [n for n in tensors if n.endswith("_proj.weight")]:
-            q, z, s, _ = rtn_int4(out.pop(name), 128)
-            stem = name[: -len(".weight")]
-            out.update({f"{stem}.qweight": pack_awq(q), f"{stem}.qzeros": pack_awq(z), f"{stem}.scales": s})
-        return out
-
-    return rewrite_checkpoint(ckpt, dst, pack)
-
-
 @pytest.mark.parametrize("quantize", ["fp8", "fp8(block=128)", "fp8(act=dynamic)", "awq(group=128)"])
 def test_merged_artifact_has_the_unmerged_logits(quantize, ckpt, tmp_path):
-    src = _awq_checkpoint(ckpt, tmp_path / "awq_ckpt") if quantize.startswith("awq") else ckpt
+    src = awq_checkpoint(ckpt, tmp_path / "awq_ckpt") if quantize.startswith("awq") else ckpt
     merged = _build(src, tmp_path / "merged", f"weights = {quantize}", merged=True)
     plain = _build(src, tmp_path / "plain", f"weights = {quantize}", merged=False)
     tokens = torch.randint(5, 512, (24,), generator=torch.Generator().manual_seed(1)).tolist()
