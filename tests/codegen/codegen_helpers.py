@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from kiln.codegen.render import template_env
 from kiln.compiler import Program, parse_program
 from kiln.compiler.ops import OPS
 from kiln.runtime.forward_batch import ForwardBatch
@@ -194,3 +195,35 @@ def forward_batch(tokens: torch.Tensor, start: int, block_table: list[int], bloc
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([start + n], dtype=torch.int32),
         block_tables=torch.tensor([block_table], dtype=torch.int32), slot_mapping=slots.to(torch.int64),
         logits_indices=torch.arange(n, dtype=torch.int32), num_decodes=1 if (n == 1 and start > 0) else 0)
+
+
+_kernel_package_ids = itertools.count()
+
+
+def render_kernels(root: Path, *, head_dim=16, num_heads=8, num_kv_heads=2, dtype="float32", block_size=4):
+    """Renders cpu + triton kernel modules into a fresh package under `root`; returns the triton module (its CPU
+    fallback library is `._ref`). A new package name per call, so monkeypatching one never leaks into another."""
+    pkg = root / f"kpkg{next(_kernel_package_ids)}"
+    pkg.mkdir()
+    env = template_env()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test"))
+    (pkg / "triton.py").write_text(env.get_template("triton/kernels.py.j2").render(
+        kiln_version="test", head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype,
+        block_size=block_size))
+    sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module(f"{pkg.name}.triton")
+    finally:
+        sys.path.remove(str(root))
+
+
+def mla_inputs(T: int, heads: int, lora: int, rope_dim: int, dn: int, dv: int, dtype: torch.dtype,
+               g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """q_nope, q_pe, c_kv, k_pe, w_kv_b for `mla_attention` over T tokens, drawn from `g` in that order."""
+    q_nope = torch.randn(T, heads, dn, generator=g).to(dtype)
+    q_pe = torch.randn(T, heads, rope_dim, generator=g).to(dtype)
+    c_kv = torch.randn(T, lora, generator=g).to(dtype)
+    k_pe = torch.randn(T, 1, rope_dim, generator=g).to(dtype)
+    w_kv_b = (torch.randn(heads * (dn + dv), lora, generator=g) * lora ** -0.5).to(dtype)
+    return q_nope, q_pe, c_kv, k_pe, w_kv_b

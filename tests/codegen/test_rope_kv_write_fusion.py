@@ -17,7 +17,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-from test_triton_kernels import _batch, _ulp_close, render_kernels  # noqa: E402
+from codegen_helpers import render_kernels  # noqa: E402
+from test_triton_kernels import _batch, _ulp_close  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 

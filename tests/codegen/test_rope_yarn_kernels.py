@@ -7,15 +7,10 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
 
-import importlib  # noqa: E402
-import itertools  # noqa: E402
-import sys  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from codegen_helpers import program_text, typed  # noqa: E402
+from codegen_helpers import program_text, render_kernels, typed  # noqa: E402
 from kiln.codegen import render_model  # noqa: E402
-from kiln.codegen.render import template_env  # noqa: E402
 from kiln.compiler import parse_program  # noqa: E402
 from kiln.compiler.ops import OPS, RefContext, rope_attention_factor, rope_inv_freq  # noqa: E402
 
@@ -72,26 +67,13 @@ def _hf_rotated(rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return out[0].transpose(0, 1)
 
 
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     """{"cpu": the CPU kernel library, "triton": the Triton one}, rendered as in an artifact."""
-    root = tmp_path_factory.mktemp("rope_yarn_kernels")
-    pkg = root / f"yarnpkg{next(_ids)}"
-    pkg.mkdir()
-    env = template_env()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test"))
-    (pkg / "triton.py").write_text(env.get_template("triton/kernels.py.j2").render(
-        kiln_version="test", head_dim=16, num_heads=4, num_kv_heads=2, dtype="float32", block_size=4))
-    sys.path.insert(0, str(root))
-    try:
-        return {"cpu": importlib.import_module(f"{pkg.name}.cpu"),
-                "triton": importlib.import_module(f"{pkg.name}.triton")}
-    finally:
-        sys.path.remove(str(root))
+    triton = render_kernels(tmp_path_factory.mktemp("rope_yarn_kernels"), num_heads=4)
+    return {"cpu": triton._ref, "triton": triton}
 
 
 @pytest.mark.parametrize("case", list(CASES))

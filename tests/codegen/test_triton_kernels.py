@@ -14,37 +14,14 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
 
-import importlib  # noqa: E402
-import itertools  # noqa: E402
-import sys  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecations inside the interpreter
 
-from kiln.codegen.render import template_env  # noqa: E402
+from codegen_helpers import render_kernels  # noqa: E402
 from kiln.runtime.forward_batch import ForwardBatch  # noqa: E402
-
-_ids = itertools.count()
-
-
-def render_kernels(root, *, head_dim=16, num_heads=8, num_kv_heads=2, dtype="float32", block_size=4):
-    """Renders cpu + triton kernel modules into a fresh package under `root`; returns the triton module."""
-    pkg = root / f"kpkg{next(_ids)}"
-    pkg.mkdir()
-    env = template_env()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test"))
-    (pkg / "triton.py").write_text(env.get_template("triton/kernels.py.j2").render(
-        kiln_version="test", head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype,
-        block_size=block_size))
-    sys.path.insert(0, str(root))
-    try:
-        return importlib.import_module(f"{pkg.name}.triton")
-    finally:
-        sys.path.remove(str(root))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-from test_triton_kernels import _batch, render_kernels  # noqa: E402
+from codegen_helpers import mla_inputs, render_kernels  # noqa: E402
+from test_triton_kernels import _batch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +48,7 @@ def test_fp8_latent_decode_matches_cpu_library(K, launches, dtype, seqs, partiti
     kv_scale = torch.tensor([3.0 / 448])  # latents of magnitude up to ~3 use the full e4m3 range
     kv = (torch.randn(num_blocks, block_size, lora + rope_dim, generator=g) / kv_scale).clamp(-448, 448)
     kv = kv.to(torch.float8_e4m3fn)
-    q_nope = torch.randn(T, heads, dn, generator=g).to(dtype)
-    q_pe = torch.randn(T, heads, rope_dim, generator=g).to(dtype)
-    c_kv = torch.randn(T, lora, generator=g).to(dtype)
-    k_pe = torch.randn(T, 1, rope_dim, generator=g).to(dtype)
-    w_kv_b = (torch.randn(heads * (dn + dv), lora, generator=g) * lora ** -0.5).to(dtype)
+    q_nope, q_pe, c_kv, k_pe, w_kv_b = mla_inputs(T, heads, lora, rope_dim, dn, dv, dtype, g)
     scale = (dn + rope_dim) ** -0.5
     kv_ref = kv.clone()
     ref = R.mla_attention(q_nope.float(), q_pe.float(), c_kv.float(), k_pe.float(), w_kv_b.float(), kv_ref, batch,

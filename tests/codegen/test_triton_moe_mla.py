@@ -22,7 +22,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-from test_triton_kernels import _batch, render_kernels  # noqa: E402
+from codegen_helpers import mla_inputs, render_kernels  # noqa: E402
+from test_triton_kernels import _batch  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -108,11 +109,7 @@ def _check_mla(K, R, seqs, *, heads, dtype, partition, lora=32, rope_dim=8, dn=8
     batch = _batch(seqs, block_size, num_blocks, g)
     T = batch.num_tokens
     kv = torch.randn(num_blocks, block_size, lora + rope_dim, generator=g).to(dtype)
-    q_nope = torch.randn(T, heads, dn, generator=g).to(dtype)
-    q_pe = torch.randn(T, heads, rope_dim, generator=g).to(dtype)
-    c_kv = torch.randn(T, lora, generator=g).to(dtype)
-    k_pe = torch.randn(T, 1, rope_dim, generator=g).to(dtype)
-    w_kv_b = (torch.randn(heads * (dn + dv), lora, generator=g) * lora ** -0.5).to(dtype)
+    q_nope, q_pe, c_kv, k_pe, w_kv_b = mla_inputs(T, heads, lora, rope_dim, dn, dv, dtype, g)
     scale = (dn + rope_dim) ** -0.5
     kv_ref = kv.clone().float()
     ref = R.mla_attention(q_nope.float(), q_pe.float(), c_kv.float(), k_pe.float(), w_kv_b.float(), kv_ref, batch,

@@ -20,9 +20,9 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
+from codegen_helpers import render_kernels  # noqa: E402
 from kiln.compiler.ops import OPS, RefContext  # noqa: E402
 from kiln.compiler.quant import fp8_quantize  # noqa: E402
-from test_triton_kernels import render_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module")

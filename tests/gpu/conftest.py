@@ -28,30 +28,38 @@ def pytest_runtest_setup(item):
 def render_triton_kernels(tmp_path_factory):
     """`render_triton_kernels(head_dim, num_heads, num_kv_heads, block_size)` -> the rendered Triton kernel
     library (bf16 render, with its CPU fallback library beside it), imported as a fresh package."""
-    import importlib
-    import itertools
     import sys
+    from pathlib import Path
 
-    from kiln.codegen.render import template_env
-
-    ids = itertools.count()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "codegen"))
+    from codegen_helpers import render_kernels
 
     def render(head_dim: int, num_heads: int, num_kv_heads: int, block_size: int):
-        root = tmp_path_factory.mktemp("gpu_kernels")
-        pkg = root / f"gpukpkg{next(ids)}"
-        pkg.mkdir()
-        env = template_env()
-        (pkg / "__init__.py").write_text("")
-        (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test"))
-        (pkg / "triton.py").write_text(env.get_template("triton/kernels.py.j2").render(
-            kiln_version="test", head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            dtype="bfloat16", block_size=block_size))
-        sys.path.insert(0, str(root))
-        try:
-            mod = importlib.import_module(f"{pkg.name}.triton")
-        finally:
-            sys.path.remove(str(root))
+        mod = render_kernels(tmp_path_factory.mktemp("gpu_kernels"), head_dim=head_dim, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, dtype="bfloat16", block_size=block_size)
         assert not mod.INTERPRET
         return mod
 
     return render
+
+
+@pytest.fixture(scope="session")
+def h200_graph_artifact(tiny_checkpoint, tmp_path_factory):
+    """`h200_graph_artifact(name, edit=None)` -> an h200 artifact of the tiny Llama checkpoint in bf16 with decode
+    CUDA graphs for batch sizes 1, 2, 4, 8; `edit(recipe_text) -> recipe_text` changes the recipe first."""
+    import kiln
+    from kiln.cli import main
+
+    def build(name: str, edit=None):
+        ckpt = tiny_checkpoint("llama")
+        work = tmp_path_factory.mktemp(name)
+        assert main(["recipe", "from-hf", str(ckpt), "-o", str(work / "r.dsl")]) == 0
+        text = (work / "r.dsl").read_text().replace("dtype   = fp32", "dtype   = bf16")
+        if edit is not None:
+            text = edit(text)
+        (work / "g.dsl").write_text(
+            text.replace("  serve ", "  cuda_graphs { batch_sizes = [1, 2, 4, 8] }\n  serve ", 1))
+        kiln.compile(work / "g.dsl", work / "h200", target="h200", progress=False)
+        return work / "h200"
+
+    return build

@@ -9,19 +9,10 @@ import pytest
 import torch
 from kiln.runtime import LLMEngine, SamplingParams
 
-import kiln
-from kiln.cli import main
-
 
 @pytest.fixture(scope="module")
-def h200_art(tiny_checkpoint, tmp_path_factory):
-    ckpt = tiny_checkpoint("llama")
-    work = tmp_path_factory.mktemp("gpu_async")
-    assert main(["recipe", "from-hf", str(ckpt), "-o", str(work / "r.dsl")]) == 0
-    text = (work / "r.dsl").read_text().replace("dtype   = fp32", "dtype   = bf16")
-    (work / "g.dsl").write_text(text.replace("  serve ", "  cuda_graphs { batch_sizes = [1, 2, 4, 8] }\n  serve ", 1))
-    kiln.compile(work / "g.dsl", work / "h200", target="h200", progress=False)
-    return work / "h200"
+def h200_art(h200_graph_artifact):
+    return h200_graph_artifact("gpu_async")
 
 
 def _prompts(n: int) -> list[list[int]]:

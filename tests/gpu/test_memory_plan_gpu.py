@@ -10,24 +10,16 @@ import pytest
 import torch
 from kiln.runtime import LLMEngine, SamplingParams
 
-import kiln
-from kiln.cli import main
-
 FRACTION = 0.5
 SLACK = 64 * 2**20  # the sampler's and the step's host-visible tensors, allocator rounding
 
 
 @pytest.fixture(scope="module")
-def h200_art(tiny_checkpoint, tmp_path_factory):
-    ckpt = tiny_checkpoint("llama")
-    work = tmp_path_factory.mktemp("gpu_memory_plan")
-    assert main(["recipe", "from-hf", str(ckpt), "-o", str(work / "r.dsl")]) == 0
-    text = (work / "r.dsl").read_text().replace("dtype   = fp32", "dtype   = bf16")
-    assert "memory_fraction = 0.9" in text
-    text = text.replace("memory_fraction = 0.9", f"memory_fraction = {FRACTION}")
-    (work / "g.dsl").write_text(text.replace("  serve ", "  cuda_graphs { batch_sizes = [1, 2, 4, 8] }\n  serve ", 1))
-    kiln.compile(work / "g.dsl", work / "h200", target="h200", progress=False)
-    return work / "h200"
+def h200_art(h200_graph_artifact):
+    def fraction(text: str) -> str:
+        assert "memory_fraction = 0.9" in text
+        return text.replace("memory_fraction = 0.9", f"memory_fraction = {FRACTION}")
+    return h200_graph_artifact("gpu_memory_plan", fraction)
 
 
 def _fresh_device():
