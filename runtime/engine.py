@@ -207,17 +207,24 @@ class LLMEngine:
             return self._step_overlapped()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            self.runner.swap(batch)  # everything running was swapped out this step
-            assert not (self.scheduler.waiting or self.scheduler.swapped) or self.scheduler.running \
-                or batch.swap_out, \
-                "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
-            return self._drain_aborted()
+            return self._step_empty(batch)
+        return self._step_sync(batch)
+
+    def _step_sync(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Launches `batch`, reads its tokens back and processes them (nothing in flight)."""
         if self.speculative is not None:
             return self._step_speculative(batch)
         logits, layout = self.runner.execute(batch)
         sampled = self.sampler.sample(logits, layout, batch.seqs)
-        grown = self.scheduler.update(batch, sampled.sampled)
-        return self._process(batch, sampled, grown)
+        return self._process(batch, sampled, self.scheduler.update(batch, sampled.sampled))
+
+    def _step_empty(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Nothing to run (everything running was swapped out this step, or nothing is left)."""
+        self.runner.swap(batch)
+        assert not (self.scheduler.waiting or self.scheduler.swapped) or self.scheduler.running \
+            or batch.swap_out, \
+            "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
+        return self._drain_aborted()
 
     # Async scheduling ---------------------------------------------------------------------------------------
     @staticmethod
@@ -235,20 +242,13 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            self.runner.swap(batch)
             if prev is not None:  # what is not scheduled may be finishing in the step in flight
+                self.runner.swap(batch)
                 return self._finish_inflight(prev)
-            assert not (self.scheduler.waiting or self.scheduler.swapped) or self.scheduler.running \
-                or batch.swap_out, \
-                "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
-            return self._drain_aborted()
+            return self._step_empty(batch)
         overlap = self.async_scheduling and self.speculative is None and all(map(self._overlaps, batch.seqs))
         if prev is None and not overlap:
-            if self.speculative is not None:
-                return self._step_speculative(batch)
-            logits, layout = self.runner.execute(batch)
-            sampled = self.sampler.sample(logits, layout, batch.seqs)
-            return self._process(batch, sampled, self.scheduler.update(batch, sampled.sampled))
+            return self._step_sync(batch)
         patch = self._input_patch(batch, prev)
         logits, layout = self.runner.execute(batch) if patch is None else self.runner.execute(batch, patch)
         if overlap:

@@ -62,6 +62,15 @@ def plan_kv_cache(*, bytes_per_block: int, total: int, fraction: float, weights:
             "kv_bytes": blocks * bytes_per_block, "kv_blocks": int(blocks)}
 
 
+def host_to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device: a blocking host-to-device copy
+    synchronizes the stream, which would stall async scheduling behind the step in flight. The pinned
+    staging buffer is reused only after the copy ran (torch's host allocator records it on the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -230,22 +239,19 @@ class ModelRunner:
         for seq, n in zip(seqs[num_decodes:], batch.num_new_tokens[num_decodes:], strict=True):
             start, end, base = seq.num_computed_tokens, seq.num_computed_tokens + n, query_start_loc[-1]
             input_ids.extend(seq.token_ids[start:end])
-            if seq.draft_token_ids:  # verify: the last token, then the drafts, each row scored
-                input_ids.extend(seq.draft_token_ids)
-                positions.extend(range(start, end))
-                table = seq.block_table
-                assert len(table) * bs >= end, f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens"
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-                prompt_rows.append(None)
-                sample_rows.append(len(logits_indices))
-                logits_indices.extend(range(base, base + n))
-                query_start_loc.append(base + n)
-                seq_lens.append(end)
-                continue
+            drafts = seq.draft_token_ids
+            input_ids.extend(drafts)  # verifying: the drafts after the last token
             positions.extend(range(start, end))
             table = seq.block_table
             assert len(table) * bs >= end, f"seq {seq.seq_id}: {len(table)} blocks cannot hold {end} tokens"
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(base + n)
+            seq_lens.append(end)
+            if drafts:  # every row scored (a drafting seq owes no prompt logprobs: Engine._drafts_for)
+                prompt_rows.append(None)
+                sample_rows.append(len(logits_indices))
+                logits_indices.extend(range(base, base + n))
+                continue
             rows = None
             if seq.needs_prompt_logprobs():
                 lo = max(start, len(seq.prompt_logprobs or [None]) - 1)
@@ -259,8 +265,6 @@ class ModelRunner:
                 logits_indices.append(base + n - 1)
             else:
                 sample_rows.append(None)
-            query_start_loc.append(base + n)
-            seq_lens.append(end)
 
         # One tensor from one padded nested list: a tensor per row costs more than the rest of the step.
         max_blocks = max(cdiv(length, bs) for length in seq_lens)
@@ -270,21 +274,13 @@ class ModelRunner:
             tables.append(seq.block_table[:used] + [-1] * (max_blocks - used))
 
         def i32(values: list[int]) -> torch.Tensor:
-            return self._to_device(values, torch.int32)
+            return host_to_device(values, torch.int32, self.device)
 
         fb = ForwardBatch(input_ids=i32(input_ids), positions=i32(positions),
                           query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens), block_tables=i32(tables),
-                          slot_mapping=self._to_device(slots, torch.int64),
+                          slot_mapping=host_to_device(slots, torch.int64, self.device),
                           logits_indices=i32(logits_indices), num_decodes=num_decodes)
         return fb, LogitsLayout(sample_rows=sample_rows, prompt_rows=prompt_rows)
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor without waiting for the device: a blocking host-to-device copy
-        synchronizes the stream, which would stall async scheduling behind the step in flight. The pinned
-        staging buffer is reused only after the copy ran (torch's host allocator records it on the stream)."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=dtype, device=self.device)
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -300,7 +296,7 @@ class ModelRunner:
             if dst == src and dst[-1] == k - 1:  # steady decode: the same leading rows, in the same order
                 fb.input_ids[:k].copy_(tokens[:k])
             else:
-                index = self._to_device([dst, src], torch.int64)
+                index = host_to_device([dst, src], torch.int64, self.device)
                 fb.input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(fb.input_ids.dtype))
         logits = self.graph_runner.run(fb) if self.graph_runner is not None else None
         if logits is None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_runner import LogitsLayout
+from .model_runner import LogitsLayout, host_to_device
 from .sequence import Sequence
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
@@ -97,10 +97,7 @@ class Sampler:
         device = logits.device
 
         def vec(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
-            # no blocking host-to-device copy: it would synchronize with the step in flight
-            if device.type != "cuda":
-                return torch.tensor(values, device=device, dtype=dtype)
-            return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+            return host_to_device(values, dtype, device)  # no sync with the step in flight
 
         greedy = vec([p.greedy for p in params])
         temperature = vec([p.temperature if not p.greedy else 1.0 for p in params])
