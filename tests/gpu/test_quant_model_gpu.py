@@ -19,23 +19,11 @@ import torch
 import kiln
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
-from quant_testlib import pack_awq, recipe_text, rewrite_checkpoint, rtn_int4  # noqa: E402
+from quant_testlib import awq_checkpoint, recipe_text  # noqa: E402
 
 # (max, mean) absolute logprob differences from the cpu fp32 artifact. fp32: kernel summation orders only.
 # bf16 activations: a few tokens move by ~0.1-0.3 on these random models. A wrong layout or scale: nats.
 BOUNDS = {"fp32": (1e-3, 1e-4), "bf16": (0.5, 0.1)}
-
-
-def _awq(ckpt: Path, dst: Path) -> Path:
-    def pack(tensors):
-        out = dict(tensors)
-        for name in [n for n in tensors if n.endswith("_proj.weight")]:
-            q, z, s, _ = rtn_int4(out.pop(name), 128)
-            stem = name[: -len(".weight")]
-            out.update({f"{stem}.qweight": pack_awq(q), f"{stem}.qzeros": pack_awq(z), f"{stem}.scales": s})
-        return out
-
-    return rewrite_checkpoint(ckpt, dst, pack)
 
 
 def _logprobs(out):
@@ -51,7 +39,7 @@ def _logprobs(out):
 def test_quantized_h200_artifact_vs_cpu(quantize, kernel, dtype, tiny_checkpoint, tmp_path):
     ckpt = tiny_checkpoint("llama", hidden_size=128, intermediate_size=256)
     if quantize.startswith("awq"):
-        ckpt = _awq(ckpt, tmp_path / "awq_ckpt")
+        ckpt = awq_checkpoint(ckpt, tmp_path / "awq_ckpt")
     text = recipe_text(ckpt, f"weights = {quantize}")
     (tmp_path / "cpu.dsl").write_text(text)
     (tmp_path / "gpu.dsl").write_text(text.replace("target = cpu", "target = h200").replace("dtype = fp32",
