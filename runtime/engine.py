@@ -328,7 +328,7 @@ class LLMEngine:
         starts = [seq.num_computed_tokens for seq in seqs]
         new_tokens = self._verify(batch, logits, layout, sampled.sampled)
         grown = self.scheduler.update_verified(batch, new_tokens)
-        outputs = self._process(batch, sampled, grown, [len(t) for t in new_tokens])
+        outputs = self._process(batch, sampled, grown, [len(t) for t in new_tokens if t])  # grown's order
         if drafting:
             self._propose(batch, draft_input, starts, new_tokens)
         return outputs
@@ -380,23 +380,22 @@ class LLMEngine:
             seq.draft_token_ids = [d]
 
     def _process(self, batch: ScheduledBatch, sampled: SamplerOutput, grown: list[Sequence],
-                 num_new: list[int] | None = None) -> list[RequestOutput]:
+                 added: list[int] | None = None) -> list[RequestOutput]:
         for seq, plp, lp in zip(batch.seqs, sampled.prompt_logprobs, sampled.logprobs, strict=True):
             if plp is not None:
                 seq.prompt_logprobs.extend(self._logprob_dict(x) for x in plp)
             if lp is not None:
                 seq.output_logprobs.append(self._logprob_dict(lp))
                 seq.cumulative_logprob += lp[1][0]
-        added = dict(zip(map(id, batch.seqs), num_new, strict=True)) if num_new is not None else None
         return self._outputs(grown, added)
 
-    def _outputs(self, grown: list[Sequence], added: dict[int, int] | None = None) -> list[RequestOutput]:
-        """Stop checks of the sequences that grew (`added`: by how many tokens, when more than one), then the
-        outputs: aborted requests first, then every request that progressed."""
+    def _outputs(self, grown: list[Sequence], added: list[int] | None = None) -> list[RequestOutput]:
+        """Stop checks of the sequences that grew (`added[k]`: how many tokens grown[k] gained; None: one
+        each), then the outputs: aborted requests first, then every request that progressed."""
         touched: dict[str, Request] = {}
-        for seq in grown:
-            if added is not None and added[id(seq)] > 1:
-                self._check_stop_each(seq, added[id(seq)])
+        for seq, m in zip(grown, itertools.repeat(1) if added is None else added):
+            if m > 1:
+                self._check_stop_each(seq, m)
             else:
                 self._check_stop(seq)
             if seq.finish_reason is not None:
