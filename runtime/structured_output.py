@@ -42,9 +42,9 @@ def _xgrammar_message(e: BaseException) -> str:
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
-    """What to constrain one request to. `spec` is canonical text (JSON with sorted keys for schemas and
-    structural tags, the pattern, the EBNF), so equal requests share one compiled grammar: the cache key is
-    (kind, spec, strict)."""
+    """What to constrain one request to. `spec` is text (compact JSON for schemas and structural tags, in
+    the request's key order — property order is part of a schema's meaning to xgrammar —, the pattern, the
+    EBNF), so equal requests share one compiled grammar: the cache key is (kind, spec, strict)."""
 
     kind: str
     spec: str = ""
@@ -71,7 +71,7 @@ class GrammarSpec:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False), bool(strict))
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False), bool(strict))
 
     @classmethod
     def regex(cls, pattern: str) -> GrammarSpec:
@@ -100,7 +100,7 @@ class GrammarSpec:
             tag = tag.model_dump(mode="json", by_alias=True)
         if not isinstance(tag, dict):
             raise GrammarError(f"a structural tag must be a JSON object, got {type(tag).__name__}")
-        return cls("structural_tag", json.dumps(tag, sort_keys=True, ensure_ascii=False))
+        return cls("structural_tag", json.dumps(tag, ensure_ascii=False))
 
 
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

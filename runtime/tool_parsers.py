@@ -259,11 +259,42 @@ class DeltaMessage:
 
 @dataclass(slots=True)
 class _Call:
-    """A call found in the text so far. `name` None: its header is not complete yet (a stream holds it)."""
+    """A call found in the text so far. `name` None: its header is not complete yet (a stream holds it).
+    `arguments` is kept strict JSON: raw control characters inside strings (xgrammar's JSON grammar lets them
+    through; json.loads rejects them) are written as escapes, a per-character rewrite, so a stream's argument
+    deltas still concatenate to the whole-text parse's."""
 
     name: str | None
     arguments: str
     complete: bool
+
+    def __post_init__(self) -> None:
+        if _CONTROL.search(self.arguments):
+            self.arguments = _escape_controls(self.arguments)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
+_SHORT_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+
+
+def _escape_controls(text: str) -> str:
+    out = []
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            elif ch < " ":
+                out.append(_SHORT_ESCAPES.get(ch) or f"\\u{ord(ch):04x}")
+                continue
+        elif ch == '"':
+            in_string = True
+        out.append(ch)
+    return "".join(out)
 
 
 _PENDING = object()  # "cannot tell yet": the text from the marker on is held back
@@ -432,7 +463,6 @@ class Llama3JsonToolParser(ToolParser):
     start with a call is content — including a JSON answer without a "name"."""
 
     python_tag: ClassVar[str] = "<|python_tag|>"
-    needs_special_tokens = True
     xgrammar_model = "llama"
 
     def _segments(self, text: str, final: bool) -> list[str | _Call]:
@@ -555,7 +585,9 @@ class MistralToolParser(_MarkerToolParser):
         for tool in functions:
             fn = tool.function
             params = True if fn.strict is False or fn.parameters is None else fn.parameters
-            items.append({"type": "object", "properties": {"name": {"const": fn.name}, "arguments": params},
+            # the template writes each past call's 9-character id after its arguments: the model may too
+            items.append({"type": "object", "properties": {"name": {"const": fn.name}, "arguments": params,
+                                                           "id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}},
                           "required": ["name", "arguments"], "additionalProperties": False})
         if not items:  # "auto" with no tools left: plain text
             return StructuralTag(format=AnyTextFormat()).model_dump(mode="json", by_alias=True)
@@ -580,7 +612,6 @@ class DeepSeekV3ToolParser(_MarkerToolParser):
     call_begin: ClassVar[str] = "<｜tool▁call▁begin｜>"
     call_end: ClassVar[str] = "<｜tool▁call▁end｜>"
     sep: ClassVar[str] = "<｜tool▁sep｜>"
-    needs_special_tokens = True
     xgrammar_model = "deepseek_r1"
 
     def _calls_at(self, text: str, j: int, final: bool):
