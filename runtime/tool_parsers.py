@@ -6,9 +6,10 @@ chat template the way HF's `apply_chat_template(tools=...)` expects them.
 
 Parsing never raises on model output. Text that does not form a call — a marker followed by something that
 is not a call header, JSON without a "name" — stays plain content. A stream emits exactly what the whole-text
-parse returns (content, names, argument text), for any split into deltas, with one exception it reports:
-arguments that break after the stream sent their first bytes (the whole-text parse turns that call back into
-content; a stream cannot take back what it sent, so `ToolCallStream.consistent` turns False). Output cut off
+parse returns (content, names, argument text), for any split into deltas, with one exception it reports: a
+call whose JSON breaks after its arguments began (a stream shows a call, header and argument bytes, once its
+arguments begin; the whole-text parse turns the broken call back into content, a stream cannot take back what
+it sent, so `ToolCallStream.consistent` turns False). Output cut off
 inside a call (max_tokens) is a call with `complete=False` in both modes, as OpenAI reports it.
 """
 from __future__ import annotations
@@ -385,6 +386,8 @@ def _object_call(text: str, i: int, final: bool, args_keys: tuple[str, ...] = ("
         return _Call(name, arguments or "{}", True), end
     if name is None:
         return (None, end) if final else (_PENDING, end)
+    if not final and (args is None or args[0] >= n):  # a stream shows the call once its arguments begin
+        return _PENDING, end
     return _Call(name, arguments, False), n
 
 
@@ -649,19 +652,18 @@ class DeepSeekV3ToolParser(_MarkerToolParser):
                 if nl < 0:
                     return undecided() if not final else stop(begin)
                 name, a = text[k:nl].strip(), nl + 1
-                for fence in ("```json", "```"):
-                    if text.startswith(fence, a):
-                        a += len(fence)
-                        break
-                else:
-                    if not final and "```json".startswith(text[a:]):  # the fence may be on its way
-                        if name:
-                            calls.append(_Call(name, "", False))
-                        return undecided()
+                if not final and "```json".startswith(text[a:]):  # the fence may be on its way
+                    return undecided()
+                if text.startswith("```json", a):
+                    a += len("```json")
+                elif text.startswith("```", a):
+                    a += len("```")
                 args_at = _skip_ws(text, a)
             if not name or any(c in name for c in " <>{}"):
                 return stop(begin)
             if args_at >= n:  # the name is known, the arguments have not begun
+                if not final:
+                    return undecided()
                 calls.append(_Call(name, "", False))
                 return calls, n
             if text[args_at] != "{":
