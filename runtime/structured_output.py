@@ -143,34 +143,24 @@ def grammar_spec_from_response_format(response_format: dict | None) -> GrammarSp
                        "choice, grammar, structural_tag)")
 
 
-# Keys whose values are data, not subschemas (a const may well look like {"type": "string", "maxLength": 3}).
-_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
-_UNESCAPED_CHAR = '[^\\x00-\\x1f"\\\\]'  # a character JSON allows unescaped inside a string
+# xgrammar 0.2.8 writes JSON string characters as these classes in the grammars it generates (schemas, the
+# builtin JSON grammar, structural tags' JSON arguments). The length-bounded one (minLength / maxLength) lets
+# raw control characters through (a tab, \x0c: strict parsers — json.loads, pydantic — reject the output), and
+# both admit UTF-16 surrogate code points, which encode to invalid UTF-8. Both become the class JSON means.
+_STRING_CLASSES = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
+_JSON_STRING_CLASS = r'[^\0-\x1f\"\\\ud800-\udfff]'
 
 
-def _length_bounded_strings(node: Any) -> Any:
-    """xgrammar 0.2.8 writes a string schema with minLength/maxLength as `[^"\\\r\n]{m,n}`: raw control
-    characters (a tab, \\x0c) get through, and strict JSON parsers (json.loads, pydantic) reject the output.
-    The same bounds as a pattern over the characters JSON allows unescaped say what the schema means (escapes
-    are not produced either way). Applied to every subschema, in schemas and in structural tags."""
-    if isinstance(node, list):
-        return [_length_bounded_strings(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: v if k in _DATA_KEYS else _length_bounded_strings(v) for k, v in node.items()}
-    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
-            and "pattern" not in out and "format" not in out):
-        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
-        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
-            out["pattern"] = f"^{_UNESCAPED_CHAR}{{{lo},{'' if hi is None else hi}}}$"
-        else:  # not integers: leave the schema to xgrammar's own error
-            out["minLength"], out["maxLength"] = lo, hi
-    return out
+def _json_strings_fixed(grammar: Any) -> Any:
+    """The grammar with its JSON string classes corrected (through its EBNF text), or itself when it has
+    none. tests/structured checks that xgrammar still needs this."""
+    import xgrammar as xgr
 
-
-def _for_xgrammar(spec: GrammarSpec) -> str:
-    """The spec's JSON (schema or structural tag) with the workaround above."""
-    return json.dumps(_length_bounded_strings(json.loads(spec.spec)), ensure_ascii=False)
+    text = str(grammar)
+    fixed = text
+    for cls in _STRING_CLASSES:
+        fixed = fixed.replace(cls, _JSON_STRING_CLASS)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -187,7 +177,7 @@ def validate(spec: GrammarSpec, max_whitespace: int | None = 8) -> None:
         if spec.kind == "json_object":
             return
         if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(_for_xgrammar(spec), strict_mode=spec.strict, max_whitespace_cnt=max_whitespace)
+            xgr.Grammar.from_json_schema(spec.spec, strict_mode=spec.strict, max_whitespace_cnt=max_whitespace)
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.spec)
         elif spec.kind == "choice":
@@ -198,7 +188,7 @@ def validate(spec: GrammarSpec, max_whitespace: int | None = 8) -> None:
             else:
                 xgr.Grammar.from_lark(spec.spec)
         else:
-            xgr.Grammar.from_structural_tag(_for_xgrammar(spec))
+            xgr.Grammar.from_structural_tag(spec.spec)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / pydantic errors with the reason
         raise GrammarError(f"invalid {spec.kind}: {_xgrammar_message(e)}") from None
 
@@ -263,19 +253,23 @@ class GrammarBackend:
 
     # Compilation ---------------------------------------------------------------------------------------------
     def _compile_now(self, spec: GrammarSpec) -> Any:
+        import xgrammar as xgr
+
         c, ws = self._compiler, self.max_whitespace
         try:
             if spec.kind == "json_object":  # OpenAI: the root is an object (xgrammar's builtin allows arrays)
-                return c.compile_json_schema('{"type": "object"}', max_whitespace_cnt=ws)
-            if spec.kind == "json_schema":
-                return c.compile_json_schema(_for_xgrammar(spec), strict_mode=spec.strict, max_whitespace_cnt=ws)
-            if spec.kind == "regex":
+                grammar = xgr.Grammar.from_json_schema('{"type": "object"}', max_whitespace_cnt=ws)
+            elif spec.kind == "json_schema":
+                grammar = xgr.Grammar.from_json_schema(spec.spec, strict_mode=spec.strict, max_whitespace_cnt=ws)
+            elif spec.kind == "structural_tag":
+                grammar = xgr.Grammar.from_structural_tag(spec.spec)
+            elif spec.kind == "regex":
                 return c.compile_regex(spec.spec)
-            if spec.kind == "choice":
+            elif spec.kind == "choice":
                 return c.compile_grammar(_choice_ebnf(json.loads(spec.spec)))
-            if spec.kind == "grammar":
+            else:
                 return c.compile_grammar(spec.spec) if "::=" in spec.spec else c.compile_lark(spec.spec)
-            return c.compile_structural_tag(_for_xgrammar(spec))
+            return c.compile_grammar(_json_strings_fixed(grammar))
         except Exception as e:
             raise GrammarError(f"invalid {spec.kind}: {_xgrammar_message(e)}") from None
 

@@ -310,16 +310,21 @@ def test_random_masked_sampling_stays_in_the_language(backend, tok, spec, check)
         assert check(text), text
 
 
-def test_length_bounded_strings_stay_strict_json(backend, tok):
-    """xgrammar 0.2.8 lets raw control characters into strings with minLength/maxLength (strict parsers then
-    reject the output); kiln's schemas and structural tags rewrite those bounds as an equivalent pattern."""
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4}},
-              "required": ["s"]}
+def test_json_strings_stay_strict_json(backend, tok):
+    """xgrammar 0.2.8 lets raw control characters into strings with minLength/maxLength, and surrogate code
+    points (invalid UTF-8) into any JSON string: strict parsers reject such output. kiln corrects the string
+    classes of the grammars it compiles (schemas, json_object, structural tags)."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4},
+                                               "t": {"type": "string"}}, "required": ["s", "t"]}
     raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    assert accepts(raw, '{"s": "a\tb"}'), "xgrammar fixed bounded strings: drop _length_bounded_strings"
+    assert accepts(raw, '{"s": "a\tb", "t": ""}'), "xgrammar fixed bounded strings: drop _json_strings_fixed"
     compiled = backend.compile(GrammarSpec.json_schema(schema))
-    for text, ok in [('{"s": "a\tb"}', False), ('{"s": "a\x0cb"}', False), ('{"s": "abcd"}', True),
-                     ('{"s": "abcde"}', False), ('{"s": ""}', False), ('{"s": "ü"}', True)]:
+    for text, ok in [('{"s": "a\tb"', False), ('{"s": "a\x0cb"', False), ('{"s": "abcd", "t": "x\ty"', False),
+                     ('{"s": "abcd", "t": "\u00e9\\n ok"}', True), ('{"s": "abcde"', False), ('{"s": ""', False),
+                     ('{"s": "ü", "t": "日本"}', True)]:
         assert xgr.GrammarMatcher(compiled).accept_string(text) == ok, text
+    surrogate = b'{"s": "a", "t": "' + b"\xed\xa0\x80"
+    assert accepts(raw, surrogate + b'"}')
+    assert not xgr.GrammarMatcher(compiled).accept_string(surrogate)
