@@ -566,6 +566,36 @@ class StructuredOutputProcessor:
         self.apply(logits, rows)
         self.num_masked_rows += len(rows)
 
+    def mask_drafts(self, logits: torch.Tensor, seqs: Seq[Any], first_rows: Seq[int]) -> list[int]:
+        """Speculative decoding's verification rows: seqs[i] with drafts `seq.draft_token_ids` owns logits rows
+        first_rows[i] (the target's token after its last token), +1 (after the first draft), …. Masks the
+        rows up to and including the one after its last grammar-valid draft, so the target cannot pick a
+        token the grammar forbids and a draft the grammar rejects is rejected by verification itself (the
+        target's masked choice never equals it). Returns each sequence's number of grammar-valid drafts.
+        The sequences' states advance by the tokens they gained first, as in `__call__`."""
+        valid: list[int] = []
+        rows: list[int] = []
+        need = max((r + len(s.draft_token_ids) + 1 for s, r in zip(seqs, first_rows)), default=0)
+        if need > self.bitmask.shape[0]:
+            self._allocate(max(need, 2 * self.bitmask.shape[0]))
+        for s, first in zip(seqs, first_rows, strict=True):
+            c = self.constraint(s.request_id, s.index)
+            if c is None:
+                valid.append(len(s.draft_token_ids))
+                continue
+            new = s.token_ids[s.num_prompt_tokens + c.num_seen:]
+            if new:
+                assert PLACEHOLDER_TOKEN not in new, f"seq {s.seq_id}: a placeholder in a constrained sequence"
+                c.accept(new)
+            n, masked = c.fill_draft_rows(s.draft_token_ids, self.bitmask, first)
+            valid.append(n)
+            rows.extend(masked)
+        if rows:
+            rows.sort()
+            self.apply(logits, rows)
+            self.num_masked_rows += len(rows)
+        return valid
+
     def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Applies bitmask rows `rows` to the same logits rows, in one op."""
         import xgrammar as xgr

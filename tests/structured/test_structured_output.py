@@ -328,3 +328,25 @@ def test_json_strings_stay_strict_json(backend, tok):
     surrogate = b'{"s": "a", "t": "' + b"\xed\xa0\x80"
     assert accepts(raw, surrogate + b'"}')
     assert not xgr.GrammarMatcher(compiled).accept_string(surrogate)
+
+
+def test_verification_rows_for_speculative_drafts(backend, tok):
+    """Each verification row is masked as a fresh matcher at that draft position would mask it; a draft the
+    grammar rejects gets no row after it, and cannot survive verification (the row before it forbids it)."""
+    compiled = backend.compile(GrammarSpec.json_schema(SCHEMA))
+    p = StructuredOutputProcessor(backend, V, max_rows=2)
+    p.add_request("spec", grammar=compiled)
+    tokens = _json_tokens(tok, '{"a": 12, "b": "xy"}')
+    bad = _json_tokens(tok, "}")[0]
+    s = seq("spec", tokens[:3])
+    s.draft_token_ids = [tokens[3], tokens[4], bad]
+    free = seq("free", [5])
+    free.draft_token_ids = [6, 7]
+    logits = torch.zeros(8, V)
+    assert p.mask_drafts(logits, [free, s], [0, 3]) == [2, 2]
+    assert torch.all(logits[:3] == 0) and torch.all(logits[6:] == 0)  # the free rows, and rows past the bad draft
+    for j in range(3):
+        finite = set(torch.nonzero(torch.isfinite(logits[3 + j])).flatten().tolist())
+        assert finite == fresh_allowed(backend, compiled, tokens[:3 + j])
+    assert bad not in set(torch.nonzero(torch.isfinite(logits[5])).flatten().tolist())
+    assert p.constraint("spec").num_seen == 3  # drafts are not accepted until verified
