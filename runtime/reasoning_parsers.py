@@ -28,7 +28,7 @@ class ReasoningDelta:
     content: str = ""
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker` (text that may still become
     the marker, so a stream holds it back)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -60,7 +60,6 @@ class ReasoningStream:
         self._phase = _Phase.THINKING if prompt_in_thinking else _Phase.UNDECIDED
         self._pending = ""
         self._reasoning_begun = False  # a non-newline reasoning character was emitted
-        self.saw_reasoning = prompt_in_thinking
 
     def feed(self, delta: str) -> ReasoningDelta:
         self._pending += delta
@@ -76,7 +75,7 @@ class ReasoningStream:
             if self._phase is _Phase.UNDECIDED:
                 body = text.lstrip()
                 if body.startswith(self.start):
-                    self._phase, self._pending, self.saw_reasoning = _Phase.THINKING, body[len(self.start):], True
+                    self._phase, self._pending = _Phase.THINKING, body[len(self.start):]
                     continue
                 if not final and self.start.startswith(body):
                     return out  # whitespace or part of the start tag: wait
@@ -92,7 +91,7 @@ class ReasoningStream:
                     out.reasoning += self._reasoning_text(text)
                     self._pending = ""
                     return out
-                emit = text[:len(text) - _held_prefix(text, self.end)]
+                emit = text[:len(text) - held_prefix(text, self.end)]
                 kept = emit.rstrip("\n")  # newlines just before the end tag are dropped: hold them
                 out.reasoning += self._reasoning_text(kept)
                 self._pending = text[len(kept):]
@@ -146,16 +145,35 @@ class ReasoningParser:
         return "maybe"
 
 
-_REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
+class ParserRegistry:
+    """Parser classes by name (reasoning parsers here, tool parsers in tool_parsers): `register(*names)`
+    decorates a class (its first name becomes `cls.name`), `get(name)` instantiates one or raises
+    RequestError naming the known ones."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._classes: dict[str, type] = {}
+
+    def register(self, *names: str):
+        def decorator(cls: type) -> type:
+            cls.name = names[0]
+            for n in names:
+                self._classes[n] = cls
+            return cls
+        return decorator
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def get(self, name: str):
+        cls = self._classes.get(name)
+        if cls is None:
+            raise RequestError(f"unknown {self.what} {name!r} (known: {', '.join(self.names())})")
+        return cls()
 
 
-def register_reasoning_parser(*names: str):
-    def decorator(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        cls.name = names[0]
-        for n in names:
-            _REASONING_PARSERS[n] = cls
-        return cls
-    return decorator
+REASONING_PARSERS = ParserRegistry("reasoning parser")
+register_reasoning_parser = REASONING_PARSERS.register
 
 
 @register_reasoning_parser("qwen3", "deepseek_r1", "think")
@@ -171,10 +189,8 @@ class MistralReasoningParser(ReasoningParser):
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
-    cls = _REASONING_PARSERS.get(name)
-    if cls is None:
-        raise RequestError(f"unknown reasoning parser {name!r} (known: {', '.join(sorted(_REASONING_PARSERS))})")
-    return cls()
+    """`kiln serve --reasoning-parser NAME`; raises RequestError for an unknown name."""
+    return REASONING_PARSERS.get(name)
 
 
 def reasoning_parser_for(chat_template: str | None) -> str | None:

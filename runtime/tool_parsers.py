@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .errors import RequestError
+from .reasoning_parsers import ParserRegistry, held_prefix
 from .structured_output import GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -199,14 +200,6 @@ def scan_members(s: str, i: int) -> tuple[str, int, list[tuple[str, int, int | N
             return INVALID, i, members
         i += 1
         first = False
-
-
-def _held(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 # Results ---------------------------------------------------------------------------------------------------------
@@ -412,7 +405,7 @@ class _MarkerToolParser(ToolParser):
                 if final:
                     segments.append(rest.rstrip() if after_call else rest)
                 else:  # what may still be a marker or whitespace before one is held back
-                    segments.append(rest[:len(rest) - _held(rest, self.start)].rstrip())
+                    segments.append(rest[:len(rest) - held_prefix(rest, self.start)].rstrip())
                 return segments
             calls, end = self._calls_at(text, k + len(self.start), final)
             if calls is None:  # not a call: the marker is text
@@ -756,16 +749,8 @@ class ToolCallStream:
 
 # Registry ----------------------------------------------------------------------------------------------------
 
-_TOOL_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(*names: str):
-    def decorator(cls: type[ToolParser]) -> type[ToolParser]:
-        cls.name = names[0]
-        for n in names:
-            _TOOL_PARSERS[n] = cls
-        return cls
-    return decorator
+TOOL_PARSERS = ParserRegistry("tool parser")
+register_tool_parser = TOOL_PARSERS.register
 
 
 register_tool_parser("hermes", "qwen", "qwen2_5", "qwen3")(HermesToolParser)
@@ -775,15 +760,12 @@ register_tool_parser("deepseek_v3", "deepseek_r1")(DeepSeekV3ToolParser)
 
 
 def tool_parser_names() -> list[str]:
-    return sorted(_TOOL_PARSERS)
+    return TOOL_PARSERS.names()
 
 
 def get_tool_parser(name: str) -> ToolParser:
     """`kiln serve --tool-parser NAME`; raises RequestError for an unknown name."""
-    cls = _TOOL_PARSERS.get(name)
-    if cls is None:
-        raise RequestError(f"unknown tool parser {name!r} (known: {', '.join(tool_parser_names())})")
-    return cls()
+    return TOOL_PARSERS.get(name)
 
 
 # A chat template writes the markers its model was trained on; first match wins (Qwen's templates contain no

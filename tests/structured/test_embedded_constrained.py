@@ -83,6 +83,15 @@ def chat_prompt(engine, text: str, suffix: str = "") -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]) + suffix, add_special_tokens=False)
 
 
+def constrained(processor, name: str, n: int, prompt: list[int], max_tokens: int, **constraints) -> list[tuple]:
+    """n requests `name-i` (seed i, temperature 1.0) registered with the processor's constraints."""
+    requests = []
+    for i in range(n):
+        processor.add_request(f"{name}-{i}", **constraints)
+        requests.append((f"{name}-{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens)))
+    return requests
+
+
 def run(engine, requests):
     """requests: (request_id, prompt ids, SamplingParams); returns request_id -> CompletionOutput."""
     done = {}
@@ -103,11 +112,7 @@ def run(engine, requests):
 def test_json_schema_validates_50_of_50_at_temperature_1(engine, backend, processor):
     compiled = backend.compile(GrammarSpec.json_schema(PERSON, strict=True))
     prompt = chat_prompt(engine, "Describe a person as JSON.")
-    requests = []
-    for i in range(50):
-        processor.add_request(f"person-{i}", grammar=compiled)
-        requests.append((f"person-{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=400)))
-    outs = run(engine, requests)
+    outs = run(engine, constrained(processor, "person", 50, prompt, 400, grammar=compiled))
     texts = []
     for i in range(50):
         out = outs[f"person-{i}"]
@@ -164,11 +169,7 @@ def test_required_tool_calls_parse_and_fit_the_schema(engine, backend, processor
     parser = get_tool_parser("hermes")
     compiled = backend.compile(tool_choice_grammar(parser, TOOLS, choice, parallel_tool_calls=False))
     prompt = chat_prompt(engine, "What is the weather in Paris?")
-    requests = []
-    for i in range(10):
-        processor.add_request(f"tool-{i}", grammar=compiled)
-        requests.append((f"tool-{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=200)))
-    outs = run(engine, requests)
+    outs = run(engine, constrained(processor, "tool", 10, prompt, 200, grammar=compiled))
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for i in range(10):
         out = outs[f"tool-{i}"]
@@ -196,10 +197,7 @@ def test_thinking_budget_bounds_reasoning_then_the_answer_comes(engine, processo
     parser = get_reasoning_parser("think")
     cfg = _thinking(engine, budget)
     assert len(cfg.end_ids) > 1  # "</think>" is several tokens in this vocabulary: forced one by one
-    requests = []
-    for i in range(6):
-        processor.add_request(f"think-{i}", thinking=cfg)
-        requests.append((f"think-{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=budget + 40)))
+    requests = constrained(processor, "think", 6, prompt, budget + 40, thinking=cfg)
     requests.append(("unbounded", prompt, SamplingParams(temperature=1.0, seed=0, max_tokens=budget + 40,
                                                          ignore_eos=True)))
     outs = run(engine, requests)
@@ -225,11 +223,7 @@ def test_budget_then_schema_in_the_answer(engine, backend, processor):
     prompt = chat_prompt(engine, "Describe a person as JSON.", suffix="<think>\n")
     compiled = backend.compile(GrammarSpec.json_schema(PERSON))
     cfg = _thinking(engine, 12)
-    requests = []
-    for i in range(8):
-        processor.add_request(f"both-{i}", grammar=compiled, thinking=cfg)
-        requests.append((f"both-{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=320)))
-    outs = run(engine, requests)
+    outs = run(engine, constrained(processor, "both", 8, prompt, 320, grammar=compiled, thinking=cfg))
     parser = get_reasoning_parser("think")
     for i in range(8):
         out = outs[f"both-{i}"]
