@@ -1,6 +1,7 @@
 """Sampler: turns a step's logits into next tokens and log-probabilities, vectorised over the batch."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,9 @@ from .sequence import Sequence
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
+# Per-request constraints (grammars, thinking budgets): masks the sampled rows in place, row j for seqs[j]
+# (runtime/structured_output.StructuredOutputProcessor).
+LogitsProcessor = Callable[[torch.Tensor, list[Sequence]], None]
 
 
 @dataclass(slots=True)
@@ -30,10 +34,16 @@ class Sampler:
     logits (before penalties and temperature), as vLLM reports them by default.
     """
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
+                 logits_processor: LogitsProcessor | None = None) -> None:
         # Unseeded requests share this one. Generators live on the logits' device: a CPU generator cannot
         # fill a CUDA tensor, and drawing on the host and copying would cost a vocab-sized transfer per row.
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Applied by `sample` to the rows it samples, before penalties and sampling (logprobs then see the
+        # masked logits). Not applied on the async path (`sample_on_device`) or to speculative verification
+        # rows (`sample_tokens`): constrained requests must run synchronously, without drafts, until the
+        # engine defers their sampling.
+        self.logits_processor = logits_processor
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, layout: LogitsLayout, seqs: list[Sequence]) -> SamplerOutput:
@@ -54,6 +64,8 @@ class Sampler:
         # Steady decode samples every logits row in order: no gather (a copy of the whole [B, vocab] block).
         rows = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
         batch = [seqs[i] for i in idx]
+        if self.logits_processor is not None:
+            self.logits_processor(rows, batch)
         tokens = self._sample_rows(rows, batch)
         for j, i in enumerate(idx):
             out.sampled[i] = tokens[j]

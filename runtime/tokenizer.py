@@ -78,6 +78,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` underneath, for libraries that read the whole vocabulary (xgrammar)."""
+        return self._tok
+
     # Chat templates ---------------------------------------------------------------------------------------
     @property
     def chat_template(self) -> str | None:
