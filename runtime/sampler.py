@@ -10,6 +10,9 @@ from .sequence import Sequence
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
+# Stands, in the tokens read back to the host, for a row whose logits were not finite (NaN or +-inf): the
+# engine fails that row's request. Never a real id (and not sequence.PLACEHOLDER_TOKEN).
+NONFINITE_TOKEN = -2
 
 
 @dataclass(slots=True)
@@ -28,6 +31,12 @@ class Sampler:
     each row draws its noise from its own sequence's generator when the request is seeded, so a seeded
     request gets the same tokens whatever else shares the batch. Logprobs are the log-softmax of the raw
     logits (before penalties and temperature), as vLLM reports them by default.
+
+    A row nothing can be sampled from, its logits holding a NaN or a +inf or no finite value at all (a broken
+    model: a NaN weight, a bad norm epsilon), comes back as `NONFINITE_TOKEN`, in the same host read as the
+    tokens. The greedy pass finds those rows for free: it takes each row's max, not just its argmax, and NaN
+    and +inf propagate through a max (penalties keep them, and their bounds keep finite logits finite). A -inf
+    among finite logits only rules its token out, as a mask does.
     """
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
@@ -57,7 +66,7 @@ class Sampler:
         tokens = self._sample_rows(rows, batch)
         for j, i in enumerate(idx):
             out.sampled[i] = tokens[j]
-        want = [j for j, s in enumerate(batch) if s.params.logprobs is not None]
+        want = [j for j, s in enumerate(batch) if s.params.logprobs is not None and tokens[j] != NONFINITE_TOKEN]
         if want:
             lp = torch.log_softmax(rows[want], dim=-1)
             gathered = _gather_logprobs(lp, [tokens[j] for j in want], max(batch[j].params.logprobs for j in want))
@@ -74,25 +83,33 @@ class Sampler:
         return self._sample_rows(logits, seqs)
 
     @torch.inference_mode()
-    def sample_on_device(self, logits: torch.Tensor, layout: LogitsLayout, seqs: list[Sequence]) -> torch.Tensor:
+    def sample_on_device(self, logits: torch.Tensor, layout: LogitsLayout,
+                         seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Async scheduling: the next token of every sampled sequence as a device tensor, row r of it from
-        logits row r, without reading anything back. The step has no prompt-logprob rows, logprobs or
-        penalties (the engine runs such steps synchronously), so every logits row is a sample row."""
+        logits row r, without reading anything back; and the same tokens marked with `NONFINITE_TOKEN`, the
+        tensor to read back (the first is always a valid id: the next step's input may gather it on the
+        device). The step has no prompt-logprob rows, logprobs or penalties (the engine runs such steps
+        synchronously), so every logits row is a sample row."""
         batch = [seqs[i] for i, r in enumerate(layout.sample_rows) if r is not None]
         assert len(batch) == logits.shape[0], f"{logits.shape[0]} logits rows for {len(batch)} sampled seqs"
         assert not any(s.params.has_penalties for s in batch), "penalties read the previous token on the host"
-        return self._sample_tensor(logits, batch)
+        tokens, finite = self._sample_tensor(logits, batch)
+        return tokens, tokens.where(finite, NONFINITE_TOKEN)
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return self._sample_tensor(logits, seqs).tolist()
+        tokens, finite = self._sample_tensor(logits, seqs)
+        return tokens.where(finite, NONFINITE_TOKEN).tolist()
 
-    def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, finite): a token per row, always a valid id (a broken row's is meaningless), and whether
+        the row can be sampled from (see the class docstring)."""
         params = [s.params for s in seqs]
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), seqs)
-        greedy_tokens = logits.argmax(dim=-1)
+        top, greedy_tokens = logits.max(dim=-1)
+        finite = top.isfinite()
         if all(p.greedy for p in params):
-            return greedy_tokens
+            return greedy_tokens, finite
 
         device = logits.device
 
@@ -118,7 +135,7 @@ class Sampler:
             if not params[j].greedy and seq.generator is not None:
                 noise[j].exponential_(generator=seq.generator)
         sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return torch.where(greedy, greedy_tokens, sampled), finite
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
