@@ -241,7 +241,16 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return self._step_empty(batch)
-        return self._step_sync(batch)
+        return self._step_sync(self._swapped(batch))
+
+    def _swapped(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and
+        runs again (`_isolate`) must not copy them twice (a block swapped out may be rewritten by this very
+        step). A failing copy is no request's own: it propagates."""
+        if not (batch.swap_out or batch.swap_in):
+            return batch
+        self.runner.swap(batch)
+        return replace(batch, swap_out=[], swap_in=[])
 
     def _step_sync(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Launches `batch`, reads its tokens back and processes them (nothing in flight)."""
@@ -352,6 +361,7 @@ class LLMEngine:
                 return self._finish_inflight(prev)
             return self._step_empty(batch)
         overlap = self.async_scheduling and self.speculative is None and all(map(self._overlaps, batch.seqs))
+        batch = self._swapped(batch)
         if prev is None and not overlap:
             return self._step_sync(batch)
         patch = self._input_patch(batch, prev)

@@ -231,3 +231,39 @@ def test_sampler_marks_nonfinite_rows_only():
     assert 0 <= out.sampled[2] < 50 and out.sampled[3] == NONFINITE_TOKEN and out.sampled[4] == NONFINITE_TOKEN
     assert out.sampled[5] == 0
     assert out.logprobs[2] is not None and out.logprobs[3] is None
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+def test_a_retried_step_copies_swapped_blocks_once(artifact_dir, overlap):
+    """Preemption by swap in a tiny pool, and the first launch after every swap fails: the retry must not copy
+    the blocks again (a block swapped out may already hold another sequence's new KV), so every request still
+    gets the tokens of a run without failures."""
+    cfg = dict(num_kv_blocks=24, preemption="swap", swap_space_bytes=2**20, prefix_cache=None,
+               async_scheduling=overlap)
+    engine = LLMEngine(artifact_dir, **cfg)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", ids[i], params) for i in range(4)]}
+    reference = _tokens(_drive(engine, arrivals))
+    assert engine.scheduler.num_swapped_out > 0
+
+    engine = LLMEngine(artifact_dir, **cfg)
+    swap, forward = engine.runner.swap, engine.runner.model.forward
+    swaps = {"pending": False, "failed": 0}
+
+    def counting_swap(batch):
+        swaps["pending"] = swaps["pending"] or bool(batch.swap_out or batch.swap_in)
+        swap(batch)
+
+    def failing_after_swap(batch, kv_caches):  # fails once the forward pass wrote its KV after a swap
+        logits = forward(batch, kv_caches)
+        if swaps["pending"]:
+            swaps["pending"] = False
+            swaps["failed"] += 1
+            raise RuntimeError("injected: failure after a swap")
+        return logits
+    engine.runner.swap, engine.runner.model.forward = counting_swap, failing_after_swap
+    finals = _drive(engine, arrivals)
+    assert swaps["failed"] > 0
+    ok = {rid: t for rid, t in _tokens(finals).items() if finals[rid].error is None}
+    assert len(ok) >= 3 and ok == {rid: reference[rid] for rid in ok}
