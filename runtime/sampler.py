@@ -1,6 +1,7 @@
 """Sampler: turns a step's logits into next tokens and log-probabilities, vectorised over the batch."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +34,11 @@ class Sampler:
     logits (before penalties and temperature), as vLLM reports them by default.
 
     A row nothing can be sampled from, its logits holding a NaN or a +inf or no finite value at all (a broken
-    model: a NaN weight, a bad norm epsilon), comes back as `NONFINITE_TOKEN`, in the same host read as the
-    tokens. The greedy pass finds those rows for free: it takes each row's max, not just its argmax, and NaN
-    and +inf propagate through a max (penalties keep them, and their bounds keep finite logits finite). A -inf
-    among finite logits only rules its token out, as a mask does.
+    model: a NaN weight, a bad norm epsilon), comes back as `NONFINITE_TOKEN`. The greedy pass finds those rows
+    for free: it takes each row's max, not just its argmax, and NaN and +inf propagate through a max
+    (penalties keep them, and their bounds keep finite logits finite); a -inf among finite logits only rules
+    its token out, as a mask does. On a device the mark is written into the tokens before their one host
+    read; on the CPU reading the B row maxima costs less than the two tensor ops that would write it.
     """
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
@@ -93,23 +95,28 @@ class Sampler:
         batch = [seqs[i] for i, r in enumerate(layout.sample_rows) if r is not None]
         assert len(batch) == logits.shape[0], f"{logits.shape[0]} logits rows for {len(batch)} sampled seqs"
         assert not any(s.params.has_penalties for s in batch), "penalties read the previous token on the host"
-        tokens, finite = self._sample_tensor(logits, batch)
-        return tokens, tokens.where(finite, NONFINITE_TOKEN)
+        tokens, top = self._sample_tensor(logits, batch)
+        return tokens, tokens.where(top.isfinite(), NONFINITE_TOKEN)
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        tokens, finite = self._sample_tensor(logits, seqs)
-        return tokens.where(finite, NONFINITE_TOKEN).tolist()
+        tokens, top = self._sample_tensor(logits, seqs)
+        if tokens.device.type != "cpu":
+            return tokens.where(top.isfinite(), NONFINITE_TOKEN).tolist()
+        ids = tokens.tolist()
+        tops = top.tolist()
+        if all(map(math.isfinite, tops)):
+            return ids
+        return [t if math.isfinite(v) else NONFINITE_TOKEN for t, v in zip(ids, tops, strict=True)]
 
     def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, finite): a token per row, always a valid id (a broken row's is meaningless), and whether
-        the row can be sampled from (see the class docstring)."""
+        """(tokens, top): a token per row, always a valid id (a broken row's is meaningless), and the row's
+        max logit, finite unless nothing can be sampled from the row (see the class docstring)."""
         params = [s.params for s in seqs]
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), seqs)
         top, greedy_tokens = logits.max(dim=-1)
-        finite = top.isfinite()
         if all(p.greedy for p in params):
-            return greedy_tokens, finite
+            return greedy_tokens, top
 
         device = logits.device
 
@@ -135,7 +142,7 @@ class Sampler:
             if not params[j].greedy and seq.generator is not None:
                 noise[j].exponential_(generator=seq.generator)
         sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled), finite
+        return torch.where(greedy, greedy_tokens, sampled), top
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
