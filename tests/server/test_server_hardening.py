@@ -281,3 +281,12 @@ def test_an_answer_before_the_body_is_read_closes_the_connection(make_server):
     with httpx.Client(base_url=server.url) as http:  # bodiless requests keep their connection
         assert http.get("/health").headers.get("connection") != "close"
         assert http.get("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_a_request_larger_than_the_kv_pool_is_a_400_not_a_503(make_server):
+    server = make_server({"num_kv_blocks": 8}, served_model_name="small-pool")  # 8 blocks of 4 tokens
+    r = httpx.post(server.url + COMPLETIONS, json={"model": "small-pool", "prompt": [1, 2, 3], "max_tokens": 40})
+    assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+    ok = httpx.post(server.url + COMPLETIONS, json={"model": "small-pool", "prompt": [1, 2, 3], "max_tokens": 4})
+    assert ok.status_code == 200
+    server.wait_idle()
