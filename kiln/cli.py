@@ -85,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(args.artifact, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
           log_level=args.log_level, prefix_cache=not args.no_prefix_cache, speculative=args.speculative,
-          async_scheduling=args.async_scheduling)
+          async_scheduling=args.async_scheduling, metrics_public=args.metrics_public)
     return 0
 
 
@@ -115,11 +115,14 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(/metrics included, unless --metrics-public)")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--served-model-name", help="model name of the API (default: the recipe's serve.served_name, "
                    "else the artifact directory name)")
     p.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests queued before the server answers 503 (default 1024)")
+                   help="sequences (prompts x n) waiting before the server answers 503; a request of more is a 400 "
+                   "(default 1024)")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from the manifest)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")

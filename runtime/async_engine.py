@@ -24,7 +24,13 @@ class EngineOverloadedError(KilnRuntimeError):
 
 
 class EngineStepError(KilnRuntimeError):
-    """A forward step failed; every request that was in the engine at that moment is failed with this."""
+    """`LLMEngine.step()` raised (the engine fails what it can pin on one request itself, see `LLMEngine`):
+    every request that was in the engine at that moment is failed with this."""
+
+
+class RequestFailedError(KilnRuntimeError):
+    """The engine failed this request alone (non-finite logits, a failure only its parameters hit); the
+    message says why."""
 
 
 @dataclass(slots=True)
@@ -111,6 +117,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     spec_num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and of them accepted
     spec_num_accepted_tokens: int = 0
+    num_nonfinite_logits: int = 0  # requests failed because their logits were NaN or infinite
 
 
 class RequestObserver:
@@ -127,8 +134,9 @@ class AsyncLLMEngine:
     """Owns the engine exclusively: only the engine thread calls into `LLMEngine`. Handlers talk to it through
     a command queue (add, abort) and receive deltas through their group's asyncio queue.
 
-    `max_waiting` bounds the requests accepted but not yet scheduled; beyond it `add_requests` raises
-    `EngineOverloadedError` and queues nothing.
+    `max_waiting` bounds the sequences (prompts x n) accepted but not running: queued, or preempted and waiting
+    to run again. A request that would take the count past it raises `EngineOverloadedError` (retry later) and
+    queues nothing; one with more sequences than `max_waiting` could never be taken and raises `RequestError`.
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024,
@@ -140,8 +148,8 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._unscheduled: set[str] = set()
-        self._num_pending_adds = 0  # requests submitted that the engine thread has not queued yet
-        self._num_waiting = 0  # requests queued in the engine and not yet scheduled (engine-thread view)
+        self._num_pending_adds = 0  # sequences submitted that the engine thread has not queued yet
+        self._num_waiting = 0  # sequences waiting in the engine (queued or preempted; engine-thread view)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
@@ -170,18 +178,28 @@ class AsyncLLMEngine:
         return future
 
     # Requests (event-loop side) --------------------------------------------------------------------------
+    def check_admissible(self, num_prompts: int, params: SamplingParams) -> None:
+        """Raises `RequestError` for a request of more sequences than the queue may ever hold."""
+        num_seqs = num_prompts * params.n
+        if num_seqs > self.max_waiting:
+            raise RequestError(f"the request asks for {num_seqs} sequences ({num_prompts} prompt(s) x n={params.n})"
+                               f" but at most {self.max_waiting} can wait at once; send fewer prompts or a lower n")
+
     async def add_requests(self, inputs: list[PromptInput], params: SamplingParams) -> RequestGroup:
-        """Queues all of `inputs` or none: raises `RequestError` (the first bad prompt; nothing stays queued)
-        or `EngineOverloadedError`."""
+        """Queues all of `inputs` or none: raises `RequestError` (it can never be queued, or the first bad
+        prompt; nothing stays queued) or `EngineOverloadedError` (not now)."""
+        self.check_admissible(len(inputs), params)
         if not self.is_running:
             raise EngineOverloadedError("the engine loop is not running")
-        if self._num_pending_adds + self._num_waiting + len(inputs) > self.max_waiting:
+        num_seqs = len(inputs) * params.n
+        waiting = self._num_pending_adds + self._num_waiting
+        if waiting + num_seqs > self.max_waiting:
             raise EngineOverloadedError(
-                f"the server is overloaded ({self._num_pending_adds + self._num_waiting} requests waiting, "
-                f"limit {self.max_waiting}); retry later")
+                f"the server is overloaded ({waiting} sequences waiting, this request adds {num_seqs}, limit "
+                f"{self.max_waiting}); retry later")
         group = RequestGroup(self, inputs, params)
         accepted = self._loop.create_future()
-        self._num_pending_adds += len(inputs)
+        self._num_pending_adds += num_seqs
         try:
             self._submit(("add", group, time.monotonic(), accepted))
             await asyncio.shield(accepted)
@@ -189,7 +207,7 @@ class AsyncLLMEngine:
             group.abort()  # queued behind the add: the engine thread aborts whatever got added
             raise
         finally:
-            self._num_pending_adds -= len(inputs)
+            self._num_pending_adds -= num_seqs
         return group
 
     def _submit(self, command: tuple) -> None:
@@ -258,7 +276,7 @@ class AsyncLLMEngine:
                 self._abort(request_id)
         else:
             self.observer.on_tokens(sum(len(p.prompt_token_ids) for p in group.inputs), 0)
-        self._num_waiting = len(self._unscheduled)
+        self._update_stats()
         self._post(_settle, [(accepted, None, error)])
 
     def _abort(self, request_id: str) -> None:
@@ -296,6 +314,13 @@ class AsyncLLMEngine:
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:  # aborted by its client: nobody is listening
+                continue
+            if out.error is not None:  # the engine failed this request alone
+                del self._tracked[out.request_id]
+                self._unscheduled.discard(out.request_id)
+                observer.on_finished(now - tracked.arrival, "error")
+                deliveries.append((tracked.group, RequestDelta(out.request_id, [], tracked.num_prompt_tokens, True,
+                                                               RequestFailedError(out.error))))
                 continue
             delta = self._delta(tracked, out, now)
             if out.finished:
@@ -341,12 +366,13 @@ class AsyncLLMEngine:
 
     def _update_stats(self) -> None:
         s = self.engine.stats()
-        self._num_waiting = len(self._unscheduled)
+        self._num_waiting = s["num_waiting"]
         self.stats = EngineStats(
             num_requests_running=s["num_running"], num_requests_waiting=s["num_waiting"],
             kv_cache_usage=s["kv_usage"], num_preemptions=s["num_preemptions"],
             prefix_cache_queries=s["prefix_cache_queries"], prefix_cache_hits=s["prefix_cache_hits"],
-            spec_num_draft_tokens=s["spec_num_draft_tokens"], spec_num_accepted_tokens=s["spec_num_accepted_tokens"])
+            spec_num_draft_tokens=s["spec_num_draft_tokens"], spec_num_accepted_tokens=s["spec_num_accepted_tokens"],
+            num_nonfinite_logits=s["num_nonfinite_logits"])
 
     def _post(self, fn: Callable[[list], None], items: list) -> None:
         if not items:

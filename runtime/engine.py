@@ -20,9 +20,9 @@ from .model_runner import (
     plan_memory,
     profile_lengths,
 )
-from .outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from .outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
 from .prefix_cache import make_prefix_cache
-from .sampler import Sampler, SamplerOutput, TokenLogprobs
+from .sampler import NONFINITE_TOKEN, Sampler, SamplerOutput, TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
@@ -64,6 +64,18 @@ class _InFlight:
     ready: object | None  # torch.cuda.Event on CUDA
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A batch's forward pass and sampling, done before any of the engine's state changes (so that a failure
+    up to here can be retried on parts of the batch). Speculative steps add the tokens each sequence gains
+    (verified drafts) and what the draft head reads afterwards."""
+
+    sampled: SamplerOutput
+    new_tokens: list[list[int]] | None = None
+    draft_input: DraftInput | None = None
+    starts: list[int] | None = None
+
+
 class LLMEngine:
     """Serves one loaded artifact. Not thread-safe: a server drives it from one loop.
 
@@ -93,6 +105,13 @@ class LLMEngine:
     generator in another order). A step runs synchronously (after reading back any step in flight) when a
     sequence in it has penalties (they count the previous token on the host), logprobs or prompt logprobs
     (read back every step), or when speculative decoding is on.
+
+    Failures stay with the request that causes them. `add_request` checks every value a sampler tensor will
+    hold. A request whose logits come out non-finite (NaN or infinity) is failed alone (`stats()` counts them).
+    A step whose forward pass or sampling raises is run again on each half of its requests (`_isolate`: the
+    step's schedule stands and nothing else has changed yet), down to the single request that fails on its
+    own; a request whose stop checks or detokenizing raise is failed alone. A failed request ends with
+    finish_reason "error" and `RequestOutput.error` saying why; the other requests' tokens are unchanged.
     """
 
     def __init__(self, artifact: LoadedArtifact | str | Path, *, device: str | torch.device = "cpu",
@@ -148,7 +167,8 @@ class LLMEngine:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Request] = {}
-        self._aborted: list[RequestOutput] = []
+        self._aborted: list[RequestOutput] = []  # ended outside a step's outputs (aborted, failed): sent next
+        self.num_nonfinite_logits = 0  # requests failed because their logits were not finite
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         if async_scheduling is None:
@@ -185,16 +205,29 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request now; its final output (finish_reason "abort") comes from the next `step()`."""
+        self._end_request(request_id, "abort")
+
+    def _end_request(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
+        """Ends a request now (its unfinished sequences with `reason`, their blocks freed); its final output
+        comes with the next outputs. False if it was not in the engine."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return
+            return False
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
                 if seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # its step is in flight: a token not yet seen
                     seq.token_ids.pop()
-        self._aborted.append(self._make_output(request))
+        out = self._make_output(request)
+        out.error = error
+        self._aborted.append(out)
+        return True
+
+    def _fail_nonfinite(self, request_id: str) -> None:
+        if self._end_request(request_id, "error", "the model's logits for this request were not finite (NaN or "
+                             "infinity), so no token could be sampled"):
+            self.num_nonfinite_logits += 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._aborted)
@@ -208,15 +241,96 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return self._step_empty(batch)
-        return self._step_sync(batch)
+        return self._step_sync(self._swapped(batch))
+
+    def _swapped(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and
+        runs again (`_isolate`) must not copy them twice (a block swapped out may be rewritten by this very
+        step). A failing copy is no request's own: it propagates."""
+        if not (batch.swap_out or batch.swap_in):
+            return batch
+        self.runner.swap(batch)
+        return replace(batch, swap_out=[], swap_in=[])
 
     def _step_sync(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Launches `batch`, reads its tokens back and processes them (nothing in flight)."""
+        try:
+            launched = self._launch(batch)
+        except Exception as error:  # isolated to the requests it hits
+            return self._isolate(batch, error)
+        return self._commit(batch, launched)
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        """execute -> sample (speculative: -> verify). Changes nothing but the KV written at the batch's slots,
+        which a second launch of the same sequences writes again."""
         if self.speculative is not None:
-            return self._step_speculative(batch)
+            return self._launch_speculative(batch)
         logits, layout = self.runner.execute(batch)
-        sampled = self.sampler.sample(logits, layout, batch.seqs)
-        return self._process(batch, sampled, self.scheduler.update(batch, sampled.sampled))
+        return _Launched(self.sampler.sample(logits, layout, batch.seqs))
+
+    def _commit(self, batch: ScheduledBatch, launched: _Launched) -> list[RequestOutput]:
+        """update -> process (speculative: -> propose): the launched step's tokens become the sequences'. A
+        request with a non-finite row is failed first and left out."""
+        sampled, new_tokens = launched.sampled, launched.new_tokens
+        full_batch = batch
+        if new_tokens is None:
+            if NONFINITE_TOKEN in sampled.sampled:
+                for seq, token in zip(batch.seqs, sampled.sampled, strict=True):
+                    if token == NONFINITE_TOKEN:
+                        self._fail_nonfinite(seq.request_id)
+                batch, sampled, _ = self._live(batch, sampled)
+            return self._process(batch, sampled, self.scheduler.update(batch, sampled.sampled))
+        if any(NONFINITE_TOKEN in tokens for tokens in new_tokens):
+            for seq, tokens in zip(batch.seqs, new_tokens, strict=True):
+                if NONFINITE_TOKEN in tokens:
+                    self._fail_nonfinite(seq.request_id)
+            batch, sampled, live = self._live(batch, sampled)
+            new_tokens = [new_tokens[i] for i in live]
+        grown = self.scheduler.update_verified(batch, new_tokens)
+        outputs = self._process(batch, sampled, grown, [len(t) for t in new_tokens if t])  # grown's order
+        if launched.draft_input is not None:  # the whole batch: the draft head's rows are the forward's
+            self._propose(full_batch, launched.draft_input, launched.starts, launched.new_tokens)
+        return outputs
+
+    def _isolate(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        """`batch` failed to launch. Its schedule stands (slots allocated, swaps done) and no state changed since,
+        so each half of its requests is launched and committed on its own, a half that fails is split again,
+        and a request that fails alone is failed with the error: one bad request costs about 2 log2(requests)
+        extra launches and the others get the tokens the whole batch would have given them. A failure that is
+        not any one request's fails them all (2 x requests launches, once)."""
+        request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
+        if not request_ids:  # everything in it finished meanwhile
+            return self._drain_aborted()
+        if len(request_ids) == 1:
+            logger.warning("request %s failed: %s: %s", request_ids[0], type(error).__name__, error)
+            self._end_request(request_ids[0], "error", f"the engine failed on this request: "
+                              f"{type(error).__name__}: {error}")
+            return self._drain_aborted()
+        first = set(request_ids[:len(request_ids) // 2])
+        outputs = []
+        for half in (True, False):
+            part = _sub_batch(batch, [i for i, seq in enumerate(batch.seqs) if (seq.request_id in first) == half])
+            try:
+                launched = self._launch(part)
+            except Exception as e:
+                outputs += self._isolate(part, e)
+            else:
+                outputs += self._commit(part, launched)
+        return _latest(outputs)
+
+    @staticmethod
+    def _live(batch: ScheduledBatch, sampled: SamplerOutput | None = None
+              ) -> tuple[ScheduledBatch, SamplerOutput | None, list[int]]:
+        """The batch's sequences that did not finish meanwhile (found finished late, aborted or failed), with
+        their rows of `sampled`, and their indices in `batch`."""
+        finished = SequenceStatus.FINISHED
+        live = [i for i, seq in enumerate(batch.seqs) if seq.status is not finished]
+        if len(live) == len(batch.seqs):
+            return batch, sampled, live
+        if sampled is not None:
+            sampled = SamplerOutput(*([getattr(sampled, f)[i] for i in live]
+                                      for f in ("sampled", "logprobs", "prompt_logprobs")))
+        return _sub_batch(batch, live), sampled, live
 
     def _step_empty(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Nothing to run (everything running was swapped out this step, or nothing is left)."""
@@ -247,18 +361,21 @@ class LLMEngine:
                 return self._finish_inflight(prev)
             return self._step_empty(batch)
         overlap = self.async_scheduling and self.speculative is None and all(map(self._overlaps, batch.seqs))
+        batch = self._swapped(batch)
         if prev is None and not overlap:
             return self._step_sync(batch)
         patch = self._input_patch(batch, prev)
-        logits, layout = self.runner.execute(batch) if patch is None else self.runner.execute(batch, patch)
-        if overlap:
-            tokens = self.sampler.sample_on_device(logits, layout, batch.seqs)
-            host, ready = _copy_to_host(tokens)
+        try:
+            logits, layout = self.runner.execute(batch) if patch is None else self.runner.execute(batch, patch)
+            if overlap:
+                tokens, marked = self.sampler.sample_on_device(logits, layout, batch.seqs)
+                host, ready = _copy_to_host(marked)
+        except Exception:  # not launched: read step N back, then run this one synchronously
+            outputs = self._finish_inflight(prev) if prev is not None else self._drain_aborted()
+            return _latest(outputs + self._step_sync(self._live(batch)[0]))
         outputs = self._finish_inflight(prev) if prev is not None else self._drain_aborted()
-        finished = SequenceStatus.FINISHED  # finished late (or aborted): drop the extra token
-        live = [i for i, seq in enumerate(batch.seqs) if seq.status is not finished]
-        live_batch = batch if len(live) == len(batch.seqs) else ScheduledBatch(
-            seqs=[batch.seqs[i] for i in live], num_new_tokens=[batch.num_new_tokens[i] for i in live])
+        # Sequences finished late (or aborted, or failed) are left out: their extra token is dropped.
+        live_batch, _, live = self._live(batch)
         if overlap:
             rows = [layout.sample_rows[i] for i in live]
             grown = self.scheduler.update(live_batch, [None if r is None else PLACEHOLDER_TOKEN for r in rows])
@@ -267,11 +384,12 @@ class LLMEngine:
                                        row_of=dict(zip([s.seq_id for s in grown], rows, strict=True)),
                                        tokens=tokens, host=host, ready=ready)
             return outputs
-        sampled = self.sampler.sample(logits, layout, batch.seqs)
-        sampled = SamplerOutput(*([getattr(sampled, f)[i] for i in live]
-                                  for f in ("sampled", "logprobs", "prompt_logprobs")))
-        grown = self.scheduler.update(live_batch, sampled.sampled)
-        return _latest(outputs + self._process(live_batch, sampled, grown))
+        try:
+            sampled = self.sampler.sample(logits, layout, batch.seqs)
+        except Exception as error:
+            return _latest(outputs + self._isolate(live_batch, error))
+        _, sampled, _ = self._live(batch, sampled)
+        return _latest(outputs + self._commit(live_batch, _Launched(sampled)))
 
     @staticmethod
     def _input_patch(batch: ScheduledBatch, prev: _InFlight | None) -> tuple[list[int], list[int], torch.Tensor] | None:
@@ -302,7 +420,11 @@ class LLMEngine:
             token_ids = seq.token_ids
             assert pos == len(token_ids) - 1 and token_ids[pos] == PLACEHOLDER_TOKEN, \
                 f"seq {seq.seq_id}: no placeholder at {pos}"
-            token_ids[pos] = values[row]
+            token = values[row]
+            if token == NONFINITE_TOKEN:
+                self._fail_nonfinite(seq.request_id)
+                continue
+            token_ids[pos] = token
             grown.append(seq)
         return self._outputs(grown)
 
@@ -313,25 +435,20 @@ class LLMEngine:
         p = seq.params
         return not p.has_penalties and p.logprobs is None and p.prompt_logprobs is None
 
-    def _step_speculative(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """The step, then the draft head: schedule (drafting seqs run their last token + drafts) -> target forward
-        keeping hidden states -> sample / verify (the longest draft prefix equal to the target's tokens, plus
-        the target's next token) -> update (rejected drafts' KV rolled back) -> draft head over the same
-        positions with the tokens shifted by one -> next drafts."""
+    def _launch_speculative(self, batch: ScheduledBatch) -> _Launched:
+        """The step's launch with the draft head: schedule (drafting seqs run their last token + drafts) -> target
+        forward keeping hidden states -> sample / verify (the longest draft prefix equal to the target's tokens,
+        plus the target's next token); `_commit` then updates (rejected drafts' KV rolled back) and runs the
+        draft head over the same positions with the tokens shifted by one -> next drafts."""
         seqs = batch.seqs
-        drafting = any(self._drafts_for(seq) for seq in seqs)
-        if drafting:
+        draft_input = None
+        if any(self._drafts_for(seq) for seq in seqs):
             logits, layout, draft_input = self.runner.execute_with_hidden(batch)
         else:
             logits, layout = self.runner.execute(batch)
         sampled = self.sampler.sample(logits, layout, seqs)
         starts = [seq.num_computed_tokens for seq in seqs]
-        new_tokens = self._verify(batch, logits, layout, sampled.sampled)
-        grown = self.scheduler.update_verified(batch, new_tokens)
-        outputs = self._process(batch, sampled, grown, [len(t) for t in new_tokens if t])  # grown's order
-        if drafting:
-            self._propose(batch, draft_input, starts, new_tokens)
-        return outputs
+        return _Launched(sampled, self._verify(batch, logits, layout, sampled.sampled), draft_input, starts)
 
     def _verify(self, batch: ScheduledBatch, logits: torch.Tensor, layout: LogitsLayout,
                 sampled: list[int | None]) -> list[list[int]]:
@@ -382,25 +499,40 @@ class LLMEngine:
     def _process(self, batch: ScheduledBatch, sampled: SamplerOutput, grown: list[Sequence],
                  added: list[int] | None = None) -> list[RequestOutput]:
         for seq, plp, lp in zip(batch.seqs, sampled.prompt_logprobs, sampled.logprobs, strict=True):
-            if plp is not None:
-                seq.prompt_logprobs.extend(self._logprob_dict(x) for x in plp)
-            if lp is not None:
-                seq.output_logprobs.append(self._logprob_dict(lp))
-                seq.cumulative_logprob += lp[1][0]
+            try:
+                if plp is not None:
+                    seq.prompt_logprobs.extend(self._logprob_dict(x) for x in plp)
+                if lp is not None:
+                    seq.output_logprobs.append(self._logprob_dict(lp))
+                    seq.cumulative_logprob += lp[1][0]
+            except Exception as e:  # a detokenizer failing on this request fails it alone
+                self._fail_processing(seq, e)
         return self._outputs(grown, added)
 
     def _outputs(self, grown: list[Sequence], added: list[int] | None = None) -> list[RequestOutput]:
         """Stop checks of the sequences that grew (`added[k]`: how many tokens grown[k] gained; None: one
-        each), then the outputs: aborted requests first, then every request that progressed."""
+        each), then the outputs: ended (aborted, failed) requests first, then every request that progressed."""
         touched: dict[str, Request] = {}
+        requests = self.requests
+        failed = False
         for seq, m in zip(grown, itertools.repeat(1) if added is None else added):
-            if m > 1:
-                self._check_stop_each(seq, m)
-            else:
-                self._check_stop(seq)
+            request = requests.get(seq.request_id)
+            if request is None:  # failed earlier in this step
+                continue
+            try:
+                if m > 1:
+                    self._check_stop_each(seq, m)
+                else:
+                    self._check_stop(seq)
+            except Exception as e:  # its stop strings or detokenizer: this request's alone
+                self._fail_processing(seq, e)
+                failed = True
+                continue
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            touched[seq.request_id] = request
+        if failed:
+            touched = {request_id: r for request_id, r in touched.items() if request_id in requests}
         outputs = self._drain_aborted()
         final_only = self.output_kind == "final"
         for request in touched.values():
@@ -411,13 +543,18 @@ class LLMEngine:
             outputs.append(self._make_output(request))
         return outputs
 
+    def _fail_processing(self, seq: Sequence, error: Exception) -> None:
+        logger.warning("request %s failed: %s: %s", seq.request_id, type(error).__name__, error)
+        self._end_request(seq.request_id, "error", f"the engine failed to process this request's output: "
+                          f"{type(error).__name__}: {error}")
+
     def _check_stop(self, seq: Sequence) -> None:
         """Token stops end the sequence before the token is detokenized (its text is never shown)."""
         token, params = seq.token_ids[-1], seq.params
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
             return
-        if token in params.stop_token_ids:
+        if token in params.stop_token_set:
             seq.finish_reason, seq.stop_reason = "stop", token
             return
         if seq.detokenizer is not None:
@@ -484,7 +621,9 @@ class LLMEngine:
         return outputs
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Everything the request's sequences will put in a tensor, checked before any of it is queued."""
         cfg = self.model_config
+        params.check()  # again: the object may have changed since it was built
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -507,6 +646,8 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > cfg.vocab_size:
                 raise RequestError(f"{name}={value} exceeds the vocabulary size {cfg.vocab_size}")
+        if params.stop_token_ids and max(params.stop_token_ids) >= cfg.vocab_size:
+            raise RequestError(f"stop_token_ids must be in [0, {cfg.vocab_size}), got {max(params.stop_token_ids)}")
 
     def stats(self) -> dict[str, float]:
         """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks;
@@ -521,7 +662,8 @@ class LLMEngine:
                 "cuda_graph_bytes": self.runner.graph_runner.memory_bytes if self.runner.graph_runner else 0,
                 "spec_num_draft_tokens": self.num_draft_tokens, "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_acceptance_rate": (self.num_accepted_tokens / self.num_draft_tokens
-                                         if self.num_draft_tokens else 0.0)}
+                                         if self.num_draft_tokens else 0.0),
+                "num_nonfinite_logits": self.num_nonfinite_logits}
 
 
 def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
@@ -534,6 +676,13 @@ def _copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
+
+def _sub_batch(batch: ScheduledBatch, indices: list[int]) -> ScheduledBatch:
+    """The sequences `indices` (ascending) of `batch`, decodes still first; no swaps (the batch did them)."""
+    return ScheduledBatch(seqs=[batch.seqs[i] for i in indices],
+                          num_new_tokens=[batch.num_new_tokens[i] for i in indices],
+                          num_decodes=sum(1 for i in indices if i < batch.num_decodes))
 
 
 def _latest(outputs: list[RequestOutput]) -> list[RequestOutput]:

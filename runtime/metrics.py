@@ -99,7 +99,9 @@ class _EngineCollector(Collector):
                 ("kiln:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
                  s.spec_num_draft_tokens),
                 ("kiln:spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
-                 s.spec_num_accepted_tokens)):
+                 s.spec_num_accepted_tokens),
+                ("kiln:nonfinite_logits", "Requests failed because the model's logits for them were NaN or "
+                 "infinite.", s.num_nonfinite_logits)):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(values, value)
             yield family

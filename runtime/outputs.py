@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+# "error": the engine failed this request (its logits were not finite, or a step failed on it); see
+# RequestOutput.error.
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(slots=True)
@@ -36,7 +38,8 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Cumulative state of one request. `prompt_logprobs[0]` is None: the first token has no context."""
+    """Cumulative state of one request. `prompt_logprobs[0]` is None: the first token has no context. `error`
+    says why the engine failed the request (its completions then finish with "error"); None otherwise."""
 
     request_id: str
     prompt: str | None
@@ -44,3 +47,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    error: str | None = None

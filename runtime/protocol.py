@@ -10,7 +10,6 @@ from .sampling_params import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
-_INT64 = 2**63
 
 
 class APIError(Exception):
@@ -44,7 +43,9 @@ class ResponseFormat(_Strict):
 
 
 class _SamplingRequest(_Strict):
-    """Fields both endpoints share; vLLM's extensions (top_k, min_p, ...) ride along as in vLLM."""
+    """Fields both endpoints share; vLLM's extensions (top_k, min_p, ...) ride along as in vLLM. Types are
+    checked here; the numbers' ranges in `SamplingParams` (the one place that bounds them, for the server and
+    for offline use alike) and against the model in `LLMEngine.add_request`."""
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -56,7 +57,7 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -1,6 +1,7 @@
 """Sampler: turns a step's logits into next tokens and log-probabilities, vectorised over the batch."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ TokenLogprobs = tuple[list[int], list[float], list[int]]
 # Per-request constraints (grammars, thinking budgets): masks the sampled rows in place, row j for seqs[j]
 # (runtime/structured_output.StructuredOutputProcessor).
 LogitsProcessor = Callable[[torch.Tensor, list[Sequence]], None]
+# Stands, in the tokens read back to the host, for a row whose logits were not finite (NaN or +-inf): the
+# engine fails that row's request. Never a real id (and not sequence.PLACEHOLDER_TOKEN).
+NONFINITE_TOKEN = -2
 
 
 @dataclass(slots=True)
@@ -32,6 +36,13 @@ class Sampler:
     each row draws its noise from its own sequence's generator when the request is seeded, so a seeded
     request gets the same tokens whatever else shares the batch. Logprobs are the log-softmax of the raw
     logits (before penalties and temperature), as vLLM reports them by default.
+
+    A row nothing can be sampled from, its logits holding a NaN or a +inf or no finite value at all (a broken
+    model: a NaN weight, a bad norm epsilon), comes back as `NONFINITE_TOKEN`. The greedy pass finds those rows
+    for free: it takes each row's max, not just its argmax, and NaN and +inf propagate through a max
+    (penalties keep them, and their bounds keep finite logits finite); a -inf among finite logits only rules
+    its token out, as a mask does. On a device the mark is written into the tokens before their one host
+    read; on the CPU reading the B row maxima costs less than the two tensor ops that would write it.
     """
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
@@ -69,7 +80,7 @@ class Sampler:
         tokens = self._sample_rows(rows, batch)
         for j, i in enumerate(idx):
             out.sampled[i] = tokens[j]
-        want = [j for j, s in enumerate(batch) if s.params.logprobs is not None]
+        want = [j for j, s in enumerate(batch) if s.params.logprobs is not None and tokens[j] != NONFINITE_TOKEN]
         if want:
             lp = torch.log_softmax(rows[want], dim=-1)
             gathered = _gather_logprobs(lp, [tokens[j] for j in want], max(batch[j].params.logprobs for j in want))
@@ -86,25 +97,38 @@ class Sampler:
         return self._sample_rows(logits, seqs)
 
     @torch.inference_mode()
-    def sample_on_device(self, logits: torch.Tensor, layout: LogitsLayout, seqs: list[Sequence]) -> torch.Tensor:
+    def sample_on_device(self, logits: torch.Tensor, layout: LogitsLayout,
+                         seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Async scheduling: the next token of every sampled sequence as a device tensor, row r of it from
-        logits row r, without reading anything back. The step has no prompt-logprob rows, logprobs or
-        penalties (the engine runs such steps synchronously), so every logits row is a sample row."""
+        logits row r, without reading anything back; and the same tokens marked with `NONFINITE_TOKEN`, the
+        tensor to read back (the first is always a valid id: the next step's input may gather it on the
+        device). The step has no prompt-logprob rows, logprobs or penalties (the engine runs such steps
+        synchronously), so every logits row is a sample row."""
         batch = [seqs[i] for i, r in enumerate(layout.sample_rows) if r is not None]
         assert len(batch) == logits.shape[0], f"{logits.shape[0]} logits rows for {len(batch)} sampled seqs"
         assert not any(s.params.has_penalties for s in batch), "penalties read the previous token on the host"
-        return self._sample_tensor(logits, batch)
+        tokens, top = self._sample_tensor(logits, batch)
+        return tokens, tokens.where(top.isfinite(), NONFINITE_TOKEN)
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return self._sample_tensor(logits, seqs).tolist()
+        tokens, top = self._sample_tensor(logits, seqs)
+        if tokens.device.type != "cpu":
+            return tokens.where(top.isfinite(), NONFINITE_TOKEN).tolist()
+        ids = tokens.tolist()
+        tops = top.tolist()
+        if all(map(math.isfinite, tops)):
+            return ids
+        return [t if math.isfinite(v) else NONFINITE_TOKEN for t, v in zip(ids, tops, strict=True)]
 
-    def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, top): a token per row, always a valid id (a broken row's is meaningless), and the row's
+        max logit, finite unless nothing can be sampled from the row (see the class docstring)."""
         params = [s.params for s in seqs]
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits.clone(), seqs)
-        greedy_tokens = logits.argmax(dim=-1)
+        top, greedy_tokens = logits.max(dim=-1)
         if all(p.greedy for p in params):
-            return greedy_tokens
+            return greedy_tokens, top
 
         device = logits.device
 
@@ -130,7 +154,7 @@ class Sampler:
             if not params[j].greedy and seq.generator is not None:
                 noise[j].exponential_(generator=seq.generator)
         sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return torch.where(greedy, greedy_tokens, sampled), top
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -1,22 +1,36 @@
 """SamplingParams: how one request is decoded (vLLM-compatible names and defaults)."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .errors import RequestError
 
 _GREEDY_EPS = 1e-5
+# What the sampler's int64 tensors (and torch.Generator seeds) hold. Floats are bounded below by far more than
+# float32's range.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# Bounds that keep every logit finite: the repetition penalty divides or multiplies logits by its value, a
+# temperature divides them. Beyond 100 (or below 1/100) the penalty already decides the token on its own, and a
+# temperature of 100 is uniform sampling in all but name.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# Stop strings are searched for after every generated token of the request: their number and length bound that
+# per-token cost, which every other sequence in the batch waits for.
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 512
 
 
 @dataclass
 class SamplingParams:
-    """Validated on construction; every bad value raises `RequestError` naming the field.
+    """Validated on construction (and again by `LLMEngine.add_request`, see `check`); every bad value raises
+    `RequestError` whose message starts with the field's name.
 
-    `top_k` of -1 or 0 means off. `max_tokens=None` means "up to max_model_len". With `n > 1` and a
-    `seed`, completion i is drawn from a generator seeded with `seed + i` so the n samples differ but stay
-    reproducible. `logprobs` / `prompt_logprobs` ask for the top-N log-probabilities (of the raw logits,
-    before penalties and temperature) in addition to the chosen / actual token.
+    `top_k` of -1 or 0 means off (a value of at least the vocabulary size is off too). `max_tokens=None` means
+    "up to max_model_len". With `n > 1` and a `seed`, completion i is drawn from a generator seeded with
+    `seed + i` so the n samples differ but stay reproducible. `logprobs` / `prompt_logprobs` ask for the top-N
+    log-probabilities (of the raw logits, before penalties and temperature) in addition to the chosen / actual
+    token. Numbers are bounded to what the sampler's tensors hold (int64, finite float32) and to ranges that
+    keep logits finite: temperature in [0, 100], repetition_penalty in [0.01, 100], presence and frequency
+    penalties in [-2, 2]; at most 32 stop strings of at most 512 characters.
     """
 
     n: int = 1
@@ -36,31 +50,29 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Validates every field and normalizes the derived ones (idempotent). `LLMEngine.add_request` calls it
+        again, so a SamplingParams changed after construction (or decoded from a message) is checked before
+        its values reach a tensor."""
         _check_int("n", self.n, minimum=1)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        _check_number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_number("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0:
+            raise RequestError("top_p must be in (0, 1], got 0")
         _check_int("top_k", self.top_k, minimum=-1)
-        _check_number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        _check_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check_number(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise RequestError(f"{name} must be in [-2, 2], got {value}")
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=None)
+            _check_int("seed", self.seed, minimum=INT64_MIN)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)
@@ -71,15 +83,20 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
             self.stop_strings = list(self.stop)
         else:
-            raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r:.200}")
         if any(s == "" for s in self.stop_strings):
             raise RequestError("stop strings must not be empty")
+        if len(self.stop_strings) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop_strings):
+            raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                               "characters each")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        elif not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        elif not (isinstance(self.stop_token_ids, (list, tuple)) and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in self.stop_token_ids)):
+            raise RequestError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r:.200}")
         else:
             self.stop_token_ids = list(self.stop_token_ids)
+        self.stop_token_set = frozenset(self.stop_token_ids)  # checked after every token: no list scan
         if self.top_k == 0:
             self.top_k = -1
         if self.temperature < _GREEDY_EPS:  # greedy: the filters cannot change an argmax
@@ -96,13 +113,15 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def _check_int(name: str, value: object, *, minimum: int | None) -> None:
+def _check_int(name: str, value: object, *, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestError(f"{name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise RequestError(f"{name} must be >= {minimum}, got {value}")
+        raise RequestError(f"{name} must be an integer, got {value!r:.100}")
+    if not minimum <= value <= INT64_MAX:
+        raise RequestError(f"{name} must be in [{minimum}, {INT64_MAX}], got {value}")
 
 
-def _check_number(name: str, value: object) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-        raise RequestError(f"{name} must be a number, got {value!r}")
+def _check_number(name: str, value: object, low: float, high: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise RequestError(f"{name} must be a number, got {value!r:.100}")
+    if not low <= value <= high:  # NaN fails every comparison
+        raise RequestError(f"{name} must be in [{low:g}, {high:g}], got {value!r:.60}")

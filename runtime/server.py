@@ -8,6 +8,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .async_engine import AsyncLLMEngine, PromptInput, RequestDelta, RequestGroup
 from .engine import LLMEngine
@@ -27,8 +29,10 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, reques
 from .sampling_params import SamplingParams
 
 MAX_BODY_BYTES = 16 * 2**20
-_LONG_PROMPT_CHARS = 8192  # tokenized off the event loop beyond this
+BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a stalled upload gets 408)
+_LONG_PROMPT_CHARS = 8192  # tokenized (chat templates: rendered) off the event loop beyond this
 _Req = TypeVar("_Req", bound=BaseModel)
+_T = TypeVar("_T")
 
 
 def resolve_served_name(engine: LLMEngine, override: str | None = None) -> str:
@@ -38,17 +42,27 @@ def resolve_served_name(engine: LLMEngine, override: str | None = None) -> str:
 
 
 class OpenAIServer:
-    """Request handling, independent of routing: parse -> validate -> tokenize -> submit -> format."""
+    """Request handling, independent of routing: parse -> validate -> tokenize -> submit -> format.
+
+    A text prompt can hold at most `max_prompt_chars` characters: max_model_len tokens of the longest token in
+    the vocabulary (no token stands for more characters than its own string has). A longer one could not fit
+    the context (unless a normalizer deletes characters) and is refused before it is tokenized. Long texts are tokenized, and long chat templates
+    rendered, on a thread pool of their own: the tokenizers library releases the GIL while it encodes, so the
+    event loop (and `/health`) keeps answering.
+    """
 
     def __init__(self, engine: LLMEngine, *, model_name: str, api_key: str | None = None,
-                 max_waiting: int = 1024) -> None:
+                 max_waiting: int = 1024, metrics_public: bool = False) -> None:
         self.model_name = model_name
         self.api_key = api_key
+        self.metrics_public = metrics_public
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
+        self.max_prompt_chars = self.max_model_len * _longest_token_chars(engine.tokenizer)
         self.metrics = ServerMetrics(model_name, lambda: self.async_engine.stats, engine.block_manager.block_size)
         self.async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting, observer=self.metrics)
         self.created = int(time.time())
+        self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
 
     # Request plumbing --------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -61,17 +75,20 @@ class OpenAIServer:
                            code="invalid_api_key")
 
     async def parse(self, request: Request, schema: type[_Req]) -> _Req:
+        """Authenticates, then reads the body (`BodyLimit` bounds its size and the time it may take). A big body
+        costs the event loop one pass of JSON parsing in one go, nothing more: it is gathered as it arrives
+        (no join at the end) and checked for UTF-8 only when the parse fails."""
         self.check_auth(request)
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
         try:
             parsed = schema.model_validate_json(body)
         except ValidationError as e:
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError as u:
+                raise APIError(400, f"the request body is not valid UTF-8 ({u.reason} at byte {u.start})") from None
             raise _validation_error(e) from None
         if parsed.model != self.model_name:
             raise APIError(404, f"The model {parsed.model!r} does not exist; this server serves "
@@ -79,12 +96,26 @@ class OpenAIServer:
         parsed.check_supported()
         return parsed
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, at most "
+                           f"{self.max_prompt_chars} characters of text; the prompt has {num_chars} characters. "
+                           "Shorten the prompt.", param=param, code="context_length_exceeded")
+
+    async def encode(self, texts: list[str], add_special_tokens: bool = True,
+                     param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text, refusing (before any tokenizing) a text that could not fit the context."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-        if len(text) > _LONG_PROMPT_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens)
+        for text in texts:
+            self.check_prompt_chars(len(text), param)
+        encode = self.tokenizer.encode
+        if sum(map(len, texts)) <= _LONG_PROMPT_CHARS:
+            return [encode(text, add_special_tokens) for text in texts]
+        return await self.off_loop(lambda: [encode(text, add_special_tokens) for text in texts])
+
+    async def off_loop(self, fn: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn)
 
     def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
@@ -93,9 +124,19 @@ class OpenAIServer:
         except RequestError as e:
             raise APIError(400, str(e), param=request_error_param(e, set(type(req).model_fields))) from None
 
+    def check_admissible(self, num_prompts: int, params: SamplingParams,
+                         req: ChatCompletionRequest | CompletionRequest) -> None:
+        """400 (before anything is tokenized) for more sequences than the queue could ever take."""
+        try:
+            self.async_engine.check_admissible(num_prompts, params)
+        except RequestError as e:
+            param = "n" if params.n > 1 else "prompt" if isinstance(req, CompletionRequest) else "messages"
+            raise APIError(400, str(e), param=param, code="too_many_sequences") from None
+
     async def submit(self, inputs: list[PromptInput], params: SamplingParams,
                      req: ChatCompletionRequest | CompletionRequest) -> RequestGroup:
-        """Queues every prompt or none: 400 for a prompt that cannot be served, 503 when overloaded."""
+        """Queues every prompt or none: 400 for a request that can never be served (a prompt too long, more
+        sequences than the queue holds, ...), 503 when it could be later but the queue is full now."""
         prompt_param = "prompt" if isinstance(req, CompletionRequest) else "messages"
         limit = self.max_model_len
         for p in inputs:
@@ -120,12 +161,12 @@ class OpenAIServer:
         req = await self.parse(request, CompletionRequest)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        inputs = []
-        for i, prompt in enumerate(req.prompts()):
-            if isinstance(prompt, str):
-                inputs.append(PromptInput(f"{request_id}-{i}", await self.encode(prompt), prompt))
-            else:
-                inputs.append(PromptInput(f"{request_id}-{i}", prompt))
+        prompts = req.prompts()
+        self.check_admissible(len(prompts), params, req)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await self.encode(texts) if texts else [])
+        inputs = [PromptInput(f"{request_id}-{i}", next(encoded), p) if isinstance(p, str)
+                  else PromptInput(f"{request_id}-{i}", p) for i, p in enumerate(prompts)]
         group = await self.submit(inputs, params, req)
         return await _respond(request, _CompletionFormatter(self, req, request_id, group))
 
@@ -136,17 +177,23 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
                            "token ids", param="messages")
+        self.check_admissible(1, params, req)
         messages = [m.for_template(i) for i, m in enumerate(req.messages)]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+        num_chars = sum(len(m["content"]) for m in messages)  # a template adds to the text, never cuts it
+        self.check_prompt_chars(num_chars, "messages")
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                       **(req.chat_template_kwargs or {}))
+        try:
+            text = render() if num_chars <= _LONG_PROMPT_CHARS else await self.off_loop(render)
         except RequestError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:  # the template raised on these messages (raise_exception, ...)
             raise APIError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}",
                            param="messages") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        ids = await self.encode(text, add_special_tokens=False)
+        [ids] = await self.encode([text], add_special_tokens=False, param="messages")
         group = await self.submit([PromptInput(request_id, ids, text)], params, req)
         return await _respond(request, _ChatFormatter(self, req, request_id, group))
 
@@ -154,6 +201,71 @@ class OpenAIServer:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kiln",
                 "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token stands for: the longest token string of the vocabulary (byte-level BPE
+    spells each byte as one character, so its strings are at least as long as the text they decode to)."""
+    if tokenizer is None:
+        return 1
+    return max(1, max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size)))
+
+
+class BodyLimit:
+    """ASGI middleware: a request body may hold at most `max_bytes` and must arrive within `timeout` seconds
+    of the request's start. Counted as the body streams in: a declared Content-Length over the limit is
+    answered 413 before a byte of it is read, a chunked body once it passes the limit, a stalled one 408 at
+    the deadline. A response that starts before its request's body was read to the end (these, a 401, ...)
+    closes the connection: the rest of the body is never read, and the client must not wait on it. A client
+    that goes away mid-upload ends its request quietly (`ClientDisconnect`, answered by `build_app`)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES, timeout: float = BODY_TIMEOUT_S) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        complete = declared in (None, b"0") and b"transfer-encoding" not in headers  # no body to wait for
+        received = 0
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and not complete:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            error = self.too_large(int(declared))
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, closing_send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout
+
+        async def limited_receive() -> Message:
+            nonlocal received, complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.timeout:g} s") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self.too_large(received, streamed=True)
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
+            return message
+
+        await self.app(scope, limited_receive, closing_send)
+
+    def too_large(self, size: int, streamed: bool = False) -> APIError:
+        what = f"more than {self.max_bytes} bytes of request body arrived" if streamed else \
+            f"request body of {size} bytes"
+        return APIError(413, f"{what}; the limit is {self.max_bytes} bytes")
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -412,9 +524,11 @@ async def _until_disconnect(request: Request, work: Awaitable[Response],
 
 # The app ---------------------------------------------------------------------------------------------------
 def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_waiting: int = 1024) -> FastAPI:
+              max_waiting: int = 1024, metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
+              body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+    """The app. `api_key` covers every route but `/health` (and `/metrics` when `metrics_public`)."""
     server = OpenAIServer(engine, model_name=resolve_served_name(engine, served_model_name),
-                          api_key=api_key, max_waiting=max_waiting)
+                          api_key=api_key, max_waiting=max_waiting, metrics_public=metrics_public)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -423,13 +537,19 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
             yield
         finally:
             await asyncio.to_thread(server.async_engine.shutdown)
+            server.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody is listening; not a server error
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -449,7 +569,9 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
         return Response(status_code=200 if server.async_engine.is_running else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not server.metrics_public:
+            server.check_auth(request)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -469,17 +591,33 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
     return app
 
 
+def startup_line(engine: LLMEngine, model_name: str, url: str) -> str:
+    """What `kiln serve` prints once loaded: the model, the target, the KV pool and the tokens it holds."""
+    manifest = engine.artifact.manifest
+    plan = engine.runner.memory_plan
+    block_size = engine.block_manager.block_size
+    arch = (manifest.get("model") or {}).get("name") or "?"
+    kv_bytes, kv_blocks = plan["kv_bytes"], plan["kv_blocks"]
+    return (f"kiln serve: model {model_name!r} ({arch}, {engine.artifact.path}) on target {manifest.get('target')} "
+            f"({engine.artifact.device}); KV pool {kv_bytes} bytes ({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks "
+            f"x {block_size} tokens = {kv_blocks * block_size} tokens; max_model_len "
+            f"{engine.model_config.max_model_len}; listening on {url}")
+
+
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
-          async_scheduling: bool | None = None) -> None:
+          async_scheduling: bool | None = None, metrics_public: bool = False) -> None:
     """`kiln serve`: loads the artifact and serves it until interrupted. `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
-    `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device."""
+    `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device;
+    `metrics_public` leaves `/metrics` open when an `api_key` is set."""
     import uvicorn
 
     engine = LLMEngine(artifact, num_kv_blocks=num_kv_blocks, **({} if prefix_cache else {"prefix_cache": None}),
                        **({} if speculative is None else {"speculative": speculative}),
                        async_scheduling=async_scheduling)
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting)
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
+                    metrics_public=metrics_public)
+    print(startup_line(engine, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

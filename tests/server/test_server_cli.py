@@ -1,6 +1,7 @@
 """`kiln serve` as a user runs it: a subprocess on a loopback port, stopped with SIGINT."""
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -40,6 +41,7 @@ def test_kiln_serve_subprocess(standin_dir):
                        json={"model": "tiny", "prompt": "The quick", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
         assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+        assert httpx.get(url + "/metrics").status_code == 401 and httpx.get(url + "/health").status_code == 200
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -48,11 +50,20 @@ def test_kiln_serve_subprocess(standin_dir):
             proc.kill()
             proc.wait()
     assert proc.returncode is not None
+    # One startup line: the model, the target, the KV pool in bytes and in tokens (64 blocks of 4 tokens; a
+    # block holds K and V of every layer: layers x 2 x block_size x kv_heads x head_dim float32 values).
+    kv = json.loads((standin_dir / "manifest.json").read_text())["kv_cache"]
+    pool_bytes = 64 * kv["num_layers"] * 2 * kv["block_size"] * kv["kv_heads"] * kv["head_dim"] * 4
+    lines = [line for line in proc.stdout.read().decode().splitlines() if line.startswith("kiln serve:")]
+    assert len(lines) == 1, lines
+    assert "'tiny'" in lines[0] and "target cpu" in lines[0]
+    assert f"KV pool {pool_bytes} bytes" in lines[0] and f"= {64 * kv['block_size']} tokens" in lines[0]
 
 
 def test_serve_parser():
     from kiln.cli import build_parser
 
     args = build_parser().parse_args(["serve", "art"])
-    assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks) == (
-        "127.0.0.1", 8000, None, 1024, None)
+    assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks, args.metrics_public) == (
+        "127.0.0.1", 8000, None, 1024, None, False)
+    assert build_parser().parse_args(["serve", "art", "--metrics-public"]).metrics_public

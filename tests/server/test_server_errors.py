@@ -47,6 +47,19 @@ BAD_REQUESTS = [  # (id, path, body, status, param)
     ("top-p-zero", COMPLETIONS, completion(top_p=0), 400, "top_p"),
     ("top-p-above-one", CHAT, chat(top_p=1.5), 400, "top_p"),
     ("top-k-bad", COMPLETIONS, completion(top_k=-2), 400, "top_k"),
+    ("top-k-beyond-int64", COMPLETIONS, completion(top_k=2**63, temperature=1.0), 400, "top_k"),
+    ("temperature-huge", CHAT, chat(temperature=1e39), 400, "temperature"),
+    ("repetition-penalty-tiny", COMPLETIONS, completion(repetition_penalty=1e-300), 400, "repetition_penalty"),
+    ("repetition-penalty-huge", CHAT, chat(repetition_penalty=1e300), 400, "repetition_penalty"),
+    ("seed-below-int64", CHAT, chat(seed=-2**63 - 1), 400, "seed"),
+    ("max-tokens-beyond-int64", COMPLETIONS, completion(max_tokens=2**64), 400, "max_tokens"),
+    ("stop-token-beyond-int64", COMPLETIONS, completion(stop_token_ids=[2**63]), 400, "stop_token_ids"),
+    ("stop-token-beyond-vocab", CHAT, chat(stop_token_ids=[5, 10**6]), 400, "stop_token_ids"),
+    ("stop-too-many", COMPLETIONS, completion(stop=[f"s{i}" for i in range(33)]), 400, "stop"),
+    ("stop-too-long", CHAT, chat(stop=["x" * 513]), 400, "stop"),
+    ("prompt-id-beyond-int64", COMPLETIONS, completion(prompt=[1, 2**70]), 400, "prompt"),
+    ("prompts-more-than-the-queue", COMPLETIONS, completion(prompt=[[1, 2]] * 1025), 400, "prompt"),
+    ("prompts-times-n-more-than-the-queue", COMPLETIONS, completion(prompt=[[1, 2]] * 9, n=128), 400, "n"),
     ("min-p-bad", COMPLETIONS, completion(min_p=2), 400, "min_p"),
     ("presence-penalty-bad", CHAT, chat(presence_penalty=3), 400, "presence_penalty"),
     ("frequency-penalty-bad", COMPLETIONS, completion(frequency_penalty=-2.5), 400, "frequency_penalty"),
@@ -139,7 +152,12 @@ def test_api_key(make_server):
     assert_openai_error(httpx.get(url + "/v1/models", headers={"Authorization": "sekret"}), 401)
     ok = httpx.post(url + COMPLETIONS, json=body, headers={"Authorization": "Bearer sekret"})
     assert ok.status_code == 200
-    assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    assert httpx.get(url + "/health").status_code == 200  # a load balancer's probe needs no key
+    assert_openai_error(httpx.get(url + "/metrics"), 401)  # the metrics name the model and its load
+    assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    public = make_server(api_key="sekret", metrics_public=True)
+    assert httpx.get(public.url + "/metrics").status_code == 200
+    assert_openai_error(httpx.get(public.url + "/v1/models"), 401)
 
     import openai
     client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
