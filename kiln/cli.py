@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
-USER_ERROR_EXIT = 2
+from kiln.runtime.entrypoint import USER_ERROR_EXIT
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -56,39 +55,6 @@ def cmd_recipe_from_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling(args: argparse.Namespace) -> Any:
-    from kiln.runtime.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from kiln.runtime.llm import LLM
-
-    llm = LLM(str(args.artifact))
-    params = _sampling(args)
-    if args.chat:
-        outs = llm.chat([{"role": "user", "content": args.prompt}], params)
-    else:
-        outs = llm.generate([args.prompt], params)
-    for out in outs:
-        text = out.outputs[0].text
-        sys.stdout.write(text if args.chat else args.prompt + text)
-        sys.stdout.write("\n")
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from kiln.runtime.server import serve
-
-    serve(args.artifact, host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
-          log_level=args.log_level, prefix_cache=not args.no_prefix_cache, speculative=args.speculative,
-          async_scheduling=args.async_scheduling, metrics_public=args.metrics_public)
-    return 0
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from kiln.eval import eval_compare, eval_ppl
 
@@ -112,41 +78,9 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_eval)
 
 
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
-                   "(/metrics included, unless --metrics-public)")
-    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
-    p.add_argument("--served-model-name", help="model name of the API (default: the recipe's serve.served_name, "
-                   "else the artifact directory name)")
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="sequences (prompts x n) waiting before the server answers 503; a request of more is a 400 "
-                   "(default 1024)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from the manifest)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
-    p.add_argument("--speculative", choices=["mtp", "none"],
-                   help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule and launch each step before the previous one's tokens are read back, overlapping "
-                   "host work with the device (default: the recipe's, else on for CUDA, off for CPU)")
-    p.set_defaults(func=cmd_serve)
-
-
-def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.set_defaults(func=cmd_generate)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from kiln.runtime.entrypoint import add_generate_args, add_serve_args  # the runtime's own commands
+
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: compile LLM recipes into serving artifacts")
     parser.add_argument("--version", action="version", version=f"kiln {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,11 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with a compiled artifact")
     p.add_argument("artifact")
-    _add_generate_args(p)
+    add_generate_args(p)
 
     p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
     p.add_argument("artifact")
-    _add_serve_args(p)
+    add_serve_args(p)
 
     p = sub.add_parser("eval", help="quality checks: perplexity, and KL divergence between two artifacts")
     esub = p.add_subparsers(dest="eval_command", required=True)
@@ -210,13 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def artifact_main(artifact_dir: str, argv: list[str]) -> int:
-    """Entry of a compiled artifact's `__main__.py`: `python ART generate "prompt"` or `python ART serve`."""
-    if not argv or argv[0] not in ("generate", "serve"):
-        print("usage: python ARTIFACT generate \"prompt\" [--max-tokens N] [--temperature T] [--seed S]\n"
-              "       python ARTIFACT serve [--host H] [--port P] [--api-key K] [--served-model-name N]",
-              file=sys.stderr)
-        return USER_ERROR_EXIT
-    return main([argv[0], artifact_dir, *argv[1:]])
+    """The entry point of artifacts compiled before it moved to the runtime (kiln.runtime.entrypoint)."""
+    from kiln.runtime.entrypoint import artifact_main as runtime_artifact_main
+
+    return runtime_artifact_main(artifact_dir, argv)
 
 
 def _version() -> str:
