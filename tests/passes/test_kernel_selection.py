@@ -85,3 +85,42 @@ def test_interpreter_ignores_the_kernel_attribute():
     before, after, _ = run_pass_on_text(KernelSelection("cpu"), tiny_llama_ir())
     ref, got = logits_before_after(before, after)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+ATTENTION = """
+program p dtype={dtype} {{
+  config {{}}
+  param ks: f32[2] from ["ks"]
+  graph entry {{
+    %q = input "q" : {dtype}[T, 4, 16]
+    %k = input "k" : {dtype}[T, 2, 16]
+    %v = input "v" : {dtype}[T, 2, 16]
+    %ks = param "ks" : f32[2]
+    %a = attention(%q, %k, %v{scales}){attrs}
+    return %a
+  }}
+}}
+"""
+
+
+@pytest.mark.parametrize("dtype,fp8,kernel", [
+    ("f32", False, "tvm.paged_attention"),
+    ("bf16", False, "tvm.paged_attention"),
+    ("f16", False, "cpu.paged_attention"),  # no f16 TVM kernel: the torch one
+    ("f32", True, "cpu.paged_attention"),  # an fp8 KV cache stays on torch
+])
+def test_cpu_attention_choice_follows_dtype_and_kv_cache(dtype, fp8, kernel):
+    """The cpu table's first choice for attention is the TVM kernel, where its condition holds."""
+    scales = ", %ks, %ks" if fp8 else ""
+    before = ATTENTION.format(dtype=dtype, scales=scales, attrs=' {kv_dtype="fp8e4m3"}' if fp8 else "")
+    expected = ATTENTION.format(dtype=dtype, scales=scales, attrs=" {" + ('kernel="%s", kv_dtype="fp8e4m3"' if fp8
+                                                                          else 'kernel="%s"') % kernel + "}")
+    expected = expected.replace('" : ', '" {kernel="inline"} : ')
+    out, ctx = run_pass(KernelSelection("cpu"), typed(before))
+    assert_programs_equal(out, typed(expected))
+    assert ctx.stats["kernels"][kernel] == 1
+
+
+def test_gpu_tables_keep_their_own_attention_kernel():
+    assert kernel_selection.kernel_table("h200")["attention"] == "triton.paged_attention"
+    assert kernel_selection.kernel_table("h200")["rms_norm"] == "triton.rms_norm"
