@@ -50,6 +50,7 @@ class TVMKernel:
 # kernel id (as kernel selection picks it) -> its TVMScript
 TVM_KERNELS: dict[str, TVMKernel] = {
     "tvm.paged_attention": TVMKernel("tvm/paged_attention.py.j2", ("paged_attention", "kv_write", "rope_kv_write")),
+    "tvm.add_rms_norm": TVMKernel("tvm/norm.py.j2", ("add_rms_norm",)),
 }
 
 
@@ -190,6 +191,21 @@ def build_library(kernel_ids: Iterable[str], params: Mapping[str, Any], kernels_
     return record
 
 
+def write_cpu_kernels(kernels_dir: Path, params: Mapping[str, Any], kernel_ids: Iterable[str], *,
+                      kiln_version: str) -> dict[str, Any] | None:
+    """The cpu target's kernels/ folder for `params` alone (no model): the torch library, the tvm library module
+    and its build — what tests and benchmarks/cpu_kernels.py import as a package."""
+    from .render import template_env
+
+    env = template_env()
+    kernels_dir.mkdir(parents=True, exist_ok=True)
+    (kernels_dir / "__init__.py").write_text("", encoding="utf-8")
+    for name, template in (("cpu", "cpu/kernels.py.j2"), ("tvm", "tvm/library.py.j2")):
+        text = env.get_template(template).render(kiln_version=kiln_version, **params)
+        (kernels_dir / f"{name}.py").write_text(text, encoding="utf-8")
+    return build_library(kernel_ids, params, kernels_dir, env=env, kiln_version=kiln_version)
+
+
 def _build_into(cached: Path, source: str, functions: list[str], target: dict[str, Any]) -> None:
     """Builds in a fresh folder beside the cache entry and renames it into place, so a concurrent or interrupted
     build never leaves a half-written library under the digest."""
@@ -212,4 +228,4 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 __all__ = ["ISAS", "LIBRARY_DIR", "TVM_KERNELS", "build_library", "cache_dir", "host_isa", "render_params",
-           "render_source", "target_of"]
+           "render_source", "target_of", "write_cpu_kernels"]

@@ -208,3 +208,20 @@ def test_no_library_built_is_said_once_at_load(tmp_path, monkeypatch, caplog):
     assert record["library"] is None and "x86-64-v3" in record["reason"]
     assert not (tmp_path / "kernels/tvm_cpu/cpu.so").exists() and K.LIBRARY is None
     assert any("has no TVM library" in line for line in _fallback_lines(caplog))
+
+
+@pytest.mark.parametrize("width", [256, 576, 64, 37])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_rms_norm_matches_op_reference(package, width, dtype):
+    K = package(8, 2, 64, 16, dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(width)
+    x, r = (torch.randn(7, width, generator=g).to(torch_dtype) for _ in range(2))
+    w = (torch.randn(width, generator=g) * 0.5 + 1).to(torch_dtype)
+    ctx = RefContext(positions=torch.arange(7))
+    ref_normed, ref_summed = OPS["add_rms_norm"].reference(ctx, x, r, w, eps=1e-5)
+    normed, summed = K.add_rms_norm(x, r, w, 1e-5)
+    assert K.LIBRARY is not None and normed.dtype == torch_dtype
+    assert torch.equal(summed, ref_summed)
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=tol, atol=tol)

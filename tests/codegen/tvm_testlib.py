@@ -1,4 +1,4 @@
-"""Builds the cpu target's kernel package (kernels/{cpu,tvm}.py + tvm_cpu/) for a shape, as `kiln compile` does."""
+"""Imports the cpu target's kernel package (kernels/{cpu,tvm}.py + tvm_cpu/) for a shape, as an artifact has it."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,26 +6,19 @@ import itertools
 import sys
 from pathlib import Path
 
-from kiln.codegen.render import template_env
-from kiln.codegen.tvm_build import build_library
+from kiln.codegen.tvm_build import write_cpu_kernels
 
 _ids = itertools.count()
 
 
 def build_kernel_package(root: Path, *, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
-                         dtype: str = "float32", kernels=("tvm.paged_attention",)):
+                         dtype: str = "float32", kernels=("tvm.paged_attention", "tvm.add_rms_norm")):
     """Writes root/kernels/ for the shape and imports it as a fresh package; returns its `tvm` module (which
     forwards to the torch library for what it does not cover) and the build record."""
-    env = template_env()
     params = {"target": "cpu", "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
               "block_size": block_size, "dtype": dtype}
-    kdir = root / "kernels"
-    kdir.mkdir(parents=True)
-    (kdir / "__init__.py").write_text("")
-    for name, template in (("cpu", "cpu/kernels.py.j2"), ("tvm", "tvm/library.py.j2")):
-        (kdir / f"{name}.py").write_text(env.get_template(template).render(kiln_version="0.0.test", **params))
-    record = build_library(kernels, params, kdir, env=env, kiln_version="0.0.test")
-    return import_kernel_package(kdir), record
+    record = write_cpu_kernels(root / "kernels", params, kernels, kiln_version="0.0.test")
+    return import_kernel_package(root / "kernels"), record
 
 
 def import_kernel_package(kdir: Path):
