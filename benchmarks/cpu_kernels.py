@@ -18,6 +18,7 @@ to compare the two on the same model.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -105,13 +106,14 @@ def run(repeats: int) -> list[dict]:
             for kind, n in CASES:
                 q, k, v, kv, batch = _batch(kind, n, heads, kv_heads, head_dim)
                 for kernel, lib in (("paged_attention", tvm), ("paged_attention", ref)):
-                    us = _time(lambda lib=lib: lib.paged_attention(q, k, v, kv, batch, head_dim ** -0.5,
-                                                                   rope_cache=rope), repeats)
+                    call = functools.partial(lib.paged_attention, q, k, v, kv, batch, head_dim ** -0.5,
+                                             rope_cache=rope)
+                    us = _time(call, repeats)
                     rows.append({"model": model, "kernel": kernel, "case": f"{kind} {n}", "impl": lib.__name__, "us": us})
                 x, r = torch.randn(q.shape[0], hidden), torch.randn(q.shape[0], hidden)
                 w = torch.randn(hidden)
                 for lib in (tvm, ref):
-                    us = _time(lambda lib=lib: lib.add_rms_norm(x, r, w, 1e-5), repeats)
+                    us = _time(functools.partial(lib.add_rms_norm, x, r, w, 1e-5), repeats)
                     rows.append({"model": model, "kernel": "add_rms_norm", "case": f"{kind} {n}",
                                  "impl": lib.__name__, "us": us})
     return rows
@@ -128,8 +130,9 @@ def table(rows: list[dict]) -> str:
 
 
 def offline(artifacts: list[str], batch_sizes: list[int], prompt_len: int = 128, output_len: int = 64) -> list[dict]:
-    import kiln
     from kiln.runtime.artifact import read_manifest
+
+    import kiln
 
     rows = []
     for art in artifacts:

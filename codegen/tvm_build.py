@@ -70,21 +70,14 @@ ISAS: dict[str, ISA] = {
 }
 
 
-def cpu_flags() -> frozenset[str]:
-    """This host's CPU feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+# torch's CPU capability (the widest ISA its own kernels dispatch to on this host) -> the level built for
+_CAPABILITY_ISA = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
 
 
 def host_isa() -> ISA | None:
-    """The ISA the library is built for: `$KILN_TVM_ISA` if set (a key of ISAS, or "none"), else the best level
-    this host's CPU has; None when there is none (not x86-64, or older than x86-64-v3)."""
+    """The ISA the library is built for: `$KILN_TVM_ISA` if set (a key of ISAS, or "none"), else the level of
+    this host's CPU as torch detects it; None below x86-64-v3 or off x86-64. The runtime checks build.json's
+    `requires_cpu_flags` against the serving host's CPU before it loads the library."""
     forced = os.environ.get("KILN_TVM_ISA")
     if forced:
         if forced == "none":
@@ -94,8 +87,10 @@ def host_isa() -> ISA | None:
         return ISAS[forced]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    flags = cpu_flags()
-    return next((isa for isa in ISAS.values() if set(isa.flags) <= flags), None)
+    import torch
+
+    level = _CAPABILITY_ISA.get(torch.backends.cpu.get_cpu_capability())
+    return ISAS[level] if level else None
 
 
 def render_params(params: Mapping[str, Any], isa: ISA) -> dict[str, Any]:
