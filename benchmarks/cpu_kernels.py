@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the raw rows here")
     ap.add_argument("--offline", nargs="+", metavar="ART", help="measure these artifacts' LLM.generate instead")
     ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args(argv)
     if args.offline:
-        rows = offline(args.offline, [int(b) for b in args.batch_sizes.split(",")])
+        rows = offline(args.offline, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.output_len)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0

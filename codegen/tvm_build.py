@@ -156,6 +156,7 @@ def build_library(kernel_ids: Iterable[str], params: Mapping[str, Any], kernels_
     isa, version = host_isa(), _tvm_version()
     if isa is None or version is None:
         record["reason"] = ("apache-tvm is not installed where the artifact was compiled" if version is None else
+                            "KILN_TVM_ISA=none" if os.environ.get("KILN_TVM_ISA") == "none" else
                             "the compiling host's CPU is not x86-64-v3 or better (KILN_TVM_ISA overrides)")
         logger.warning("kiln: TVM kernels not built (%s); the artifact runs torch kernels", record["reason"])
         _write_json(out / RECORD_FILE, record)
