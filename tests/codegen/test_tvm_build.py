@@ -104,3 +104,30 @@ def test_hf_parity_artifacts_run_the_tvm_kernels(arch, compile_hf):
     loaded = load_artifact(art, load_tokenizer=False)
     kernels = __import__(type(loaded.model).__module__, fromlist=["K"]).K
     assert kernels.LIBRARY is not None and "paged_attention" in kernels.LIBRARY.functions
+
+
+def test_serving_loads_the_library_through_tvm_ffi_without_the_compiler(compile_hf):
+    """A fresh process that loads an artifact and runs a step maps libtvm_runtime.so only: `import tvm` (the
+    compiler, libtvm_compiler.so) never happens at serve time."""
+    import subprocess
+    import sys
+    import textwrap
+
+    _, art, _ = compile_hf("llama")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from kiln.runtime.artifact import load_artifact
+        from kiln.runtime.model_runner import profile_batch
+        loaded = load_artifact({str(art)!r}, load_tokenizer=False)
+        K = sys.modules[type(loaded.model).__module__].K
+        kv = loaded.kv_cache_config
+        batch = profile_batch([5, 1], kv.block_size, torch.device("cpu"), vocab_size=64)
+        caches = [torch.zeros((batch.block_tables.numel(), *kv.shape), dtype=kv.dtype) for _ in range(kv.num_layers)]
+        logits = loaded.model.forward(batch, caches)
+        maps = open("/proc/self/maps").read()
+        print(K.LIBRARY is not None, "tvm" in sys.modules, "libtvm_compiler" in maps, "libtvm_runtime" in maps,
+              tuple(logits.shape))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "True False False True (2, 512)", out.stdout
