@@ -6,8 +6,8 @@
 Builds the cpu kernel package (kernels/cpu.py, kernels/tvm.py, kernels/tvm_cpu/cpu.so) for the embedded model's
 shapes (hidden 256, 8 query / 4 KV heads, head_dim 32) and a ~100 M Llama's (hidden 576, 9 / 3 heads,
 head_dim 64), then times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
-`paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass) and
-`add_rms_norm`. Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
+`paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass),
+`add_rms_norm` and `silu_mul`. Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
 
 `--offline` instead measures whole artifacts: `kiln.LLM.generate` output tokens per second at each batch size
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {  # name -> (hidden, heads, kv_heads, head_dim)
-    "embedded": (256, 8, 4, 32),
-    "llama-100M": (576, 9, 3, 64),
+SHAPES = {  # name -> (hidden, heads, kv_heads, head_dim, ffn)
+    "embedded": (256, 8, 4, 32, 704),
+    "llama-100M": (576, 9, 3, 64, 1536),
 }
 BLOCK_SIZE = 16
 CONTEXT = 160  # decode context: a 128-token prompt and 32 generated tokens
@@ -44,7 +44,7 @@ def _package(root: Path, hidden: int, heads: int, kv_heads: int, head_dim: int):
     params = {"target": "cpu", "head_dim": head_dim, "num_heads": heads, "num_kv_heads": kv_heads,
               "block_size": BLOCK_SIZE, "dtype": "float32"}
     kdir = root / f"kernels_{hidden}"
-    record = write_cpu_kernels(kdir, params, ("tvm.paged_attention", "tvm.add_rms_norm"), kiln_version="bench")
+    record = write_cpu_kernels(kdir, params, ("tvm.paged_attention", "tvm.add_rms_norm", "tvm.silu_mul"), kiln_version="bench")
     name = f"_kiln_bench_kernels_{hidden}"
     spec = importlib.util.spec_from_file_location(name, kdir / "__init__.py", submodule_search_locations=[str(kdir)])
     module = importlib.util.module_from_spec(spec)
@@ -100,7 +100,7 @@ def _time(fn, repeats: int) -> float:
 def run(repeats: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        for model, (hidden, heads, kv_heads, head_dim) in SHAPES.items():
+        for model, (hidden, heads, kv_heads, head_dim, ffn) in SHAPES.items():
             tvm, ref, _ = _package(Path(tmp), hidden, heads, kv_heads, head_dim)
             rope = ref.rope_cache(head_dim, 4096, 10000.0)
             for kind, n in CASES:
@@ -116,6 +116,11 @@ def run(repeats: int) -> list[dict]:
                     us = _time(functools.partial(lib.add_rms_norm, x, r, w, 1e-5), repeats)
                     rows.append({"model": model, "kernel": "add_rms_norm", "case": f"{kind} {n}",
                                  "impl": lib.__name__, "us": us})
+                gate_up = torch.randn(q.shape[0], 2 * ffn)
+                for lib in (tvm, ref):
+                    us = _time(functools.partial(lib.silu_mul, gate_up), repeats)
+                    rows.append({"model": model, "kernel": "silu_mul", "case": f"{kind} {n}", "impl": lib.__name__,
+                                 "us": us})
     return rows
 
 

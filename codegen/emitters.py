@@ -55,6 +55,7 @@ EMITTERS: dict[str, str] = {
 # cpu target, kernels built with apache-tvm (kernels/tvm.py, imported as K): the cpu library's signatures.
 EMITTERS.update({
     "tvm.paged_attention": EMITTERS["cpu.paged_attention"],
+    "tvm.add_rms_norm": EMITTERS["cpu.add_rms_norm"],
 })
 
 # GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kiln.compiler import Graph, Node, Pass, PassContext, PassError, Program, register_pass
-from kiln.compiler.ir import TensorType
+from kiln.compiler.ir import TensorType, TupleType
 
 INLINE = "inline"  # structural ops the generated executor emits inline: no kernel launch
 _STRUCTURAL = ("input", "param", "block", "getitem", "view", "slice")
@@ -49,7 +49,11 @@ def select(entry: Entry, node: Node) -> str:
 
 
 def _dtype_in(*dtypes: str) -> Callable[[Node], bool]:
-    return lambda node: isinstance(node.out, TensorType) and node.out.dtype in dtypes
+    """The node's output (all of a tuple's) is a tensor of one of `dtypes`."""
+    def check(node: Node) -> bool:
+        outs = node.out.items if isinstance(node.out, TupleType) else (node.out,)
+        return all(isinstance(t, TensorType) and t.dtype in dtypes for t in outs)
+    return check
 
 
 def _tvm_attention(node: Node) -> bool:
@@ -86,6 +90,7 @@ _CPU_TORCH: dict[str, str] = {
 register_kernels("cpu", {
     **_CPU_TORCH,
     "attention": (KernelChoice("tvm.paged_attention", _tvm_attention), "cpu.paged_attention"),
+    "add_rms_norm": (KernelChoice("tvm.add_rms_norm", _dtype_in("f32", "bf16")), "cpu.add_rms_norm"),
 })
 
 # GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op

@@ -210,18 +210,35 @@ def test_no_library_built_is_said_once_at_load(tmp_path, monkeypatch, caplog):
     assert any("has no TVM library" in line for line in _fallback_lines(caplog))
 
 
-@pytest.mark.parametrize("width", [256, 576, 64, 37])
+# (rows, width): widths off the vector length, and steps on both sides of the serial/parallel switch
+ROWS = [(7, 256), (3, 576), (5, 64), (4, 37), (130, 576), (300, 259)]
+
+
+@pytest.mark.parametrize("rows,width", ROWS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_add_rms_norm_matches_op_reference(package, width, dtype):
+def test_add_rms_norm_matches_op_reference(package, rows, width, dtype):
     K = package(8, 2, 64, 16, dtype=dtype)
     torch_dtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(width)
-    x, r = (torch.randn(7, width, generator=g).to(torch_dtype) for _ in range(2))
+    x, r = (torch.randn(rows, width, generator=g).to(torch_dtype) for _ in range(2))
     w = (torch.randn(width, generator=g) * 0.5 + 1).to(torch_dtype)
-    ctx = RefContext(positions=torch.arange(7))
+    ctx = RefContext(positions=torch.arange(rows))
     ref_normed, ref_summed = OPS["add_rms_norm"].reference(ctx, x, r, w, eps=1e-5)
     normed, summed = K.add_rms_norm(x, r, w, 1e-5)
     assert K.LIBRARY is not None and normed.dtype == torch_dtype
     assert torch.equal(summed, ref_summed)
     tol = 1e-6 if dtype == "float32" else 2e-2
     torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows,width", ROWS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_silu_mul_matches_op_reference(package, rows, width, dtype):
+    K = package(8, 2, 64, 16, dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)) * 4).to(torch_dtype)
+    ref = OPS["silu_mul"].reference(RefContext(positions=torch.arange(rows)), gate_up)
+    out = K.silu_mul(gate_up)
+    assert K.LIBRARY is not None and out.dtype == torch_dtype and out.shape == (rows, width)
+    tol = 2e-6 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
