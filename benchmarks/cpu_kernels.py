@@ -7,7 +7,7 @@ Builds the cpu kernel package (kernels/cpu.py, kernels/tvm.py, kernels/tvm_cpu/c
 shapes (hidden 256, 8 query / 4 KV heads, head_dim 32) and a ~100 M Llama's (hidden 576, 9 / 3 heads,
 head_dim 64), then times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
 `paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass),
-`add_rms_norm` and `silu_mul`. Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
+`add_rms_norm` and `silu_mul`; and the ~100 M model's GEMMs through torch against TVM's own CPU GEMV schedule. Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
 
 `--offline` instead measures whole artifacts: `kiln.LLM.generate` output tokens per second at each batch size
@@ -124,6 +124,40 @@ def run(repeats: int) -> list[dict]:
     return rows
 
 
+def _dlight_linear(m: int, k: int, n: int, isa: str):
+    """y[m, n] = x[m, k] @ w[n, k].T as TVM's own CPU GEMV schedule (s_tir.dlight.cpu.GEMV) builds it: the
+    measured alternative to keeping GEMMs on torch (MKL/oneDNN). Not a kiln kernel; benchmark only."""
+    import tvm
+    from tvm import te
+    from tvm.s_tir import dlight
+
+    x, w = te.placeholder((m, k), "float32", name="x"), te.placeholder((n, k), "float32", name="w")
+    r = te.reduce_axis((0, k), "r")
+    y = te.compute((m, n), lambda i, j: te.sum(x[i, r] * w[j, r], axis=r), name="y")
+    target = tvm.target.Target({"kind": "llvm", "mcpu": isa, "fast-math-reassoc": True, "fast-math-contract": True,
+                                "num-cores": torch.get_num_threads()})
+    mod = tvm.IRModule({"linear": te.create_prim_func([x, w, y]).with_attr("global_symbol", "linear")})
+    with target:
+        mod = dlight.ApplyDefaultSchedule(dlight.cpu.GEMV())(mod)
+    return tvm.compile(mod, target=target)["linear"]
+
+
+def gemm_rows(repeats: int) -> list[dict]:
+    """The ~100 M model's MLP and LM-head GEMMs at decode batch 1 and 16: torch F.linear vs dlight's GEMV."""
+    from kiln.codegen.tvm_build import host_isa
+
+    rows = []
+    for m, k, n in [(1, 576, 1536), (1, 1536, 576), (1, 576, 4096), (16, 576, 1536)]:
+        x, w, y = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
+        kernel = _dlight_linear(m, k, n, host_isa().mcpu)
+        case = f"decode {m} [{k}->{n}]"
+        rows.append({"model": "llama-100M", "kernel": "linear", "case": case, "impl": "cpu",
+                     "us": _time(functools.partial(torch.nn.functional.linear, x, w), repeats)})
+        rows.append({"model": "llama-100M", "kernel": "linear", "case": case, "impl": "tvm",
+                     "us": _time(functools.partial(kernel, x, w, y), repeats)})
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     out = ["| model | kernel | step | torch µs | TVM µs | speed-up |", "|---|---|---|---|---|---|"]
     keyed = {}
@@ -166,15 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the raw rows here")
     ap.add_argument("--offline", nargs="+", metavar="ART", help="measure these artifacts' LLM.generate instead")
     ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads, and so TVM's pool (default: torch's)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the TVM library sizes its pool from this when it loads
     if args.offline:
         rows = offline(args.offline, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.output_len)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0
-    rows = run(args.repeats)
+    rows = run(args.repeats) + gemm_rows(args.repeats)
     print(f"torch threads {torch.get_num_threads()}; decode context {CONTEXT}; KV block {BLOCK_SIZE}; fp32")
     print(table(rows))
     if args.json:
