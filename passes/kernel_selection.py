@@ -91,6 +91,7 @@ register_kernels("cpu", {
     **_CPU_TORCH,
     "attention": (KernelChoice("tvm.paged_attention", _tvm_attention), "cpu.paged_attention"),
     "add_rms_norm": (KernelChoice("tvm.add_rms_norm", _dtype_in("f32", "bf16")), "cpu.add_rms_norm"),
+    "silu_mul": (KernelChoice("tvm.silu_mul", _dtype_in("f32", "bf16")), "cpu.silu_mul"),
 })
 
 # GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op

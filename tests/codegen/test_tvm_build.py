@@ -100,7 +100,7 @@ def test_hf_parity_artifacts_run_the_tvm_kernels(arch, compile_hf):
     """tests/facade/test_parity_hf.py checks these artifacts (compile_hf builds each once per session) against HF:
     here, that their attention really is the TVM library's and it loads on this host."""
     _, art, result = compile_hf(arch)
-    assert {"tvm.paged_attention", "tvm.add_rms_norm"} <= set(result.manifest["kernels"])
+    assert {"tvm.paged_attention", "tvm.add_rms_norm", "tvm.silu_mul"} <= set(result.manifest["kernels"])
     loaded = load_artifact(art, load_tokenizer=False)
     kernels = __import__(type(loaded.model).__module__, fromlist=["K"]).K
     assert kernels.LIBRARY is not None and "paged_attention" in kernels.LIBRARY.functions
