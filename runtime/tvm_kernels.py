@@ -21,7 +21,9 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 RECORD_FILE = "build.json"
-_loaded: dict[Path, Library | None] = {}
+_loaded: dict[tuple[Path, str], Library | None] = {}  # (folder, library digest) -> what loading it gave
+_mapped: dict[str, str] = {}  # library file path -> digest of the library the dynamic loader mapped from it
 
 
 @dataclass
@@ -81,7 +84,15 @@ def configure_threads() -> None:
     os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
 
-def _load_module(library: Path) -> Any:
+def _load_module(library: Path, digest: str) -> Any:
+    """Loads the library file through tvm-ffi (or the compiler's runtime when it is imported anyway). The dynamic
+    loader maps a path once per process: a different library recompiled at a path already mapped is loaded from
+    a copy named by its digest instead, so it is never served the earlier one's code."""
+    if _mapped.setdefault(str(library), digest) != digest:
+        copy = Path(tempfile.gettempdir()) / f"kiln-tvm-{digest[:32]}.so"
+        if not copy.is_file():
+            shutil.copyfile(library, copy)
+        library = copy
     if "tvm" in sys.modules and sys.modules["tvm"] is not None:  # the compiler is already here (compile + serve)
         return sys.modules["tvm"].runtime.load_module(str(library))
     import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against
@@ -94,23 +105,27 @@ def _load_module(library: Path) -> Any:
 def load_library(folder: str | Path) -> Library | None:
     """The kernel library in `folder` (an artifact's kernels/tvm_cpu), or None (logged once) when it cannot run
     here, or silently when `folder` does not exist (the artifact selected no tvm kernel). Loaded once per process
-    per folder."""
+    per folder and library digest."""
     folder = Path(folder).resolve()
-    if folder in _loaded:
-        return _loaded[folder]
-    lib = None
-    if (folder / RECORD_FILE).is_file():
+    if not (folder / RECORD_FILE).is_file():
+        return None
+    try:
+        record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        logger.warning("kiln: %s unreadable (%s); using torch kernels", folder / RECORD_FILE, e)
+        return None
+    key = (folder, str(record.get("library_sha256")))
+    if key not in _loaded:
         try:
-            lib = _load(folder)
+            _loaded[key] = _load(folder, record)
         except Exception as e:
             logger.warning("kiln: TVM kernels in %s not loaded (%s: %s); using torch kernels", folder,
                            type(e).__name__, e)
-    _loaded[folder] = lib
-    return lib
+            _loaded[key] = None
+    return _loaded[key]
 
 
-def _load(folder: Path) -> Library | None:
-    record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+def _load(folder: Path, record: dict) -> Library | None:
     if not record.get("library"):
         logger.warning("kiln: %s has no TVM library (%s); using torch kernels", folder,
                        record.get("reason", "not built"))
@@ -121,7 +136,7 @@ def _load(folder: Path) -> Library | None:
                        record.get("target", {}).get("mcpu", "another CPU"), " ".join(missing))
         return None
     configure_threads()
-    module = _load_module(folder / record["library"])
+    module = _load_module(folder / record["library"], str(record.get("library_sha256")))
     functions = {name: module[name] for name in record["functions"]}
     return Library(path=folder, params=dict(record.get("params", {})), functions=functions)
 

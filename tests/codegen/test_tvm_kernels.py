@@ -242,3 +242,16 @@ def test_silu_mul_matches_op_reference(package, rows, width, dtype):
     assert K.LIBRARY is not None and out.dtype == torch_dtype and out.shape == (rows, width)
     tol = 2e-6 if dtype == "float32" else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_a_library_recompiled_in_place_is_the_one_loaded(tmp_path):
+    """Another shape compiled into the same folder in one process: the new library runs, not the mapped one."""
+    first, _ = build_kernel_package(tmp_path / "a", head_dim=32, num_heads=4, num_kv_heads=2, block_size=16)
+    import shutil
+
+    shutil.rmtree(tmp_path / "a")
+    K, _ = build_kernel_package(tmp_path / "a", head_dim=64, num_heads=8, num_kv_heads=2, block_size=16)
+    assert K.LIBRARY is not first.LIBRARY and K.LIBRARY.params["head_dim"] == 64
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, 8, 2, 64, 16, torch.float32, rope=False)
+    torch.testing.assert_close(K.paged_attention(q, k, v, kv_cache, batch, 0.125),
+                               _reference(dense, 0.125, 0, False), rtol=0, atol=2e-5)
