@@ -255,3 +255,12 @@ def test_a_library_recompiled_in_place_is_the_one_loaded(tmp_path):
     batch, kv_cache, q, k, v, dense = _batch(MIXED, 8, 2, 64, 16, torch.float32, rope=False)
     torch.testing.assert_close(K.paged_attention(q, k, v, kv_cache, batch, 0.125),
                                _reference(dense, 0.125, 0, False), rtol=0, atol=2e-5)
+
+
+def test_index_tensors_outside_the_contract_run_the_torch_kernel(package):
+    """int64 positions (not the ForwardBatch contract's int32) reach the torch kernel, not a TVM dtype error."""
+    K = package(8, 2, 64, 16)
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, 8, 2, 64, 16, torch.float32, rope=True)
+    batch.positions = batch.positions.long()
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125, rope_cache=K.rope_cache(64, 128, THETA))
+    torch.testing.assert_close(out, _reference(dense, 0.125, 0, True), rtol=0, atol=2e-5)
