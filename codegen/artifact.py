@@ -1,6 +1,7 @@
 """The artifact writer: a lowered Program (+ checkpoint, recipe) -> a self-contained serving directory.
 
     ART/manifest.json  __init__.py  __main__.py  model.py  kernels/{__init__,cpu}.py (GPU targets: + triton.py)
+        (cpu target: + kernels/tvm.py, kernels/tvm_cpu/{cpu.so, kernels.py, build.json}: codegen/tvm_build.py)
         weights/rank0/model-0000k-of-0000n.safetensors  tokenizer/  recipe.dsl  ir.txt
 
 Everything is written to a sibling temp directory and renamed into place at the end, so a failed compile
@@ -24,6 +25,7 @@ from kiln.dsl.errors import KilnError
 from .emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
 from .errors import CodegenError
 from .render import kernels_used, kv_cache_nodes, render_model, template_env
+from .tvm_build import build_library
 from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
 
 SCHEMA_VERSION = 1
@@ -309,6 +311,7 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
             template = KERNEL_MODULES[namespace][0]
             _write(tmp / "kernels" / f"{namespace}.py", env.get_template(template).render(kiln_version=kiln_version,
                                                                                            **params))
+        build_library(kernels_used(program), params, tmp / "kernels", env=env, kiln_version=kiln_version)
         _write(tmp / "recipe.dsl", recipe_text)
         _write(tmp / "ir.txt", print_program(program))
         copied = []

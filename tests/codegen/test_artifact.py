@@ -55,14 +55,14 @@ def test_layout_and_byte_identical_rewrites(ckpt, tmp_path):
     write(program, tmp_path / "b", ckpt)
     a, b = files_of(tmp_path / "a"), files_of(tmp_path / "b")
     assert sorted(a) == [
-        "__init__.py", "__main__.py", "ir.txt", "kernels/__init__.py", "kernels/cpu.py", "manifest.json", "model.py",
-        "recipe.dsl", "tokenizer/generation_config.json", "tokenizer/tokenizer.json",
+        "__init__.py", "__main__.py", "ir.txt", "kernels/__init__.py", "kernels/cpu.py", "kernels/tvm.py",
+        "manifest.json", "model.py", "recipe.dsl", "tokenizer/generation_config.json", "tokenizer/tokenizer.json",
         "tokenizer/tokenizer_config.json", "weights/rank0/model-00001-of-00001.safetensors"]
     assert a == b  # every file, byte for byte
     assert a["recipe.dsl"].decode() == RECIPE and a["ir.txt"].decode() == print_program(program)
     assert b"somewhere" not in a["manifest.json"] and str(tmp_path).encode() not in a["manifest.json"]
     assert "kiln 0.0.test" in a["kernels/cpu.py"].decode() and b"def add(" in a["kernels/cpu.py"]
-    for name in ("__init__.py", "__main__.py", "kernels/__init__.py", "model.py", "kernels/cpu.py"):
+    for name in ("__init__.py", "__main__.py", "kernels/__init__.py", "model.py", "kernels/cpu.py", "kernels/tvm.py"):
         compile(a[name], name, "exec")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
 

@@ -52,7 +52,7 @@ def test_dump_ir_writes_ir_after_every_pass(recipe, tmp_path):
 def test_report_lists_fusions(recipe, capsys):
     assert main(["compile", str(recipe), "--report"]) == 0
     out = capsys.readouterr().out
-    assert "fuse_qkv" in out and "cpu.paged_attention" in out and "KV bytes per token" in out
+    assert "fuse_qkv" in out and "tvm.paged_attention" in out and "KV bytes per token" in out
 
 
 def test_custom_pass_from_python_and_from_recipe(recipe, tmp_path, monkeypatch):
