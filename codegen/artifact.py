@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.ir import DTYPE_BYTES, Attrs, Program, TensorType
+from kiln.compiler.targets import get_target
 from kiln.compiler.text import print_program
 from kiln.dsl.errors import KilnError
 
 from .emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
-from .errors import CodegenError
-from .render import kernels_used, kv_cache_nodes, render_model, template_env
+from .errors import CodegenError, TokenizerError
+from .render import kernels_used, kv_cache_nodes, render_model, template_env, vocab_size
 from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # runtime/manifest.py defines what a version holds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -70,16 +71,11 @@ def _token_ids(v: Any) -> list[int]:
 
 
 def _runtime_section(program: Program, hf_config: dict, gen_config: dict, max_model_len: int) -> dict[str, Any]:
-    out = program.entry.node(program.entry.outputs[0]).out
-    vocab = out.shape[-1] if isinstance(out, TensorType) and isinstance(out.shape[-1], int) else None
-    vocab = vocab or program.config.get("vocab") or program.config.get("vocab_size")
-    if not isinstance(vocab, int):
-        raise CodegenError("cannot tell the vocabulary size: the entry graph's output is untyped and the config "
-                           "has no 'vocab'", None)
     bos = gen_config.get("bos_token_id", hf_config.get("bos_token_id"))
     eos = _token_ids(gen_config.get("eos_token_id"))
     eos += [t for t in _token_ids(hf_config.get("eos_token_id")) if t not in eos]
-    return {"vocab_size": vocab, "max_model_len": max_model_len, "bos_token_id": bos, "eos_token_ids": eos}
+    return {"vocab_size": vocab_size(program), "max_model_len": max_model_len, "bos_token_id": bos,
+            "eos_token_ids": eos}
 
 
 def _mla_kv_cache_section(program: Program, nodes: list) -> dict[str, Any]:
@@ -114,11 +110,15 @@ def _mla_kv_cache_section(program: Program, nodes: list) -> dict[str, Any]:
 
 
 def _kv_cache_sizing(program: Program) -> dict[str, Any]:
-    """The recipe's kv_cache {block_size, memory_fraction, num_blocks}, defaults filled in."""
+    """The recipe's kv_cache {block_size, memory_fraction, num_blocks}, defaults filled in, and how the runtime
+    sizes the pool: `num_blocks` when the recipe fixes it, else the target's `pool_bytes` (cpu), else (null)
+    from the device's memory at load."""
     meta = _section(program.meta, "kv_cache")
+    num_blocks = meta.get("num_blocks")
+    target = get_target(str(program.meta.get("target", "cpu")))
     return {"block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
             "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
-            "num_blocks": meta.get("num_blocks")}
+            "num_blocks": num_blocks, "pool_bytes": target.kv_pool_bytes if num_blocks is None else None}
 
 
 def _kv_cache_section(program: Program) -> dict[str, Any]:
@@ -211,9 +211,31 @@ def _cuda_graphs_section(program: Program, max_model_len: int) -> dict[str, Any]
     return plan
 
 
+def weights_index(wdir: Path, files: list[str]) -> dict[str, Any]:
+    """What the loader checks the weight files against: each file's sha256 and every tensor's file, safetensors
+    dtype and shape (read back from the written headers)."""
+    from safetensors import safe_open
+
+    digests: dict[str, str] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    for name in files:
+        h = hashlib.sha256()
+        with open(wdir / name, "rb") as f:
+            while chunk := f.read(16 * 2**20):
+                h.update(chunk)
+        digests[name] = h.hexdigest()
+        with safe_open(str(wdir / name), framework="pt") as f:
+            for t in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                sl = f.get_slice(t)
+                tensors[t] = {"file": name, "dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
+    return {"sha256": digests, "tensors": dict(sorted(tensors.items()))}
+
+
 def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
                    hf_config: dict, gen_config: dict, weight_files: list[str], has_tokenizer: bool,
-                   pass_log: list[dict]) -> dict[str, Any]:
+                   pass_log: list[dict], weights: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of `program` (runtime/manifest.py is its schema). `weights`: `weights_index` of the written
+    files, and `aliases` when some tensors are stored once under another name."""
     if program.dtype not in TORCH_DTYPE_NAMES:
         raise CodegenError(f"program dtype {program.dtype} is not one of {', '.join(TORCH_DTYPE_NAMES)}", None)
     return {
@@ -227,7 +249,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "kv_cache": _kv_cache_section(program),
         "scheduler": {**DEFAULT_SCHEDULER, **_section(program.meta, "scheduler")},
         "serve": _section(program.meta, "serve") or None,
-        "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), "total_bytes": total_weight_bytes(program)},
+        "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), **(weights or {}),
+                    "total_bytes": total_weight_bytes(program, (weights or {}).get("aliases"))},
         "tokenizer": {"dir": "tokenizer"} if has_tokenizer else None,
         "entry": {"module": "model", "class": "Model"},
         "params": [{"name": s.name, "shape": list(s.shape), "dtype": TORCH_DTYPE_NAMES.get(s.dtype, s.dtype),
@@ -272,28 +295,81 @@ def _install(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def tokenizer_files(tokenizer_dir: Path, vocab_size: int) -> list[str]:
+    """The tokenizer files of `tokenizer_dir` an artifact carries, each checked as the runtime will read it
+    (a tokenizer that loads at compile time loads at serve time); [] when the directory has no tokenizer.json.
+    Raises TokenizerError naming the file."""
+    names = [n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    if "tokenizer.json" not in names:
+        return []
+    from tokenizers import Tokenizer
+
+    file = tokenizer_dir / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust library raises a bare Exception on any malformed file
+        raise TokenizerError(f"{file}: not a tokenizers file ({str(e).splitlines()[0][:200]})") from None
+    if tok.get_vocab_size(with_added_tokens=True) > vocab_size:
+        raise TokenizerError(f"{file}: {tok.get_vocab_size(with_added_tokens=True)} tokens, more than the model's "
+                             f"vocabulary of {vocab_size}: token ids past {vocab_size - 1} would have no embedding")
+    for name in names:
+        if name.endswith(".json") and name != "tokenizer.json":
+            path = tokenizer_dir / name
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{path}: invalid JSON ({e})") from None
+            if not isinstance(data, dict):
+                raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    template = _chat_template(tokenizer_dir)
+    if template is not None:
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise TokenizerError(f"{tokenizer_dir}: the chat template does not parse (line {e.lineno}: "
+                                 f"{e.message})") from None
+    return names
+
+
+def _chat_template(tokenizer_dir: Path) -> str | None:
+    """The chat template the runtime renders: chat_template.jinja, else tokenizer_config.json's."""
+    if (tokenizer_dir / "chat_template.jinja").is_file():
+        return (tokenizer_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(tokenizer_dir / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
 def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str | Path | None, seed: int = 0,
                    recipe_text: str, recipe_file: str, pass_log: list[dict], kiln_version: str,
-                   max_model_len: int | None = None, progress: bool = True) -> dict[str, Any]:
+                   max_model_len: int | None = None, progress: bool = True,
+                   tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
     """Writes the serving artifact of a lowered `program` to `out_dir` and returns its manifest.
 
     `program` is typed and kernel-selected (every compute node has attrs["kernel"]); `program.meta` may carry
     the recipe's `target`, `kv_cache` {block_size, memory_fraction, num_blocks}, `scheduler` {...} and
-    `serve` {max_model_len}. `checkpoint_dir=None` writes random weights from `seed`. Raises a KilnError
-    (CodegenError, WeightError, CheckpointError) on anything that cannot be compiled; then nothing is left.
+    `serve` {max_model_len}. `checkpoint_dir=None` writes random weights from `seed`. The tokenizer comes from
+    `tokenizer_dir` (default: the checkpoint's directory). Raises a KilnError (CodegenError, WeightError,
+    CheckpointError, TokenizerError) on anything that cannot be compiled; then nothing is left.
     """
     out = Path(out_dir)
     _check_destination(out)
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else ckpt
     hf_config = _read_json(ckpt / "config.json") if ckpt else {}
     gen_config = _read_json(ckpt / "generation_config.json") if ckpt else {}
     recipe_hash = hashlib.sha256(recipe_text.encode("utf-8")).hexdigest()
     max_len = resolve_max_model_len(program, max_model_len, hf_config)
     model_py = render_model(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                             recipe_file=recipe_file)
-    build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
-                   hf_config=hf_config, gen_config=gen_config, weight_files=[], has_tokenizer=False,
-                   pass_log=pass_log)  # fails before the (slow) weight conversion if the manifest cannot be made
+    probe = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
+                           hf_config=hf_config, gen_config=gen_config, weight_files=[], has_tokenizer=False,
+                           pass_log=pass_log)  # fails before the (slow) weight conversion if it cannot be made
+    tok_files = tokenizer_files(tok_dir, probe["runtime"]["vocab_size"]) if tok_dir is not None else []
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -311,21 +387,16 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
                                                                                            **params))
         _write(tmp / "recipe.dsl", recipe_text)
         _write(tmp / "ir.txt", print_program(program))
-        copied = []
-        if ckpt is not None:
-            for name in TOKENIZER_FILES:
-                if (ckpt / name).is_file():
-                    (tmp / "tokenizer").mkdir(exist_ok=True)
-                    shutil.copyfile(ckpt / name, tmp / "tokenizer" / name)
-                    copied.append(name)
-        aliases: dict[str, str] = {}
+        for name in tok_files:
+            (tmp / "tokenizer").mkdir(exist_ok=True)
+            shutil.copyfile(tok_dir / name, tmp / "tokenizer" / name)
+        aliases: dict[str, str] = {}  # tensors stored once under another name (e.g. DeepSeek MTP's embedding)
         files = convert_weights(program, ckpt, tmp, seed=seed, progress=progress, aliases=aliases)
+        index = weights_index(tmp / WEIGHTS_DIR, files)
         manifest = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                                   hf_config=hf_config, gen_config=gen_config, weight_files=files,
-                                  has_tokenizer=bool(copied), pass_log=pass_log)
-        if aliases:  # tensors stored once under another name (equal copies, e.g. DeepSeek MTP's embedding)
-            manifest["weights"]["aliases"] = dict(sorted(aliases.items()))
-            manifest["weights"]["total_bytes"] = total_weight_bytes(program, aliases)  # stored bytes, once
+                                  has_tokenizer=bool(tok_files), pass_log=pass_log,
+                                  weights={**index, "aliases": dict(sorted(aliases.items()))})
         _write(tmp / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700; an artifact is an ordinary directory
         _install(tmp, out)

@@ -429,6 +429,17 @@ def _forwards(model: _Model, kv_base: int) -> Iterator[dict[str, Any]]:
         kv_base += num_kv
 
 
+def vocab_size(program: Program) -> int:
+    """The width of the logits: the entry graph's first output's last dimension, else the config's vocab."""
+    out = program.entry.node(program.entry.outputs[0]).out
+    vocab = out.shape[-1] if isinstance(out, TensorType) and isinstance(out.shape[-1], int) else None
+    vocab = vocab or program.config.get("vocab") or program.config.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise CodegenError("cannot tell the vocabulary size: the entry graph's output is untyped and the config "
+                           "has no 'vocab'", None)
+    return vocab
+
+
 def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
                  recipe_file: str | None = None) -> str:
     """The source of the artifact's `model.py` for `program` (typed, every compute node kernel-selected).
@@ -448,6 +459,7 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         program_name=program.name,
         dtype=program.dtype,
         max_model_len=int(max_model_len),
+        vocab_size=vocab_size(program),
         num_kv_caches=len(kv_cache_nodes(program)),
         init_lines=model.init_lines,
         forward_lines=forward_lines,
@@ -459,4 +471,4 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
 
 
 __all__ = ["CONTEXT_FIELDS", "identifier", "kernel_of", "kernels_used", "kv_cache_nodes", "literal",
-           "render_model", "template_env", "used_graphs"]
+           "render_model", "template_env", "used_graphs", "vocab_size"]

@@ -13,6 +13,10 @@ class Target:
     bf16_flops: float  # dense tensor-core (or SIMD) peak, FLOP/s
     fp8_flops: float
     gpu: bool
+    # The KV pool's byte budget when it is fixed at compile time (the cpu target: host memory is shared with
+    # everything else on the machine); None: the runtime sizes it at load from the device's memory, after the
+    # weights, the activation peak and the CUDA-graph reserve (kv_cache.memory_fraction of the device).
+    kv_pool_bytes: int | None = None
 
 
 TARGETS: dict[str, Target] = {
@@ -20,7 +24,8 @@ TARGETS: dict[str, Target] = {
     "h100": Target("h100", "NVIDIA H100 SXM (sm_90)", 80 * 10**9, 3.35e12, 989e12, 1979e12, gpu=True),
     "h200": Target("h200", "NVIDIA H200 SXM (sm_90)", 141 * 10**9, 4.8e12, 989e12, 1979e12, gpu=True),
     # A nominal small CPU host (the machines kiln's CI runs on): 2 cores, 24 GiB, ~20 GB/s, ~0.2 TFLOP/s fp32.
-    "cpu": Target("cpu", "CPU (torch eager; nominal 2-core host)", 24 * 2**30, 20e9, 0.2e12, 0.2e12, gpu=False),
+    "cpu": Target("cpu", "CPU (torch eager; nominal 2-core host)", 24 * 2**30, 20e9, 0.2e12, 0.2e12, gpu=False,
+                  kv_pool_bytes=256 * 2**20),
 }
 
 

@@ -387,6 +387,11 @@ def _weights(expr: ast.Expr, key: str) -> None:
     raise SourceError('\'weights\' must be a checkpoint such as "hf:./path" or random(seed=0)', expr.loc)
 
 
+def _hf_dir(expr: ast.Expr, key: str) -> None:
+    if not (isinstance(expr, ast.Str) and expr.value.startswith("hf:") and len(expr.value) > 3):
+        raise SourceError(f"'{key}' must be a Hugging Face directory such as \"hf:./path\"", expr.loc)
+
+
 def _offload(expr: ast.Expr, key: str) -> None:
     if isinstance(expr, ast.Name) and expr.id == "none":
         return
@@ -427,6 +432,7 @@ def _disable(expr: ast.Expr, key: str) -> None:
 _TOP_LEVEL: dict[str, Validator] = {
     "model": lambda e, k: None,  # checked against the visible models by _check_model_call
     "weights": _weights,
+    "tokenizer": _hf_dir,  # default: the weights' checkpoint; random weights have none unless it is given
     "target": _choice(*TARGETS),
     "dtype": _choice(*DTYPES),
 }

@@ -63,18 +63,36 @@ def _sampling(args: argparse.Namespace) -> Any:
                           top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
+def _token_ids(text: str) -> list[int]:
+    """`--token-ids` prompts: integers separated by spaces or commas."""
+    from kiln.runtime.errors import RequestError
+
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        raise RequestError(f"--token-ids: the prompt must be token ids separated by spaces or commas, got {text!r:.60}")
+    return [int(p) for p in parts]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kiln.runtime.errors import RequestError
     from kiln.runtime.llm import LLM
 
     llm = LLM(str(args.artifact))
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None and not args.token_ids:
+        raise RequestError(f"{args.artifact} has no tokenizer (compiled with random weights and no `tokenizer = "
+                           "\"hf:DIR\"`); give the prompt as token ids: --token-ids \"1 2 3\"")
     params = _sampling(args)
     if args.chat:
         outs = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
-        outs = llm.generate([args.prompt], params)
+        outs = llm.generate([_token_ids(args.prompt) if args.token_ids else args.prompt], params)
     for out in outs:
-        text = out.outputs[0].text
-        sys.stdout.write(text if args.chat else args.prompt + text)
+        completion = out.outputs[0]
+        if args.token_ids:
+            sys.stdout.write(" ".join(map(str, completion.token_ids)))
+        else:
+            sys.stdout.write(completion.text if args.chat else args.prompt + completion.text)
         sys.stdout.write("\n")
     return 0
 
@@ -139,7 +157,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    form.add_argument("--token-ids", action="store_true",
+                   help="the prompt is token ids separated by spaces or commas, and the completion is printed as "
+                   "token ids (what an artifact without a tokenizer takes)")
     p.set_defaults(func=cmd_generate)
 
 

@@ -44,13 +44,23 @@ def resolve_weights(recipe: A.RecipeDecl, recipe_file: Path) -> tuple[Path | Non
         seed = dict(v.kwargs).get("seed")
         return None, int(seed.value) if isinstance(seed, A.Num) else 0
     if isinstance(v, A.Str) and v.value.startswith("hf:"):
-        path = Path(v.value[3:]).expanduser()
-        if not path.is_absolute():
-            path = (recipe_file.parent / path).resolve()
-        if not path.is_dir():
-            raise SourceError(f"checkpoint directory {path} does not exist", v.loc)
-        return path, 0
+        return _hf_dir(v, recipe_file, "checkpoint"), 0
     raise SourceError('weights must be "hf:DIR" or random(seed=N)', v.loc)
+
+
+def resolve_tokenizer(recipe: A.RecipeDecl, recipe_file: Path, checkpoint: Path | None) -> Path | None:
+    """`tokenizer = "hf:DIR"` (relative to the recipe file), else the checkpoint's directory, else none."""
+    s = _setting(recipe, "tokenizer")
+    return checkpoint if s is None else _hf_dir(s.value, recipe_file, "tokenizer")
+
+
+def _hf_dir(v: A.Str, recipe_file: Path, what: str) -> Path:
+    path = Path(v.value[3:]).expanduser()
+    if not path.is_absolute():
+        path = (recipe_file.parent / path).resolve()
+    if not path.is_dir():
+        raise SourceError(f"{what} directory {path} does not exist", v.loc)
+    return path
 
 
 # Recipe options kiln parses but cannot build yet: compiling an artifact with them is an error at the
@@ -184,6 +194,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
         raise SourceError("pass model config by keyword: llama(hidden=4096, ...)", call.args[0].loc)
     program = instantiate_model(loaded.models[call.func], dict(call.kwargs), options.get("dtype", "fp32"), options)
     checkpoint, seed = resolve_weights(recipe, recipe_file)
+    tokenizer = resolve_tokenizer(recipe, recipe_file, checkpoint)
 
     pm = PassManager.for_target(target_name)
     passes_section = options.get("passes", {})
@@ -206,7 +217,8 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     if out_dir is not None:
         _check_compiled(recipe, program)
         text = recipe_file.read_text(encoding="utf-8")
-        manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, seed=seed, recipe_text=text,
+        manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, tokenizer_dir=tokenizer,
+                                  seed=seed, recipe_text=text,
                                   recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),
                                   progress=progress)
     return CompileResult(program, options, pass_log, Path(out_dir) if out_dir else None, manifest, report)

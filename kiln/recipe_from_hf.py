@@ -262,16 +262,9 @@ def _literal(v: Any) -> str:
 
 def _tensor_names(ckpt: Path) -> set[str]:
     """The tensor names of a safetensors checkpoint (from its index, else from the file headers)."""
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text()).get("weight_map", {}))
-    from safetensors import safe_open
+    from kiln.codegen.weights import Checkpoint
 
-    names: set[str] = set()
-    for file in sorted(ckpt.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names.update(f.keys())
-    return names
+    return set(Checkpoint(ckpt).file_of)
 
 
 def _weight_quantization(cfg: dict[str, Any]) -> str | None:

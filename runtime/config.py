@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .errors import ArtifactError
+from .manifest import MLA_LAYOUT
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -43,6 +44,7 @@ class KVCacheConfig:
     dtype: torch.dtype
     num_blocks: int | None  # None: sized from a memory budget at load time
     latent_dim: int = 0  # MLA: > 0, and each tensor is [num_blocks, block_size, latent_dim] (kv_lora_rank + rope dim)
+    pool_bytes: int | None = None  # the compile's byte budget for the pool (cpu); None: from device memory
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -87,30 +89,16 @@ def model_config_from_manifest(manifest: dict) -> ModelConfig:
                        bos_token_id=rt.get("bos_token_id"), eos_token_ids=tuple(eos))
 
 
-MHA_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
-MLA_LAYOUT = ["num_blocks", "block_size", "latent_dim"]
-
-
 def kv_cache_config_from_manifest(manifest: dict) -> KVCacheConfig:
+    """The KV geometry of a manifest that `validate_manifest` accepted (layout and its fields present)."""
     kv = manifest["kv_cache"]
-    layout = kv.get("layout", MHA_LAYOUT)
-    num_blocks = kv.get("num_blocks")
-    if list(layout) == MLA_LAYOUT:
-        return KVCacheConfig(num_layers=int(_get(kv, "num_layers", "kv_cache")), kv_heads=1,
-                             head_dim=int(_get(kv, "latent_dim", "kv_cache")),
-                             block_size=int(_get(kv, "block_size", "kv_cache")),
-                             dtype=torch_dtype(kv.get("dtype", manifest.get("dtype", "float32"))),
-                             num_blocks=None if num_blocks is None else int(num_blocks),
-                             latent_dim=int(_get(kv, "latent_dim", "kv_cache")))
-    if list(layout) != MHA_LAYOUT:
-        raise ArtifactError(f"manifest.json: kv_cache.layout {layout} is not supported by this runtime "
-                            f"(supported: {MHA_LAYOUT}, {MLA_LAYOUT})")
-    return KVCacheConfig(num_layers=int(_get(kv, "num_layers", "kv_cache")),
-                         kv_heads=int(_get(kv, "kv_heads", "kv_cache")),
-                         head_dim=int(_get(kv, "head_dim", "kv_cache")),
-                         block_size=int(_get(kv, "block_size", "kv_cache")),
-                         dtype=torch_dtype(kv.get("dtype", manifest.get("dtype", "float32"))),
-                         num_blocks=None if num_blocks is None else int(num_blocks))
+    num_blocks, pool = kv.get("num_blocks"), kv.get("pool_bytes")
+    common = {"num_layers": int(kv["num_layers"]), "block_size": int(kv["block_size"]),
+              "dtype": torch_dtype(kv["dtype"]), "num_blocks": None if num_blocks is None else int(num_blocks),
+              "pool_bytes": None if pool is None else int(pool)}
+    if list(kv["layout"]) == MLA_LAYOUT:
+        return KVCacheConfig(kv_heads=1, head_dim=int(kv["latent_dim"]), latent_dim=int(kv["latent_dim"]), **common)
+    return KVCacheConfig(kv_heads=int(kv["kv_heads"]), head_dim=int(kv["head_dim"]), **common)
 
 
 def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:

@@ -166,3 +166,30 @@ def test_from_hf_unsupported_architecture(tmp_path):
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     assert "GPT2LMHeadModel" in res.stderr and "LlamaForCausalLM" in res.stderr
+
+
+def test_truncated_checkpoint_is_exit_2_without_traceback(tmp_path, llama_ckpt, capsys):
+    ck = _copy_ckpt(llama_ckpt, tmp_path / "ck")
+    data = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(data[: len(data) // 3])
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ck), "-o", str(recipe)]) == 0
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors: not a readable safetensors file" in err and not (tmp_path / "o").exists()
+
+
+def test_truncated_artifact_weights_are_exit_2_without_traceback(tmp_path, capsys):
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+        }}
+        """)
+    assert main(["compile", str(p), "-o", str(tmp_path / "art"), "--no-progress"]) == 0
+    (shard,) = (tmp_path / "art" / "weights" / "rank0").iterdir()
+    shard.write_bytes(shard.read_bytes()[:1000])
+    for argv in (["generate", str(tmp_path / "art"), "1 2", "--token-ids"], ["serve", str(tmp_path / "art")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "is not the one compiled" in err and "recompile" in err, err
