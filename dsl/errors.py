@@ -29,7 +29,7 @@ def source_line(loc: Loc) -> str | None:
     text = _SOURCES.get(loc.file)
     if text is None:
         try:
-            with open(loc.file, encoding="utf-8") as f:
+            with open(loc.file, encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except OSError:
             return None

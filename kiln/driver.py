@@ -12,6 +12,7 @@ from typing import Any
 from kiln.codegen import write_artifact
 from kiln.compiler import PassContext, PassManager, Program
 from kiln.compiler.instantiate import instantiate_model, section_values
+from kiln.compiler.options import check_config_values, check_section_values
 from kiln.compiler.pass_manager import load_pass
 from kiln.compiler.report import format_report
 from kiln.compiler.targets import get_target
@@ -177,6 +178,8 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     recipe_file = Path(recipe_path)
     loaded = load_recipe(str(recipe_file), recipe_name)
     recipe = loaded.recipe
+    check_config_values(loaded.model, loaded.model_call, loaded.config)
+    check_section_values(recipe)
     options = section_values(recipe)
     if target is not None:
         options["target"] = target

@@ -193,3 +193,65 @@ def test_truncated_artifact_weights_are_exit_2_without_traceback(tmp_path, capsy
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "is not the one compiled" in err and "recompile" in err, err
+
+
+def test_non_utf8_recipe_is_located_not_a_traceback(tmp_path, capsys):
+    p = tmp_path / "latin1.dsl"
+    p.write_bytes(f"recipe r {{\n  model = {GOOD_MODEL}  # caf\xe9\n  weights = random(seed=0)\n}}\n".encode("latin-1"))
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    col = len(f"  model = {GOOD_MODEL}  # caf") + 1
+    assert err.startswith(f"{p}:2:{col}: error: not UTF-8 text: byte 0xe9"), err
+
+
+@pytest.mark.parametrize("value, message", [
+    ("rope_theta=1e999999", "number 1e999999 is too large: it is not a finite float"),
+    ("rope_theta=1e300 * 1e300", "'rope_theta' = inf: a model config value must be a finite number"),
+    ("rope_theta=0.0", "'rope_theta' must be > 0, got 0"),
+    ("norm_eps=-1", "'norm_eps' must be > 0 and < 1, got -1"),
+    ("max_position=0", "'max_position' must be >= 1 and <= 16,777,216, got 0"),
+    ("max_position=1000000000", "'max_position' must be >= 1 and <= 16,777,216, got 1,000,000,000"),
+])
+def test_config_values_out_of_range_are_located(tmp_path, capsys, value, message):
+    """Values that type-check but would compile to a broken artifact (inf theta, NaN norms, a 64 GB rotary table)."""
+    key = value.split("=")[0]
+    model = GOOD_MODEL[:-1] + f", {value})"
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {model}
+          weights = random(seed=0)
+        }}
+        """)
+    assert main(["compile", str(p), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    col = f"  model = {model}".index(value[len(key) + 1:]) + 1
+    assert err.startswith(f"{p}:2:{col}: error: {message}"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_serve_max_model_len_out_of_range_is_located(tmp_path, capsys):
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          serve {{ max_model_len = 100000000 }}
+        }}
+        """)
+    assert main(["compile", str(p)]) == 2
+    assert capsys.readouterr().err.startswith(f"{p}:4:27: error: 'serve.max_model_len' must be >= 1 and <= 16,777,216")
+
+
+@pytest.mark.parametrize("text, where, message", [
+    ("{,}", "1:2", "invalid JSON: Expecting property name"),
+    ("[]", "1:1", "config.json must be a JSON object, got list"),
+    ('{"architectures": ["LlamaForCausalLM"],\n "hidden_size": "64"}', "2:2",
+     "'hidden_size' must be an integer, got str '64'"),
+    ('{"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": "yes"}', "1:41", "'tie_word_embeddings' must be true or false"),
+    ('{"architectures": ["LlamaForCausalLM"], "rope_scaling": "linear"}', "1:41", "'rope_scaling' must be an object"),
+    ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 8}', "1:1", "config.json has no 'num_attention_heads'"),
+])
+def test_recipe_from_hf_bad_config_is_located(tmp_path, capsys, text, where, message):
+    (tmp_path / "config.json").write_text(text)
+    assert main(["recipe", "from-hf", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{tmp_path / 'config.json'}:{where}: error: {message}"), err
