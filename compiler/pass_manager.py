@@ -15,6 +15,7 @@ returns a new `Program` (or the same object when nothing changed) and never muta
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -91,18 +92,34 @@ def registered_passes() -> dict[str, type[Pass]]:
     return dict(_REGISTRY)
 
 
-def load_pass(spec: str) -> Pass:
-    """Instantiates a pass from `"pkg.module:ClassName"` (recipe `passes { after X: "..." }`)."""
+def load_pass(spec: str, search: Iterable[str | Path] = ()) -> Pass:
+    """Instantiates a pass from `"pkg.module:ClassName"` (recipe `passes { after X: "..." }`). The module is
+    looked up in the `search` directories first (a recipe's own directory), then on sys.path. Importing it runs
+    its code: a recipe's passes are code, as trusted as the recipe."""
     mod_name, _, attr = spec.partition(":")
     if not attr:
         raise PassError(f"pass spec {spec!r} must read 'package.module:ClassName'")
+    dirs = [str(d) for d in search]
+    saved = list(sys.path)
+    sys.path[:0] = dirs
     try:
-        cls = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise PassError(f"cannot load pass {spec!r}: {e}") from None
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        where = f" (looked in {', '.join(dirs)} and on sys.path)" if dirs else ""
+        raise PassError(f"cannot import module {mod_name!r}{where}: {e}") from None
+    except Exception as e:  # the module's own code failed
+        raise PassError(f"importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
+    finally:
+        sys.path[:] = saved
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise PassError(f"module {mod_name!r} ({getattr(module, '__file__', '?')}) has no {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, Pass)):
         raise PassError(f"{spec!r} is not a kiln Pass subclass")
-    return cls()
+    try:
+        return cls()
+    except Exception as e:
+        raise PassError(f"{spec!r}(): {type(e).__name__}: {e}") from None
 
 
 class PassManager:

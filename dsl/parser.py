@@ -302,7 +302,8 @@ class _ToAst(Transformer):
 
     def hook(self, meta, c):
         position, anchor, spec = c
-        return ast.PassHook(str(position), str(anchor), ast.Str(_unquote(spec), self._tok(spec)), self._loc(meta))
+        return ast.PassHook(str(position), str(anchor), ast.Str(_unquote(spec), self._tok(spec)), self._loc(meta),
+                            self._tok(anchor))
 
     # -- expressions
 

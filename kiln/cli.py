@@ -97,14 +97,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+def serve_address(artifact: str, host: str | None, port: int | None) -> tuple[str, int]:
+    """The flags, else the recipe's `serve { host = ...; port = ... }` (in the manifest), else loopback:8000."""
+    from kiln.runtime.artifact import read_manifest
+
+    recipe = read_manifest(artifact).get("serve") or {}
+    return host or recipe.get("host") or DEFAULT_HOST, port or recipe.get("port") or DEFAULT_PORT
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kiln.runtime.server import serve
 
-    serve(args.artifact, host=args.host, port=args.port, api_key=args.api_key,
+    host, port = serve_address(args.artifact, args.host, args.port)
+    serve(args.artifact, host=host, port=port, api_key=args.api_key, metrics_public=args.metrics_public,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
           log_level=args.log_level, prefix_cache=not args.no_prefix_cache, speculative=args.speculative,
           async_scheduling=args.async_scheduling)
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (an integer in 1..65535)") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is out of range: a port is an integer in 1..65535")
+    return port
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -131,9 +153,13 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--host", help="address to bind (default: the recipe's serve.host, else 127.0.0.1: loopback "
+                   "only)")
+    p.add_argument("--port", type=_port, help="TCP port, 1..65535 (default: the recipe's serve.port, else 8000)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics; /health "
+                   "stays open (default: no key, every route open)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (for a Prometheus scraper on a trusted network)")
     p.add_argument("--served-model-name", help="model name of the API (default: the recipe's serve.served_name, "
                    "else the artifact directory name)")
     p.add_argument("--max-waiting", type=int, default=1024,

@@ -4,6 +4,7 @@ This is the one place that sees the DSL, the compiler, the passes and codegen to
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,12 +14,12 @@ from kiln.codegen import write_artifact
 from kiln.compiler import PassContext, PassManager, Program
 from kiln.compiler.instantiate import instantiate_model, section_values
 from kiln.compiler.options import check_config_values, check_section_values
-from kiln.compiler.pass_manager import load_pass
+from kiln.compiler.pass_manager import PassError, load_pass
 from kiln.compiler.report import format_report
 from kiln.compiler.targets import get_target
 from kiln.dsl import ast as A
 from kiln.dsl import load_recipe
-from kiln.dsl.errors import SourceError
+from kiln.dsl.errors import KilnError, SourceError
 
 
 @dataclass
@@ -168,6 +169,37 @@ def _check_compiled(recipe: A.RecipeDecl, program: Program) -> None:
                           "when the checkpoint has MTP weights)", method.value.loc)
 
 
+def _apply_recipe_passes(pm: PassManager, recipe: A.RecipeDecl, recipe_file: Path, target: str) -> None:
+    """The recipe's `passes { disable = [...]; after X: "mod:Class" }`, each error at its place in the recipe.
+    Anchors and disabled names are checked against the pipeline before any pass module is imported; a module
+    is found next to the recipe file first, then on sys.path."""
+    sec = next((s for s in recipe.sections if s.name == "passes"), None)
+    for ent in sec.entries if sec else ():
+        if isinstance(ent, A.Setting) and ent.key == "disable":
+            for item in ent.value.items:
+                name = item.id if isinstance(item, A.Name) else item.value
+                _check_pass_name(pm, name, item.loc, target)
+                pm.remove(name)
+    for ent in sec.entries if sec else ():
+        if isinstance(ent, A.PassHook):
+            _check_pass_name(pm, ent.anchor, ent.anchor_loc or ent.loc, target)
+    for ent in sec.entries if sec else ():
+        if isinstance(ent, A.PassHook):
+            try:
+                p = load_pass(ent.spec.value, search=[recipe_file.resolve().parent])
+            except PassError as e:
+                raise SourceError(str(e), ent.spec.loc) from None
+            (pm.insert_after if ent.position == "after" else pm.insert_before)(ent.anchor, p)
+
+
+def _check_pass_name(pm: PassManager, name: str, loc: Any, target: str) -> None:
+    if name not in pm.names:
+        close = difflib.get_close_matches(name, pm.names, n=1)
+        raise SourceError(f"no pass named '{name}' in the {target} pipeline"
+                          + (f" — did you mean '{close[0]}'?" if close else ""), loc,
+                          (f"the pipeline: {', '.join(pm.names)}",))
+
+
 def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, target: str | None = None,
             recipe_name: str | None = None, dump_ir: str | Path | None = None, progress: bool = True,
             extra_passes: list[tuple[str, str, Any]] | None = None) -> CompileResult:
@@ -187,6 +219,8 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     try:
         tgt = get_target(target_name)
     except ValueError as e:
+        if target is not None:  # the flag / argument is wrong, not the recipe
+            raise KilnError(f"--target: {e}") from None
         s = _setting(recipe, "target")
         raise SourceError(str(e), s.value.loc if s else recipe.loc) from None
     if out_dir is not None:
@@ -200,12 +234,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     tokenizer = resolve_tokenizer(recipe, recipe_file, checkpoint)
 
     pm = PassManager.for_target(target_name)
-    passes_section = options.get("passes", {})
-    for name in passes_section.get("disable", []):
-        pm.remove(name)
-    for hook in passes_section.get("hooks", []):
-        p = load_pass(hook["spec"])
-        (pm.insert_after if hook["position"] == "after" else pm.insert_before)(hook["anchor"], p)
+    _apply_recipe_passes(pm, recipe, recipe_file, target_name)
     for position, anchor, p in extra_passes or []:
         (pm.insert_after if position == "after" else pm.insert_before)(anchor, p)
     ctx = PassContext(target=target_name, options=options, dump_dir=Path(dump_ir) if dump_ir else None)

@@ -476,7 +476,7 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
-          async_scheduling: bool | None = None) -> None:
+          async_scheduling: bool | None = None, metrics_public: bool = False) -> None:
     """`kiln serve`: loads the artifact and serves it until interrupted. `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
     `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device."""

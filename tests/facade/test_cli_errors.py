@@ -255,3 +255,51 @@ def test_recipe_from_hf_bad_config_is_located(tmp_path, capsys, text, where, mes
     assert main(["recipe", "from-hf", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{tmp_path / 'config.json'}:{where}: error: {message}"), err
+
+
+@pytest.mark.parametrize("port, message", [("99999", "99999 is out of range: a port is an integer in 1..65535"),
+                                           ("0", "out of range"), ("http", "'http' is not a port number")])
+def test_serve_port_out_of_range_is_a_flag_error(tmp_path, capsys, port, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", str(tmp_path), "--port", port])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --port" in err and message in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def served_recipe_artifact(tmp_path_factory):
+    import kiln
+
+    work = tmp_path_factory.mktemp("serve_defaults")
+    (work / "r.dsl").write_text(f'recipe r {{\n  model = {GOOD_MODEL}\n  weights = random(seed=0)\n'
+                                f'  serve {{ port = 8765; host = "0.0.0.0"; served_name = "tiny-r" }}\n}}\n')
+    kiln.compile(work / "r.dsl", work / "art", progress=False)
+    return work / "art"
+
+
+@pytest.mark.parametrize("flags, host, port", [
+    ([], "0.0.0.0", 8765),  # the recipe's serve section
+    (["--port", "9000"], "0.0.0.0", 9000),  # a flag overrides it
+    (["--host", "127.0.0.1", "--port", "9001"], "127.0.0.1", 9001),
+])
+def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifact, monkeypatch, flags, host, port):
+    import kiln.runtime.server as server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw))
+    assert main(["serve", str(served_recipe_artifact), *flags]) == 0
+    assert (seen["host"], seen["port"]) == (host, port)
+    assert seen["metrics_public"] is False and seen["served_model_name"] is None  # the server reads served_name
+
+
+def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
+    import kiln.runtime.server as server
+
+    import kiln
+
+    (tmp_path / "r.dsl").write_text(f"recipe r {{\n  model = {GOOD_MODEL}\n  weights = random(seed=0)\n}}\n")
+    kiln.compile(tmp_path / "r.dsl", tmp_path / "art", progress=False)
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw))
+    assert main(["serve", str(tmp_path / "art"), "--metrics-public"]) == 0
+    assert (seen["host"], seen["port"], seen["metrics_public"]) == ("127.0.0.1", 8000, True)
