@@ -44,6 +44,17 @@ class KilnError(Exception):
         return f"error: {self}"
 
 
+class SourceWarning(UserWarning):
+    """Something a user probably did not mean, at a place in a file; the compile goes on."""
+
+    def __init__(self, message: str, loc: Loc | None, notes: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.message, self.loc, self.notes = message, loc, notes
+
+    def format(self) -> str:
+        return SourceError(self.message, self.loc, self.notes).format().replace("error:", "warning:", 1)
+
+
 class SourceError(KilnError):
     """An error at a place in a recipe or model file."""
 

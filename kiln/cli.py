@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,24 @@ def _format(err: BaseException) -> str:
     return fmt() if callable(fmt) else f"error: {err}"
 
 
+@contextlib.contextmanager
+def _source_warnings() -> Iterator[None]:
+    """Prints the compile's located warnings as `file:line:col: warning: ...` with the source line (also when
+    the compile then fails); other warnings are shown as Python shows them."""
+    from kiln.dsl.errors import SourceWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SourceWarning)
+        try:
+            yield
+        finally:
+            for w in caught:
+                if isinstance(w.message, SourceWarning):
+                    print(w.message.format(), file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 # ---------------------------------------------------------------- commands
 
 
@@ -32,8 +53,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     if args.output is None and not args.report:
         args.report = True  # nothing to write: planning only
-    result = compile_recipe(args.recipe, args.output, target=args.target, recipe_name=args.recipe_name,
-                            dump_ir=args.dump_ir, progress=not args.no_progress)
+    with _source_warnings():
+        result = compile_recipe(args.recipe, args.output, target=args.target, recipe_name=args.recipe_name,
+                                dump_ir=args.dump_ir, progress=not args.no_progress)
     if args.report:
         sys.stdout.write(result.report)
     if result.artifact_dir is not None:

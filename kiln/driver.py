@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-from dataclasses import dataclass
+import math
+import warnings as pywarnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from kiln.compiler.report import format_report
 from kiln.compiler.targets import get_target
 from kiln.dsl import ast as A
 from kiln.dsl import load_recipe
-from kiln.dsl.errors import KilnError, SourceError
+from kiln.dsl.errors import KilnError, SourceError, SourceWarning
 
 
 @dataclass
@@ -30,6 +32,7 @@ class CompileResult:
     artifact_dir: Path | None
     manifest: dict[str, Any] | None
     report: str
+    warnings: list[SourceWarning] = field(default_factory=list)  # also issued through `warnings.warn`
 
 
 def _setting(recipe: A.RecipeDecl, key: str) -> A.Setting | None:
@@ -200,6 +203,49 @@ def _check_pass_name(pm: PassManager, name: str, loc: Any, target: str) -> None:
                           (f"the pipeline: {', '.join(pm.names)}",))
 
 
+# the config.json key behind a model config value, where its name differs (for the warning's wording)
+_HF_KEYS = {"vocab": "vocab_size", "hidden": "hidden_size", "layers": "num_hidden_layers",
+            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "ffn": "intermediate_size",
+            "norm_eps": "rms_norm_eps", "max_position": "max_position_embeddings",
+            "tie_embeddings": "tie_word_embeddings", "experts": "num_local_experts", "top_k": "num_experts_per_tok",
+            "moe_ffn": "moe_intermediate_size"}
+
+
+def checkpoint_disagreements(loaded: Any, checkpoint: Path) -> list[SourceWarning]:
+    """Model config values of a recipe that differ from what the checkpoint's config.json says (read as
+    `kiln recipe from-hf` reads it), each at the recipe's value or, for a default, at the model call. A checkpoint
+    kiln cannot map, or of another model family, gives none: its weights are checked tensor by tensor anyway."""
+    from kiln.recipe_from_hf import checkpoint_model_args
+
+    try:
+        family, expected = checkpoint_model_args(checkpoint)
+    except KilnError:
+        return []
+    call = loaded.model_call
+    if family != call.func:
+        return []
+    given = dict(call.kwargs)
+    out = []
+    for key, want in expected.items():
+        have = loaded.config.get(key)
+        if have is None or _same(have, want):
+            continue
+        hf_key = _HF_KEYS.get(key, key)
+        whose = "the recipe's value" if key in given else f"{call.func}'s default"
+        out.append(SourceWarning(
+            f"{key} = {have!r} ({whose}), but {checkpoint / 'config.json'} implies {key} = {want!r}"
+            + (f" ({hf_key})" if hf_key != key else "") + "; the compiled model follows the recipe",
+            given[key].loc if key in given else call.loc,
+            ("`kiln recipe from-hf` writes a recipe with the checkpoint's values",)))
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, int | float) or not isinstance(b, int | float):
+        return a == b
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
 def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, target: str | None = None,
             recipe_name: str | None = None, dump_ir: str | Path | None = None, progress: bool = True,
             extra_passes: list[tuple[str, str, Any]] | None = None) -> CompileResult:
@@ -232,6 +278,9 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     program = instantiate_model(loaded.models[call.func], dict(call.kwargs), options.get("dtype", "fp32"), options)
     checkpoint, seed = resolve_weights(recipe, recipe_file)
     tokenizer = resolve_tokenizer(recipe, recipe_file, checkpoint)
+    found = checkpoint_disagreements(loaded, checkpoint) if checkpoint is not None else []
+    for w in found:
+        pywarnings.warn(w, stacklevel=2)
 
     pm = PassManager.for_target(target_name)
     _apply_recipe_passes(pm, recipe, recipe_file, target_name)
@@ -253,7 +302,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
                                   seed=seed, recipe_text=text,
                                   recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),
                                   progress=progress)
-    return CompileResult(program, options, pass_log, Path(out_dir) if out_dir else None, manifest, report)
+    return CompileResult(program, options, pass_log, Path(out_dir) if out_dir else None, manifest, report, found)
 
 
 def recipe_hash(text: str) -> str:

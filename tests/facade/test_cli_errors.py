@@ -303,3 +303,37 @@ def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
     monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw))
     assert main(["serve", str(tmp_path / "art"), "--metrics-public"]) == 0
     assert (seen["host"], seen["port"], seen["metrics_public"]) == ("127.0.0.1", 8000, True)
+
+
+def test_recipe_values_contradicting_the_checkpoint_config_warn(tmp_path, llama_ckpt, capsys):
+    import json
+
+    import kiln
+
+    cfg = json.loads((llama_ckpt / "config.json").read_text())
+    ck = _copy_ckpt(llama_ckpt, tmp_path / "ck")
+    model = (f"llama(vocab={cfg['vocab_size']}, hidden={cfg['hidden_size']}, layers={cfg['num_hidden_layers']}, "
+             f"heads={cfg['num_attention_heads']}, kv_heads={cfg['num_key_value_heads']}, "
+             f"ffn={cfg['intermediate_size']}, norm_eps=0.001)")
+    p = write(tmp_path, f"""
+        recipe hand {{
+          model = {model}
+          weights = "hf:./ck"
+        }}
+        """)
+    assert cfg["rms_norm_eps"] != 0.001 and cfg["max_position_embeddings"] != 4096  # llama's default max_position
+    assert main(["compile", str(p)]) == 0
+    err = capsys.readouterr().err
+    col = f"  model = {model}".index("0.001") + 1
+    assert f"{p}:2:{col}: warning: norm_eps = 0.001 (the recipe's value), but {ck / 'config.json'} implies " \
+           f"norm_eps = {float(cfg['rms_norm_eps'])!r} (rms_norm_eps)" in err, err
+    assert f"{p}:2:11: warning: max_position = 4096 (llama's default), but {ck / 'config.json'} implies " \
+           f"max_position = {cfg['max_position_embeddings']} (max_position_embeddings)" in err, err
+    with pytest.warns(kiln.driver.SourceWarning) as caught:  # the Python API warns too
+        res = kiln.compile(p)
+    assert sorted(str(w.message).split(" = ")[0] for w in caught) == ["max_position", "norm_eps"]
+    assert {w.message.split(" = ")[0] for w in res.warnings} == {"norm_eps", "max_position"}
+    recipe = tmp_path / "from_hf.dsl"
+    assert main(["recipe", "from-hf", str(ck), "-o", str(recipe)]) == 0
+    capsys.readouterr()
+    assert main(["compile", str(recipe)]) == 0 and "warning" not in capsys.readouterr().err
