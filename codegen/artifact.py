@@ -17,24 +17,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.ir import DTYPE_BYTES, Attrs, Program, TensorType
+from kiln.compiler.ir import Attrs, Program, TensorType
+from kiln.compiler.kv_layout import FP8_KV, kv_cache_nodes, kv_layout
+from kiln.compiler.options import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MEMORY_FRACTION,
+    DEFAULT_SCHEDULER,
+)
 from kiln.compiler.targets import get_target
 from kiln.compiler.text import print_program
 from kiln.dsl.errors import KilnError
 
 from .emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
 from .errors import CodegenError, TokenizerError
-from .render import kernels_used, kv_cache_nodes, render_model, template_env, vocab_size
+from .render import kernels_used, render_model, template_env, vocab_size
 from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
 
 SCHEMA_VERSION = 2  # runtime/manifest.py defines what a version holds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
-DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MEMORY_FRACTION = 0.9
-DEFAULT_SCHEDULER = {"max_seqs": 256, "max_batched_tokens": 8192, "chunked_prefill": 512, "policy": "fcfs",
-                     "prefix_cache": "radix"}
 KV_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
 MLA_KV_LAYOUT = ["num_blocks", "block_size", "latent_dim"]  # per token [c_kv (kv_lora_rank) | k_pe (rope dim)]
 
@@ -78,37 +80,6 @@ def _runtime_section(program: Program, hf_config: dict, gen_config: dict, max_mo
             "eos_token_ids": eos}
 
 
-def _mla_kv_cache_section(program: Program, nodes: list) -> dict[str, Any]:
-    """MLA caches only the latent: layers · (kv_lora_rank + qk_rope_head_dim) elements per token."""
-    dims = set()
-    for graph, node in nodes:
-        if node.op != "mla_attention":
-            raise CodegenError("a model mixing MLA and MHA attention layers needs two KV layouts; the runtime has "
-                               "one per model", node.loc)
-        c_kv, k_pe = graph.node(node.inputs[2]).out, graph.node(node.inputs[3]).out
-        dims.add((int(c_kv.shape[-1]), int(k_pe.shape[-1])))
-    if len(dims) > 1:
-        raise CodegenError(f"MLA layers differ in latent shape {sorted(dims)}; the paged cache needs one", None)
-    kv_lora_rank, rope_dim = dims.pop()
-    fp8 = {node.attrs.get("kv_dtype") == "fp8e4m3" for _, node in nodes}
-    if len(fp8) > 1:
-        raise CodegenError("some MLA layers cache the latent in fp8 and some do not; the runtime allocates one "
-                           "KV dtype", None)
-    dtype, elem = TORCH_DTYPE_NAMES[program.dtype], DTYPE_BYTES[program.dtype]
-    if fp8 == {True}:  # e4m3 with one scale per layer (params `*.kv_scale`)
-        dtype, elem = "float8_e4m3fn", DTYPE_BYTES["fp8e4m3"]
-    return {
-        "num_layers": len(nodes),
-        "kv_lora_rank": kv_lora_rank,
-        "qk_rope_head_dim": rope_dim,
-        "latent_dim": kv_lora_rank + rope_dim,
-        "dtype": dtype,
-        "layout": MLA_KV_LAYOUT,
-        "bytes_per_token": len(nodes) * (kv_lora_rank + rope_dim) * elem,
-        **_kv_cache_sizing(program),
-    }
-
-
 def _kv_cache_sizing(program: Program) -> dict[str, Any]:
     """The recipe's kv_cache {block_size, memory_fraction, num_blocks}, defaults filled in, and how the runtime
     sizes the pool: `num_blocks` when the recipe fixes it, else the target's `pool_bytes` (cpu), else (null)
@@ -122,36 +93,17 @@ def _kv_cache_sizing(program: Program) -> dict[str, Any]:
 
 
 def _kv_cache_section(program: Program) -> dict[str, Any]:
-    nodes = kv_cache_nodes(program)
-    if any(node.op == "mla_attention" for _, node in nodes):
-        return _mla_kv_cache_section(program, nodes)
-    heads = set()
-    for graph, node in nodes:
-        k = graph.node(node.inputs[1]).out
-        if not isinstance(k, TensorType):
-            raise CodegenError("attention keys are untyped; run shape_inference before codegen", node.loc)
-        heads.add((k.shape[1], k.shape[2]))
-    if len(heads) > 1:
-        raise CodegenError(f"attention layers differ in KV shape {sorted(heads)}; the paged KV cache needs one "
-                           "(kv_heads, head_dim) for all layers", None)
-    kv_heads, head_dim = heads.pop() if heads else (0, 0)
-    dtype = TORCH_DTYPE_NAMES[program.dtype]
-    fp8 = {node.attrs.get("kv_dtype") == "fp8e4m3" for _, node in nodes}
-    if len(fp8) > 1:
-        raise CodegenError("some attention layers cache K/V in fp8 and some do not; the runtime allocates one "
-                           "KV dtype", None)
-    elem = DTYPE_BYTES[program.dtype]
-    if fp8 == {True}:  # e4m3 with per-layer, per-KV-head scales (params `*.k_scale`, `*.v_scale`)
-        dtype, elem = "float8_e4m3fn", DTYPE_BYTES["fp8e4m3"]
-    return {
-        "num_layers": len(nodes),
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "dtype": dtype,
-        "layout": KV_LAYOUT,
-        "bytes_per_token": len(nodes) * 2 * kv_heads * head_dim * elem,
-        **_kv_cache_sizing(program),
-    }
+    """compiler/kv_layout.py's geometry in the manifest's words. fp8 caches are e4m3 with scales: per layer and
+    KV head (params `*.k_scale`, `*.v_scale`), or one per MLA layer (`*.kv_scale`)."""
+    kv = kv_layout(program)
+    dtype = "float8_e4m3fn" if kv.dtype == FP8_KV else TORCH_DTYPE_NAMES[program.dtype]
+    if kv.kind == "mla":
+        geometry = {"kv_lora_rank": kv.kv_lora_rank, "qk_rope_head_dim": kv.rope_dim, "latent_dim": kv.latent_dim,
+                    "layout": MLA_KV_LAYOUT}
+    else:
+        geometry = {"kv_heads": kv.kv_heads, "head_dim": kv.head_dim, "layout": KV_LAYOUT}
+    return {"num_layers": kv.num_layers, **geometry, "dtype": dtype, "bytes_per_token": kv.bytes_per_token,
+            **_kv_cache_sizing(program)}
 
 
 def _drafts_section(program: Program) -> dict[str, Any]:

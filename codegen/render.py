@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
+from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
 from kiln.compiler.ops import OPS, REQUIRED
 
 from .emitters import EMITTERS, STRUCTURAL_OPS, TARGET_KERNEL_MODULES
@@ -90,28 +91,8 @@ def kernels_used(program: Program) -> list[str]:
 
 
 # Ops that own a paged KV cache (one tensor per node per layer): MHA/GQA K/V, or MLA's latent [c_kv | k_pe].
-KV_CACHE_OPS = ("attention", "mla_attention")
-
-
 def _kv_count(graph: Graph) -> int:
     return sum(graph.count(op) for op in KV_CACHE_OPS)
-
-
-def kv_cache_nodes(program: Program, forward: str | None = None) -> list[tuple[Graph, Node]]:
-    """(graph, attention node) per KV cache, in cache-index order (layer schedule, then dataflow order): the
-    entry's caches, then each named forward's (a draft head's layers own caches of their own). `forward`
-    limits the list to that forward graph's caches."""
-    out: list[tuple[Graph, Node]] = []
-    for name in [forward] if forward is not None else program.forward_graphs():
-        top = program.graphs[name]
-        for node in _nodes(top):
-            if node.op in KV_CACHE_OPS:
-                out.append((top, node))
-            elif node.op == "block":
-                spec = program.blocks[node.attrs["block"]]
-                graph = program.graphs[spec.graph]
-                out.extend([(graph, n) for _, n in graph.items() if n.op in KV_CACHE_OPS] * spec.count)
-    return out
 
 
 def _type_of(graph: Graph, vid: str) -> TensorType:

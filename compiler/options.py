@@ -15,6 +15,14 @@ from typing import Any
 from kiln.dsl import ast as A
 from kiln.dsl.errors import Loc, SourceError
 
+# Defaults of the recipe's sections, where a recipe does not set them (one place: codegen, the passes and the
+# report read them from here; the manifest then carries the values, so the runtime needs none of its own)
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MEMORY_FRACTION = 0.9
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_SCHEDULER = {"max_seqs": 256, "max_batched_tokens": 8192, "chunked_prefill": 512, "policy": "fcfs",
+                     "prefix_cache": "radix"}
+
 # The largest context kiln builds: the rotary tables of model.py hold max_model_len positions (fp32, in memory
 # from load); 2^24 covers the longest published contexts (10M tokens) at ~8 GiB for head_dim 128.
 MAX_POSITIONS = 2**24

@@ -290,10 +290,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     program = pm.run(program, ctx)
     pass_log = [r.to_json() for r in ctx.log]
 
-    # The KV dtype comes from the compiled program (quantize_kv_cache marks the attention ops), whatever
-    # spelling the recipe used.
-    kv = options.get("kv_cache", {})
-    report = format_report(program, tgt, pass_log, memory_fraction=float(kv.get("memory_fraction", 0.9)))
+    report = format_report(program, tgt, pass_log)
     manifest = None
     if out_dir is not None:
         _check_compiled(recipe, program)

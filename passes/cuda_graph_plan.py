@@ -6,12 +6,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiln.compiler import Pass, PassContext, PassError, Program, TensorType, register_pass
-from kiln.compiler.ir import DTYPE_BYTES
+from kiln.compiler.kv_layout import step_activation_bytes
+from kiln.compiler.options import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, DEFAULT_SCHEDULER
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DEFAULT_MAX_SEQS = 256  # codegen.artifact.DEFAULT_SCHEDULER's, when the recipe sets no scheduler.max_seqs
-DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_SEQS = DEFAULT_SCHEDULER["max_seqs"]
 
 
 def parse_batch_sizes(value: Any, max_seqs: int) -> tuple[int, ...]:
@@ -39,17 +38,6 @@ def _section(meta: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return v if isinstance(v, Mapping) else {}
 
 
-def _per_token_bytes(program: Program, graph: str) -> int:
-    """Bytes of every token-sized (symbolic-dim) value `graph` computes, per token: an upper bound on what is
-    live at once inside it."""
-    total = 0
-    for _, node in program.graphs[graph].items():
-        t = node.out
-        if isinstance(t, TensorType) and any(isinstance(d, str) for d in t.shape) and node.op != "input":
-            total += t.numel() * DTYPE_BYTES.get(t.dtype, 4)
-    return total
-
-
 def plan_cuda_graphs(program: Program, batch_sizes: tuple[int, ...]) -> dict[str, Any]:
     """The manifest's `cuda_graphs` section for `batch_sizes` (see CUDAGraphPlan)."""
     meta = program.meta
@@ -72,8 +60,6 @@ def plan_cuda_graphs(program: Program, batch_sizes: tuple[int, ...]) -> dict[str
     static_bytes = sum(elem[dt] * _numel(shape) for shape, dt in buffers.values())
     # The graphs share one memory pool, captured largest first: it holds the largest bucket's activations.
     # Within a layer everything may be live at once; across layers the allocator reuses the same blocks.
-    blocks = {spec.graph for spec in program.blocks.values()}
-    per_token = _per_token_bytes(program, "entry") + max((_per_token_bytes(program, g) for g in blocks), default=0)
     return {
         "batch_sizes": list(batch_sizes),
         "max_batch_size": max_bs,
@@ -81,7 +67,7 @@ def plan_cuda_graphs(program: Program, batch_sizes: tuple[int, ...]) -> dict[str
         "block_size": block_size,
         "max_blocks_per_seq": max_blocks,
         "static_buffers": {name: {"shape": shape, "dtype": dt} for name, (shape, dt) in buffers.items()},
-        "estimated_bytes": static_bytes + max_bs * per_token,
+        "estimated_bytes": static_bytes + step_activation_bytes(program, max_bs),
     }
 
 
