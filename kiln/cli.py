@@ -154,7 +154,8 @@ def _port(text: str) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from kiln.eval import eval_compare, eval_ppl
 
-    kw = {"max_tokens": args.max_tokens, "stride": args.stride, "limit": args.limit}
+    kw = {"max_tokens": args.max_tokens, "stride": args.stride, "limit": args.limit,
+          "progress": False if args.no_progress else None}
     if args.eval_command == "ppl":
         r = eval_ppl(args.artifact, args.text, **kw)
         print(f"{args.artifact}: perplexity {r.ppl:.4f} (nll {r.nll:.5f} nats/token over {r.tokens} tokens)")
@@ -170,7 +171,9 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file to score (tokenized with the artifact's tokenizer)")
     p.add_argument("--max-tokens", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--stride", type=int, help="window start every S tokens (default: max-tokens / 2)")
-    p.add_argument("--limit", type=int, help="score only the first N tokens of the text")
+    p.add_argument("--limit", type=int, help="score only the first N tokens of the text (default: all of it)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar while scoring (default: one on a terminal, for long texts)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -186,8 +189,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "else the artifact directory name)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests queued before the server answers 503 (default 1024)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: from the manifest)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: the manifest's decision, "
+                   "as `kiln compile --report` states it)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default info)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
     p.add_argument("--speculative", choices=["mtp", "none"],
                    help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
@@ -198,13 +203,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("prompt", help="the prompt text (with --token-ids: token ids)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (default -1: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, not reproducible)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     form.add_argument("--token-ids", action="store_true",
@@ -219,21 +224,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compile", help="compile a recipe into a serving artifact")
-    p.add_argument("recipe")
-    p.add_argument("-o", "--output", help="artifact directory to write (omit to plan only)")
-    p.add_argument("--target", help="override the recipe's target (cpu, h100, h200)")
-    p.add_argument("--recipe-name", help="which recipe, when the file declares several")
-    p.add_argument("--dump-ir", help="write the IR after every pass into this directory")
-    p.add_argument("--report", action="store_true", help="print passes, kernel costs and the capacity plan")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("recipe", help="the recipe file (.dsl)")
+    p.add_argument("-o", "--output", help="artifact directory to write (default: none, plan only and print the "
+                   "report)")
+    p.add_argument("--target", help="compile for this target instead of the recipe's: cpu, h100, h200 (default: "
+                   "the recipe's target, else cpu)")
+    p.add_argument("--recipe-name", help="which recipe, when the file declares several (default: its only one)")
+    p.add_argument("--dump-ir", help="write the IR after every pass into this directory (default: not written)")
+    p.add_argument("--report", action="store_true", help="print passes, kernel costs and the capacity plan "
+                   "(on by default without -o)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are converted")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("recipe", help="recipe tools")
     rsub = p.add_subparsers(dest="recipe_command", required=True)
     r = rsub.add_parser("from-hf", help="write a recipe for a Hugging Face checkpoint directory")
-    r.add_argument("checkpoint")
-    r.add_argument("--target", default="cpu")
-    r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    r.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    r.add_argument("--target", default="cpu", help="the recipe's target: cpu, h100, h200 (default cpu)")
+    r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="the recipe's dtype (default: fp32 for cpu, bf16 for GPU targets)")
     r.add_argument("--name", help="recipe name (default: from the directory name)")
     r.add_argument("-o", "--output", help="recipe file to write (default: stdout)")
     r.add_argument("--no-mtp", action="store_true",
@@ -241,17 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_recipe_from_hf)
 
     p = sub.add_parser("generate", help="generate text with a compiled artifact")
-    p.add_argument("artifact")
+    p.add_argument("artifact", help="a compiled artifact directory")
     _add_generate_args(p)
 
     p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
-    p.add_argument("artifact")
+    p.add_argument("artifact", help="a compiled artifact directory")
     _add_serve_args(p)
 
     p = sub.add_parser("eval", help="quality checks: perplexity, and KL divergence between two artifacts")
     esub = p.add_subparsers(dest="eval_command", required=True)
     e = esub.add_parser("ppl", help="sliding-window perplexity of an artifact on a text")
-    e.add_argument("artifact")
+    e.add_argument("artifact", help="a compiled artifact directory")
     _add_eval_args(e)
     e = esub.add_parser("compare", help="perplexities of A and B and mean KL(A || B) of their next-token distributions")
     e.add_argument("a", help="reference artifact (e.g. unquantized)")
