@@ -217,8 +217,8 @@ def checkpoint_disagreements(loaded: Any, checkpoint: Path) -> list[SourceWarnin
     kiln cannot map, or of another model family, gives none: its weights are checked tensor by tensor anyway."""
     from kiln.recipe_from_hf import checkpoint_model_args
 
-    try:
-        family, expected = checkpoint_model_args(checkpoint)
+    try:  # without MTP: whether to build a checkpoint's draft head is the recipe's choice (from-hf --no-mtp)
+        family, expected = checkpoint_model_args(checkpoint, mtp=False)
     except KilnError:
         return []
     call = loaded.model_call
