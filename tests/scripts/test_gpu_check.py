@@ -27,12 +27,8 @@ exec "{real}" "$@"
 """
 
 
-def test_gpu_check_writes_at_most_eight_files(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    standin = bin_dir / "python3"
-    standin.write_text(STANDIN.format(real=sys.executable))
-    standin.chmod(0o755)
+def test_gpu_check_writes_at_most_eight_files(tmp_path, standin_python3):
+    bin_dir = standin_python3(STANDIN.format(real=sys.executable))
     out = tmp_path / "out"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "HOME": str(tmp_path)}
     res = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,

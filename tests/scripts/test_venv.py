@@ -21,13 +21,9 @@ exec "{real}" "$@"
 """
 
 
-def test_venv_script_never_installs_into_the_system_python(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+def test_venv_script_never_installs_into_the_system_python(tmp_path, standin_python3):
     log = tmp_path / "python3.log"
-    fake = bin_dir / "python3"
-    fake.write_text(FAKE_PYTHON3.format(log=log, real=sys.executable))
-    fake.chmod(0o755)
+    bin_dir = standin_python3(FAKE_PYTHON3.format(log=log, real=sys.executable))
     venv = Path(sys.prefix)  # the venv this test runs in stands for an existing project venv
     script = 'source scripts/venv.sh >/dev/null && command -v python && python -c "import sys; print(sys.prefix)"'
     env = {"HOME": os.environ.get("HOME", str(tmp_path)), "PATH": f"{bin_dir}:/usr/bin:/bin",
@@ -41,14 +37,10 @@ def test_venv_script_never_installs_into_the_system_python(tmp_path):
     assert not log.exists() or "-m pip" not in log.read_text()
 
 
-def test_venv_script_reports_a_missing_venv_module(tmp_path):
+def test_venv_script_reports_a_missing_venv_module(tmp_path, standin_python3):
     """No venv module (Debian without python3-venv): a clear message naming the package, and no half venv."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"
-    fake.write_text("#!/bin/sh\necho 'The virtual environment was not created successfully because ensurepip is "
-                    "not available.' >&2\nexit 1\n")
-    fake.chmod(0o755)
+    bin_dir = standin_python3("#!/bin/sh\necho 'The virtual environment was not created successfully because "
+                              "ensurepip is not available.' >&2\nexit 1\n")
     env = {"HOME": str(tmp_path), "PATH": f"{bin_dir}:/usr/bin:/bin", "KILN_VENV": str(tmp_path / "venv")}
     res = subprocess.run(["bash", "-euo", "pipefail", "-c", "source scripts/venv.sh"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
