@@ -74,15 +74,16 @@ def _load(path: Path, name: str):
 
 
 def _checkpoint(kind: str, tiny_checkpoint, work: Path) -> Path:
-    if kind == "deepseek_v3+mtp":
-        out = work / "ckpt"
-        shutil.copytree(tiny_checkpoint("deepseek_v3"), out)
-        _load(REPO / "tests" / "mtp" / "mtp_testlib.py", "kiln_digest_mtp_testlib").add_mtp_layer(out, copies=True)
-        return out
+    """The case's checkpoint at `work/ckpt`: the recipe names it by a relative path, which must not depend on
+    where the session's fixtures put the original."""
+    out = work / "ckpt"
     if kind == "llama+awq":
         quant = _load(REPO / "tests" / "quant" / "quant_testlib.py", "kiln_digest_quant_testlib")
-        return quant.awq_checkpoint(tiny_checkpoint("llama", hidden_size=128, intermediate_size=256), work / "ckpt")
-    return tiny_checkpoint(kind)
+        return quant.awq_checkpoint(tiny_checkpoint("llama", hidden_size=128, intermediate_size=256), out)
+    shutil.copytree(tiny_checkpoint(kind.removesuffix("+mtp")), out)
+    if kind.endswith("+mtp"):
+        _load(REPO / "tests" / "mtp" / "mtp_testlib.py", "kiln_digest_mtp_testlib").add_mtp_layer(out, copies=True)
+    return out
 
 
 def _compile(case: str, tiny_checkpoint, work: Path) -> Path:
@@ -95,7 +96,7 @@ def _compile(case: str, tiny_checkpoint, work: Path) -> Path:
     else:
         ckpt = _checkpoint(kind, tiny_checkpoint, work)
         recipe = work / f"{case}.dsl"
-        assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe), "--name", case]) == 0
+        assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe), "--name", case]) == 0  # hf:./ckpt
         text = recipe.read_text().replace("target  = cpu", f"target  = {target}")
         for old, new in edits:
             assert old in text, f"{case}: edit {old!r} does not apply"
