@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 from kiln.compiler.ir import Program
 from kiln.compiler.text import print_program
 from kiln.compiler.verifier import verify_program
+from kiln.dsl.errors import KilnError
 
 
-class PassError(Exception):
+class PassError(KilnError):
     """A pass could not be found, ordered, or produced invalid IR."""
 
 

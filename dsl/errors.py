@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.errors import KilnError  # the one root (a leaf module); re-exported here for the compile side
+
 
 @dataclass(frozen=True, slots=True)
 class Loc:
@@ -37,11 +39,6 @@ def source_line(loc: Loc) -> str | None:
     return lines[loc.line - 1] if 0 < loc.line <= len(lines) else None
 
 
-class KilnError(Exception):
-    """Base of every error kiln reports to a user without a traceback (the CLI exits with status 2)."""
-
-    def format(self) -> str:
-        return f"error: {self}"
 
 
 class SourceWarning(UserWarning):

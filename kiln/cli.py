@@ -13,13 +13,11 @@ USER_ERROR_EXIT = 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's input, printed without a traceback (exit 2). Imported only when an
-    error is being handled, so `kiln serve` does not load the compiler."""
-    from kiln.compiler.pass_manager import PassError
-    from kiln.dsl.errors import KilnError
-    from kiln.runtime.errors import KilnRuntimeError
+    """Errors that are the user's input, printed without a traceback (exit 2): one root, kiln.errors.KilnError
+    (a leaf module, so `kiln serve` does not load the compiler)."""
+    from kiln.errors import KilnError
 
-    return (KilnError, KilnRuntimeError, PassError)
+    return (KilnError,)
 
 
 def _format(err: BaseException) -> str:

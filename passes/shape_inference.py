@@ -1,12 +1,12 @@
 """Infers and checks the type of every value, graph by graph, block inputs from their call sites."""
 from __future__ import annotations
 
-from kiln.compiler import Graph, Pass, PassContext, Program, register_pass
+from kiln.compiler import Graph, Pass, PassContext, PassError, Program, register_pass
 from kiln.compiler.ops import OPS, ShapeError
 
 
-class ShapeInferenceError(Exception):
-    pass
+class ShapeInferenceError(PassError):
+    """A value's type does not follow from its inputs (a pass, or hand-written IR, broke the program)."""
 
 
 def infer_graph(graph: Graph) -> tuple[Graph, bool]:

@@ -337,3 +337,33 @@ def test_recipe_values_contradicting_the_checkpoint_config_warn(tmp_path, llama_
     assert main(["recipe", "from-hf", str(ck), "-o", str(recipe)]) == 0
     capsys.readouterr()
     assert main(["compile", str(recipe)]) == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_one_error_root_for_everything_a_user_can_get_wrong(tmp_path, capsys):
+    """kiln.errors.KilnError is the base of the compile side's and the runtime's errors; the CLI catches it."""
+    from kiln.codegen.errors import CheckpointError, CodegenError, TokenizerError, WeightError
+    from kiln.compiler import PassError
+    from kiln.dsl.errors import SourceError
+    from kiln.passes.kernel_selection import KernelSelectionError
+    from kiln.passes.shape_inference import ShapeInferenceError
+    from kiln.runtime.errors import ArtifactError, KilnRuntimeError, RequestError
+
+    from kiln.errors import KilnError
+
+    for cls in (SourceError, PassError, KernelSelectionError, ShapeInferenceError, CodegenError, WeightError,
+                CheckpointError, TokenizerError, KilnRuntimeError, ArtifactError, RequestError):
+        assert issubclass(cls, KilnError), cls
+    (tmp_path / "bad_pass_mod.py").write_text(
+        "from kiln.compiler import Pass, PassError, register_pass\n\n"
+        "@register_pass('refusing_pass')\nclass Refusing(Pass):\n"
+        "    def run(self, program, ctx):\n        raise PassError('this pass refuses the program')\n")
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          passes {{ after fuse_qkv: "bad_pass_mod:Refusing" }}
+        }}
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this pass refuses the program") and "Traceback" not in err
