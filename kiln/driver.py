@@ -18,7 +18,7 @@ from kiln.compiler.instantiate import instantiate_model, section_values
 from kiln.compiler.options import check_config_values, check_section_values
 from kiln.compiler.pass_manager import PassError, load_pass
 from kiln.compiler.report import format_report
-from kiln.compiler.targets import get_target
+from kiln.compiler.targets import TargetError, get_target
 from kiln.dsl import ast as A
 from kiln.dsl import load_recipe
 from kiln.dsl.errors import KilnError, SourceError, SourceWarning
@@ -264,7 +264,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     target_name = options.get("target", "cpu")
     try:
         tgt = get_target(target_name)
-    except ValueError as e:
+    except TargetError as e:
         if target is not None:  # the flag / argument is wrong, not the recipe
             raise KilnError(f"--target: {e}") from None
         s = _setting(recipe, "target")

@@ -78,7 +78,8 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-@register_pass("cuda_graph_plan", requires=("shape_inference",))
+# after every rewrite: its graph-memory estimate reads the final IR
+@register_pass("cuda_graph_plan", requires=("shape_inference",), after=("kernel_selection", "dead_code_elimination"))
 class CUDAGraphPlan(Pass):
     """Requires: typed IR; GPU targets only (pipeline.py adds it to h100/h200). Guarantees: the graphs are
     unchanged; `program.meta["cuda_graphs"]` is the capture plan the runtime follows — `batch_sizes` (the

@@ -13,7 +13,7 @@ def _live(graph: Graph) -> set[str]:
     return live
 
 
-@register_pass("dead_code_elimination")
+@register_pass("dead_code_elimination", before=("kernel_selection",))
 class DeadCodeElimination(Pass):
     """Requires: nothing. Guarantees: every node of every graph is a graph input or an ancestor of (or
     is) a graph output; every param in `program.params` is read by some graph's `param` node."""

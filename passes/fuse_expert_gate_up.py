@@ -34,7 +34,7 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_expert_gate_up", requires=("shape_inference",))
+@register_pass("fuse_expert_gate_up", requires=("shape_inference",), before=("kernel_selection",))
 class FuseExpertGateUp(Pass):
     """Requires: typed IR. Guarantees: every `moe_experts` whose gate and up stacks are plain, same-shape,
     unquantized, unsharded `param`s reads one `{block}.wgate_up` [E, 2F, H] instead (`source` = gate's then up's,

@@ -47,7 +47,7 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_gate_up", requires=("shape_inference",))
+@register_pass("fuse_gate_up", requires=("shape_inference",), before=("kernel_selection",))
 class FuseGateUp(Pass):
     """Requires: typed IR. Guarantees: every `silu(gate) * up` whose gate and up are projections of one
     input by plain `param` weights (both with bias or neither) reads them from a single linear over

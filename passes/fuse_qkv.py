@@ -51,7 +51,7 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_qkv", requires=("shape_inference",))
+@register_pass("fuse_qkv", requires=("shape_inference",), before=("kernel_selection",))
 class FuseQKV(Pass):
     """Requires: typed IR. Guarantees: each attention whose q, k and v are projections of one input by
     plain `param` weights (all with bias or none) reads them from a single linear over `{block}.wqkv`

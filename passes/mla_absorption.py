@@ -25,7 +25,7 @@ REWRITES = (
 )
 
 
-@register_pass("mla_absorption", requires=("shape_inference",))
+@register_pass("mla_absorption", requires=("shape_inference",), before=("kernel_selection",))
 class MLAAbsorption(Pass):
     """Requires: typed IR. Guarantees: every `mla_attention` whose `w_kv_b` is a plain (unquantized,
     unsharded) param has `absorb="decode"`: its kernel runs decode tokens in latent space — q_lat = q_nope·W_UK

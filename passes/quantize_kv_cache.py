@@ -105,7 +105,8 @@ def kv_rewrites(scales: str) -> tuple[Rewrite, ...]:
     )
 
 
-@register_pass("quantize_kv_cache", requires=("shape_inference",))
+# after fuse_qkv, which matches the plain three-input attention
+@register_pass("quantize_kv_cache", requires=("shape_inference",), after=("fuse_qkv",), before=("kernel_selection",))
 class QuantizeKVCache(Pass):
     """Requires: typed IR; `quantize { kv_cache = fp8 }` in ctx.options (else program.meta; absent: nothing
     changes). Run after fuse_qkv (which matches the plain three-input attention). Guarantees: every

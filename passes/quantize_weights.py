@@ -212,7 +212,8 @@ def weight_rewrites(scheme: WeightScheme) -> tuple[Rewrite, ...]:
     )
 
 
-@register_pass("quantize_weights", requires=("shape_inference",))
+@register_pass("quantize_weights", requires=("shape_inference",),
+               before=("fuse_qkv", "fuse_gate_up", "fuse_dequant_linear", "kernel_selection"))
 class QuantizeWeights(Pass):
     """Requires: typed IR; the scheme from the recipe's `quantize { weights = ... }` (ctx.options, else
     program.meta; absent: nothing changes). Guarantees: every `linear` whose weight is a plain 2-D float param

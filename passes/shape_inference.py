@@ -26,7 +26,7 @@ def infer_graph(graph: Graph) -> tuple[Graph, bool]:
     return out, changed
 
 
-@register_pass("shape_inference")
+@register_pass("shape_inference", guarantees=("typed",))
 class ShapeInference(Pass):
     """Requires: every `input`/`param` node carries its type. Guarantees: every node's `out` is its op's
     shape rule applied to its inputs (symbolic dims such as T kept); block graphs typed too."""
