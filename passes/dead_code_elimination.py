@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import networkx as nx
 from kiln.compiler import Graph, Pass, PassContext, Program, register_pass
-from kiln.passes.rewrite import params_read
+from kiln.compiler.rewrite import params_read
 
 
 def _live(graph: Graph) -> set[str]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
 from kiln.compiler.ops import OPS
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 
 def _residual_used_elsewhere(m: Match) -> bool:

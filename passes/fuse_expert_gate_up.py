@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 from kiln.passes.linear_fusion import concatenable
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 
 def _stackable(m: Match) -> bool:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, TensorType, register_pass
-from kiln.passes.rewrite import Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Match, P, Rewrite, V, apply_rewrites
 
 
 def _halves_of_y(m: Match) -> bool:

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, Program, register_pass
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 from kiln.passes.quantize_weights import quantize_option
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 KV_DTYPE = "fp8e4m3"
 # Where the scales come from: the checkpoint's k_scale/v_scale (compressed-tensors / llm-compressor), else a

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, PassError, Program, register_pass
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
 # fp8(act=...) -> linear_fp8's `act` attribute
