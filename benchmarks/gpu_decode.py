@@ -95,7 +95,7 @@ def render_executor(program, work: Path, package: str, max_model_len: int) -> tu
     them, and imports it: returns (package dir, its Model class). gpu_engine.py and gpu_deepseek_layer.py
     render theirs through this too."""
     from kiln.codegen.artifact import kernel_params
-    from kiln.codegen.emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
+    from kiln.codegen.emitters import KERNEL_MODULES
     from kiln.codegen.render import render_model, template_env
 
     pkg = work / package
@@ -106,7 +106,7 @@ def render_executor(program, work: Path, package: str, max_model_len: int) -> tu
                                                max_model_len=max_model_len))
     params = kernel_params(program)
     env = template_env()
-    for ns in TARGET_KERNEL_MODULES[params["target"]]:
+    for ns in params["kernel_modules"]:  # the target's libraries (compiler/targets.py)
         (pkg / "kernels" / f"{ns}.py").write_text(env.get_template(KERNEL_MODULES[ns][0]).render(
             kiln_version="bench", **params))
     sys.path.insert(0, str(work))

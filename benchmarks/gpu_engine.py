@@ -159,6 +159,7 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
 def predicted_plan(program, setup: Setup, device_total: int | None) -> dict:
     """What `kiln compile --report` (compiler.report.capacity) and the cuda_graph_plan pass predict."""
     from kiln.compiler.kv_layout import step_activation_bytes
+    from kiln.compiler.options import CUDA_GRAPH_PLAN, RecipeOptions
     from kiln.compiler.report import capacity
     from kiln.compiler.targets import get_target
 
@@ -170,9 +171,9 @@ def predicted_plan(program, setup: Setup, device_total: int | None) -> dict:
         pool = max(0, int(device_total * MEMORY_FRACTION) - cap.param_bytes)
         plan["kv_tokens_at_device_memory"] = pool // cap.kv_bytes_per_token
         plan["kv_pool_bytes_at_device_memory"] = pool
-    graphs = program.meta.get("cuda_graphs") or {}
+    graphs = program.meta.get(CUDA_GRAPH_PLAN) or {}
     plan["graphs_bytes"] = graphs.get("estimated_bytes")
-    max_tokens = int((program.meta.get("scheduler") or {}).get("max_batched_tokens", 8192))
+    max_tokens = RecipeOptions.from_meta(program.meta).scheduler.max_batched_tokens
     plan["prefill_activations_bytes"] = step_activation_bytes(program, max_tokens)
     plan["prefill_tokens"] = max_tokens
     return plan

@@ -9,6 +9,7 @@ absolute paths.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -19,17 +20,13 @@ from typing import Any
 
 from kiln.compiler.ir import Attrs, Program, TensorType
 from kiln.compiler.kv_layout import FP8_KV, kv_cache_nodes, kv_layout
-from kiln.compiler.options import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_MODEL_LEN,
-    DEFAULT_MEMORY_FRACTION,
-    DEFAULT_SCHEDULER,
-)
-from kiln.compiler.targets import get_target
+from kiln.compiler.options import CUDA_GRAPH_PLAN as PLAN
+from kiln.compiler.options import DEFAULT_MAX_MODEL_LEN, RecipeOptions
+from kiln.compiler.targets import Target, TargetError, get_target
 from kiln.compiler.text import print_program
 from kiln.dsl.errors import KilnError
 
-from .emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
+from .emitters import KERNEL_MODULES
 from .errors import CodegenError, TokenizerError
 from .render import kernels_used, render_model, template_env, vocab_size
 from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
@@ -80,16 +77,26 @@ def _runtime_section(program: Program, hf_config: dict, gen_config: dict, max_mo
             "eos_token_ids": eos}
 
 
+def _options(program: Program) -> RecipeOptions:
+    return RecipeOptions.from_meta(program.meta)
+
+
 def _kv_cache_sizing(program: Program) -> dict[str, Any]:
-    """The recipe's kv_cache {block_size, memory_fraction, num_blocks}, defaults filled in, and how the runtime
-    sizes the pool: `num_blocks` when the recipe fixes it, else the target's `pool_bytes` (cpu), else (null)
-    from the device's memory at load."""
-    meta = _section(program.meta, "kv_cache")
-    num_blocks = meta.get("num_blocks")
-    target = get_target(str(program.meta.get("target", "cpu")))
-    return {"block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
-            "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
-            "num_blocks": num_blocks, "pool_bytes": target.kv_pool_bytes if num_blocks is None else None}
+    """The recipe's kv_cache {block_size, memory_fraction, num_blocks} and how the runtime sizes the pool:
+    `num_blocks` when the recipe fixes it, else the target's `pool_bytes` (cpu), else (null) from the device's
+    memory at load (compiler/kv_layout.py plan_kv_pool; the report predicts the same)."""
+    kv = _options(program).kv_cache
+    target = _target(program)
+    return {"block_size": kv.block_size, "memory_fraction": float(kv.memory_fraction), "num_blocks": kv.num_blocks,
+            "pool_bytes": target.kv_pool_bytes if kv.num_blocks is None else None}
+
+
+def _target(program: Program) -> Target:
+    name = str(program.meta.get("target", "cpu"))
+    try:
+        return get_target(name)
+    except TargetError as e:
+        raise CodegenError(str(e), None) from None
 
 
 def _kv_cache_section(program: Program) -> dict[str, Any]:
@@ -129,11 +136,12 @@ def kernel_params(program: Program) -> dict[str, Any]:
             heads = (int(q.shape[-1]), int(q.shape[-2]), int(k.shape[-2]))
             break
     head_dim, num_heads, num_kv_heads = heads or (128, 1, 1)
-    target = str(program.meta.get("target", "cpu"))
-    if target not in TARGET_KERNEL_MODULES:
-        raise CodegenError(f"no kernel library for target {target!r} (known: {', '.join(TARGET_KERNEL_MODULES)})",
-                           None)
-    return {"target": target, "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+    target = _target(program)
+    unknown = [m for m in target.kernel_modules if m not in KERNEL_MODULES]
+    if unknown:
+        raise CodegenError(f"target {target.name!r} names kernel libraries {unknown} codegen has no template for "
+                           f"(known: {', '.join(KERNEL_MODULES)})", None)
+    return {"target": target.name, "kernel_modules": target.kernel_modules, "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
             "dtype": TORCH_DTYPE_NAMES[program.dtype],
             "block_size": _kv_cache_sizing(program)["block_size"]}
 
@@ -141,7 +149,7 @@ def kernel_params(program: Program) -> dict[str, Any]:
 def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config: Mapping[str, Any]) -> int:
     """The argument, else the recipe's serve.max_model_len, else the model config's max_position (or the
     checkpoint's max_position_embeddings), else 4096."""
-    for v in (max_model_len, _section(program.meta, "serve").get("max_model_len"),
+    for v in (max_model_len, _options(program).serve.max_model_len,
               program.config.get("max_position"), hf_config.get("max_position_embeddings")):
         if v is not None:
             return int(v)
@@ -151,7 +159,7 @@ def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config
 def _cuda_graphs_section(program: Program, max_model_len: int) -> dict[str, Any]:
     """The plan, with block_tables sized for the artifact's max_model_len (which may come from the checkpoint's
     config, which the pass did not see)."""
-    plan = _section(program.meta, "cuda_graphs")
+    plan = _section(program.meta, PLAN)
     max_blocks = -(-max_model_len // int(plan["block_size"]))
     if max_blocks != plan["max_blocks_per_seq"]:
         buffers = dict(plan["static_buffers"])
@@ -190,17 +198,19 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
     files, and `aliases` when some tensors are stored once under another name."""
     if program.dtype not in TORCH_DTYPE_NAMES:
         raise CodegenError(f"program dtype {program.dtype} is not one of {', '.join(TORCH_DTYPE_NAMES)}", None)
+    options = _options(program)
     return {
         "schema_version": SCHEMA_VERSION,
         "kiln_version": kiln_version,
         "recipe_hash": recipe_hash,
-        "target": str(program.meta.get("target", "cpu")),
+        "target": _target(program).name,
+        "device": _target(program).device,
         "dtype": TORCH_DTYPE_NAMES[program.dtype],
         "model": {"name": program.name, "config": _jsonable(program.config)},
         "runtime": _runtime_section(program, hf_config, gen_config, max_model_len),
         "kv_cache": _kv_cache_section(program),
-        "scheduler": {**DEFAULT_SCHEDULER, **_section(program.meta, "scheduler")},
-        "serve": _section(program.meta, "serve") or None,
+        "scheduler": dataclasses.asdict(options.scheduler),
+        "serve": {"host": options.serve.host, "port": options.serve.port, "served_name": options.serve.served_name},
         "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), **(weights or {}),
                     "total_bytes": total_weight_bytes(program, (weights or {}).get("aliases"))},
         "tokenizer": {"dir": "tokenizer"} if has_tokenizer else None,
@@ -210,15 +220,14 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "kernels": kernels_used(program),
         "passes": _jsonable(list(pass_log)),
         # GPU targets: the cuda_graph_plan pass's capture plan (runtime/graph_runner.py follows it)
-        **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)}
-           if "max_blocks_per_seq" in _section(program.meta, "cuda_graphs") else {}),
+        **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)} if PLAN in program.meta else {}),
         # draft heads (named forwards, e.g. DeepSeek MTP) for speculative decoding, only when there are some;
-        # the recipe's `speculative` section turns decoding with one on by default
+        # `speculative.method` (the recipe's) turns decoding with one on by default
         **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
-        **({"speculative": {"method": spec["method"], "num_tokens": int(spec.get("tokens", 1))}}
-           if (spec := _section(program.meta, "speculative")).get("method") else {}),
-        # the recipe's `quantize` section, only when there is one (readers: kiln eval, humans)
-        **({"quantization": quantize} if (quantize := _section(program.meta, "quantize")) else {}),
+        "speculative": {"method": options.speculative.method, "num_tokens": options.speculative.tokens},
+        # the recipe's `quantize` values as written (readers: humans)
+        "quantization": {"weights": options.quantize.spelling.get("weights"),
+                         "kv_cache": options.quantize.spelling.get("kv_cache")},
     }
 
 
@@ -333,7 +342,7 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
             _write(tmp / name, env.get_template(template).render(kiln_version=kiln_version,
                                                                  program_name=program.name))
         params = kernel_params(program)
-        for namespace in sorted(TARGET_KERNEL_MODULES[params["target"]]):
+        for namespace in sorted(params["kernel_modules"]):
             template = KERNEL_MODULES[namespace][0]
             _write(tmp / "kernels" / f"{namespace}.py", env.get_template(template).render(kiln_version=kiln_version,
                                                                                            **params))

@@ -19,8 +19,9 @@ import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
 from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
 from kiln.compiler.ops import OPS, REQUIRED
+from kiln.compiler.targets import get_target
 
-from .emitters import EMITTERS, STRUCTURAL_OPS, TARGET_KERNEL_MODULES
+from .emitters import EMITTERS, STRUCTURAL_OPS
 from .errors import CodegenError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -447,7 +448,7 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         returns_hidden=len(program.entry.outputs) > 1,
         forwards=forwards,
         methods=list(_methods(model)),
-        kernels_module=TARGET_KERNEL_MODULES[str(program.meta.get("target", "cpu"))][0],
+        kernels_module=get_target(str(program.meta.get("target", "cpu"))).kernel_modules[0],
     )
 
 

@@ -1,27 +1,34 @@
-"""Recipe values and their ranges, checked once with the location of the value that is wrong.
+"""The recipe's options: one typed dataclass per section with its defaults, filled once from the AST with the
+location of every value, and the ranges of values.
 
-A value that type-checks can still compile to an artifact that cannot run: `rope_theta = 0` (an infinite
-rotary frequency), `norm_eps = -1` (a NaN norm), `max_position = 1000000000` (a rotary table of tens of GB
-allocated at load). Every model config value a bundled model names is range-checked here; every float must
-be finite whatever its name.
+`recipe_options(recipe)` is the one place recipe defaults live: the driver, the passes (through
+`RecipeOptions.from_meta(program.meta)`), codegen and the report read them from here, and the manifest carries
+the filled-in values, so the runtime holds none of its own. Adding a recipe key is a field here (and its
+syntax check in dsl/check.py) plus the code that uses it.
+
+Ranges: a value that type-checks can still compile to an artifact that cannot run: `rope_theta = 0` (an
+infinite rotary frequency), `norm_eps = -1` (a NaN norm), `max_position = 1000000000` (a rotary table of tens
+of GB allocated at load). Every model config value a bundled model names is range-checked here; every float
+must be finite whatever its name.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.dsl import ast as A
+from kiln.dsl import eval_expr
 from kiln.dsl.errors import Loc, SourceError
 
-# Defaults of the recipe's sections, where a recipe does not set them (one place: codegen, the passes and the
-# report read them from here; the manifest then carries the values, so the runtime needs none of its own)
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MEMORY_FRACTION = 0.9
+# program.meta key of the CUDA-graph capture plan (passes/cuda_graph_plan.py writes it, codegen and the report
+# read it; the manifest's `cuda_graphs` section)
+CUDA_GRAPH_PLAN = "cuda_graph_plan"
+
+# max_model_len when neither the recipe (serve.max_model_len), the model (max_position) nor the checkpoint say
 DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_SCHEDULER = {"max_seqs": 256, "max_batched_tokens": 8192, "chunked_prefill": 512, "policy": "fcfs",
-                     "prefix_cache": "radix"}
 
 # The largest context kiln builds: the rotary tables of model.py hold max_model_len positions (fp32, in memory
 # from load); 2^24 covers the longest published contexts (10M tokens) at ~8 GiB for head_dim 128.
@@ -114,3 +121,394 @@ def check_section_values(recipe: A.RecipeDecl) -> None:
             if rng is not None and isinstance(ent.value, A.Num) and not rng.contains(ent.value.value):
                 raise SourceError(f"'{sec.name}.{ent.key}' must be {rng.describe()}, got {fmt_number(ent.value.value)}"
                                   + (f" ({rng.why})" if rng.why else ""), ent.value.loc)
+
+
+# ---------------------------------------------------------------- quantization schemes
+
+# fp8(act=...) -> linear_fp8's `act` attribute
+FP8_ACT_OPTIONS = {"none": "none", "dynamic": "dynamic_per_token", "static": "static_per_tensor"}
+# Where fp8 KV scales come from: the checkpoint's k_scale/v_scale (compressed-tensors / llm-compressor), else a
+# calibration run at compile time ("auto"); only the checkpoint ("checkpoint"); only calibration ("calibrate").
+KV_SCALE_SOURCES = ("auto", "checkpoint", "calibrate")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """A parsed `quantize { weights = ... }`.
+
+    fp8:  `fp8` (per-tensor scale), `fp8(per_channel=true)` (one scale per output row), `fp8(block=128)`
+          (one per 128x128 tile, DeepSeek-V3); `act=dynamic` also quantizes activations per token (w8a8);
+          `act=static` quantizes them with one calibrated scale per linear input (compressed-tensors
+          `input_scale`; computed at compile time for a float checkpoint).
+    awq:  `awq(group=128)` — AutoAWQ GEMM checkpoints, loaded as published.
+    gptq: `gptq(group=128, sym=true, format=v1)` — AutoGPTQ/GPTQModel checkpoints; format v1 (zeros stored
+          minus one: what both libraries write) or v2 (GPTQModel's internal gptq_v2).
+    """
+
+    kind: str
+    granularity: str = "tensor"
+    block: int = 0
+    act: str = "none"
+    group: int = 128
+    zero_offset: int = 1
+    sym: bool = True
+
+    def to_attrs(self) -> dict[str, Any]:
+        if self.kind == "fp8":
+            return {"granularity": self.granularity, "block": self.block, "act": self.act}
+        return {"format": self.kind, "group": self.group, "zero_offset": self.zero_offset}
+
+
+def _scheme_options(value: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(value, str):
+        return value, {}
+    if isinstance(value, Mapping) and "kind" in value:
+        if value.get("args"):
+            raise ValueError(f"{value['kind']}(...) takes keyword options only, e.g. {value['kind']}(group=128)")
+        return value["kind"], {k: v for k, v in value.items() if k not in ("kind", "args")}
+    raise ValueError(f"not a quantization scheme: {value!r}")
+
+
+def _check_keys(kind: str, opts: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(opts) - set(allowed))
+    if unknown:
+        raise ValueError(f"{kind}(...) has no option '{unknown[0]}' (options: {', '.join(allowed)})")
+
+
+def _fp8(opts: Mapping[str, Any]) -> WeightScheme:
+    _check_keys("fp8", opts, ("per_channel", "block", "act"))
+    block, per_channel = opts.get("block"), opts.get("per_channel", False)
+    if not isinstance(per_channel, bool):
+        raise ValueError("fp8(per_channel=...) must be true or false")
+    if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block <= 0):
+        raise ValueError(f"fp8(block=...) must be a positive int, got {block!r}")
+    if block is not None and per_channel:
+        raise ValueError("fp8 takes per_channel=true or block=N, not both")
+    act = opts.get("act", "none")
+    if act not in FP8_ACT_OPTIONS:
+        raise ValueError(f"fp8(act=...) is none (weight-only), dynamic (per-token fp8 activations) or static "
+                         f"(one calibrated per-tensor activation scale), got {act!r}")
+    if act == "static" and block is not None:
+        raise ValueError("fp8(block=N) takes act=dynamic (1x128 activation tiles), not act=static")
+    granularity = "block" if block else "channel" if per_channel else "tensor"
+    return WeightScheme("fp8", granularity, block or 0, FP8_ACT_OPTIONS[act])
+
+
+def _group(kind: str, opts: Mapping[str, Any]) -> int:
+    group = opts.get("group", 128)
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 8:
+        raise ValueError(f"{kind}(group=...) must be a positive multiple of 8, got {group!r}")
+    return group
+
+
+def _awq(opts: Mapping[str, Any]) -> WeightScheme:
+    _check_keys("awq", opts, ("group", "zero_point"))
+    if opts.get("zero_point", True) is not True:
+        raise ValueError("awq(zero_point=false) is not supported: AutoAWQ GEMM checkpoints carry zero points")
+    return WeightScheme("awq", group=_group("awq", opts), zero_offset=0)
+
+
+def _gptq(opts: Mapping[str, Any]) -> WeightScheme:
+    _check_keys("gptq", opts, ("group", "sym", "format"))
+    fmt = opts.get("format", "v1")
+    if fmt not in ("v1", "v2"):
+        raise ValueError(f"gptq(format=...) is v1 (zeros stored minus one, as AutoGPTQ/GPTQModel save) or v2, "
+                         f"got {fmt!r}")
+    sym = opts.get("sym", True)
+    if not isinstance(sym, bool):
+        raise ValueError("gptq(sym=...) must be true or false")
+    return WeightScheme("gptq", group=_group("gptq", opts), zero_offset=1 if fmt == "v1" else 0, sym=sym)
+
+
+WEIGHT_SCHEMES: dict[str, Callable[[Mapping[str, Any]], WeightScheme]] = {"fp8": _fp8, "awq": _awq, "gptq": _gptq}
+
+
+def parse_weight_scheme(value: Any) -> WeightScheme:
+    """The scheme of a recipe's `quantize.weights` value; ValueError says what is wrong with it."""
+    kind, opts = _scheme_options(value)
+    if kind not in WEIGHT_SCHEMES:
+        raise ValueError(f"unknown weight quantization '{kind}' (known: {', '.join(WEIGHT_SCHEMES)})")
+    return WEIGHT_SCHEMES[kind](opts)
+
+
+def parse_kv_scheme(value: Any) -> str:
+    """The scale source of `kv_cache = fp8` / `fp8(scales=auto|checkpoint|calibrate)`; ValueError otherwise."""
+    if value == "fp8":
+        return "auto"
+    if isinstance(value, Mapping) and value.get("kind") == "fp8" and not value.get("args"):
+        opts = {k: v for k, v in value.items() if k not in ("kind", "args")}
+        if set(opts) - {"scales"}:
+            raise ValueError(f"fp8(...) for the KV cache takes only scales=, not '{sorted(set(opts) - {'scales'})[0]}'")
+        scales = opts.get("scales", "auto")
+        if scales not in KV_SCALE_SOURCES:
+            raise ValueError(f"kv_cache fp8(scales=...) is one of {', '.join(KV_SCALE_SOURCES)}, got {scales!r}")
+        return scales
+    kind = value.get("kind") if isinstance(value, Mapping) else value
+    raise ValueError(f"KV cache quantization '{kind}' is not supported (supported: fp8)")
+
+
+# ---------------------------------------------------------------- the sections
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class KVCacheOptions:
+    block_size: int = 16
+    memory_fraction: float = 0.9  # of the device's memory, on targets that size the pool at load
+    num_blocks: int | None = None  # a fixed pool, whatever the memory
+    offload: int | None = None  # bytes of CPU memory (cpu(16GiB)); not built yet
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    max_seqs: int = 256
+    max_batched_tokens: int = 8192
+    chunked_prefill: int | None = 512  # prompt tokens of one sequence per step; None: only the token budget
+    policy: str = "fcfs"
+    prefix_cache: str = "radix"  # or "none"
+    preemption: str = "recompute"  # or "swap"
+    swap_space: int = 4 * GiB  # bytes of CPU memory for swapped-out KV blocks
+    async_scheduling: bool | None = None  # None: on for CUDA devices, off for CPU
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    weights: WeightScheme | None = None
+    kv_cache: str | None = None  # the fp8 KV scale source (KV_SCALE_SOURCES)
+    spelling: Mapping[str, Any] = field(default_factory=dict)  # the recipe's values, as written
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    method: str | None = None  # a draft head of the model (mtp)
+    tokens: int = 1
+    draft: Any = None  # a separate draft model; not built yet
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    max_loras: int | None = None
+    max_rank: int | None = None
+
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class CudaGraphsOptions:
+    batch_sizes: tuple[int, ...] | None = None  # None: DEFAULT_BATCH_SIZES up to scheduler.max_seqs
+
+    def buckets(self, max_seqs: int) -> tuple[int, ...]:
+        """The capture buckets, ascending; ValueError when one is not a positive int, is repeated, or exceeds
+        `max_seqs` (its graph could never be filled)."""
+        if self.batch_sizes is None:
+            return tuple(b for b in DEFAULT_BATCH_SIZES if b <= max_seqs)
+        if not self.batch_sizes:
+            raise ValueError("batch_sizes must be a non-empty list of positive ints, e.g. [1, 2, 4, 8]")
+        seen: set[int] = set()
+        for b in self.batch_sizes:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"batch size {b!r} is not a positive int")
+            if b in seen:
+                raise ValueError(f"batch size {b} is listed twice")
+            if b > max_seqs:
+                raise ValueError(f"batch size {b} exceeds scheduler.max_seqs = {max_seqs}: a decode batch never "
+                                 "holds that many sequences (raise max_seqs or drop the bucket)")
+            seen.add(b)
+        return tuple(sorted(seen))
+
+
+@dataclass(frozen=True)
+class DisaggregateOptions:
+    prefill: int | None = None
+    decode: int | None = None
+    transport: str | None = None
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"  # loopback only
+    port: int = 8000
+    served_name: str | None = None  # None: the artifact directory's name
+    max_model_len: int | None = None  # None: the model's max_position, else the checkpoint's, else 4096
+
+
+@dataclass(frozen=True)
+class PassesOptions:
+    disable: tuple[str, ...] = ()
+    hooks: tuple[Mapping[str, str], ...] = ()  # {"position", "anchor", "spec"}
+
+
+SECTIONS: dict[str, type] = {
+    "kv_cache": KVCacheOptions, "scheduler": SchedulerOptions, "quantize": QuantizeOptions,
+    "parallel": ParallelOptions, "speculative": SpeculativeOptions, "lora": LoraOptions,
+    "cuda_graphs": CudaGraphsOptions, "disaggregate": DisaggregateOptions, "serve": ServeOptions,
+    "passes": PassesOptions,
+}
+
+
+@dataclass(frozen=True)
+class RecipeOptions:
+    """Every recipe option with its value: the recipe's, else the default above. `locs` maps "target",
+    "quantize.weights", "lora" (a section) ... to where the recipe wrote it, for errors about it."""
+
+    target: str = "cpu"
+    dtype: str = "fp32"
+    random_weights: bool = False  # weights = random(seed=N)
+    kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    cuda_graphs: CudaGraphsOptions = field(default_factory=CudaGraphsOptions)
+    disaggregate: DisaggregateOptions = field(default_factory=DisaggregateOptions)
+    serve: ServeOptions = field(default_factory=ServeOptions)
+    passes: PassesOptions = field(default_factory=PassesOptions)
+    set_sections: frozenset[str] = frozenset()  # sections the recipe wrote entries in
+    locs: Mapping[str, Loc] = field(default_factory=dict, compare=False, repr=False)
+
+    def loc(self, key: str, default: Loc | None = None) -> Loc | None:
+        return self.locs.get(key, default)
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any] | None) -> RecipeOptions:
+        """The options of a program's `meta` (what the driver put there: `to_meta()`; a hand-made partial
+        mapping in tests gets the defaults for the rest). ValueError for a value that does not parse."""
+        if isinstance(meta, RecipeOptions):
+            return meta
+        return _from_values(dict(meta or {}), {})
+
+    def to_meta(self) -> dict[str, Any]:
+        """The options as the plain mapping a Program carries (`program.meta`) and passes read."""
+        return {"target": self.target, "dtype": self.dtype, "options": self}
+
+    def section(self, name: str) -> Any:
+        return getattr(self, name)
+
+
+def section_values(recipe: A.RecipeDecl) -> dict[str, Any]:
+    """A recipe's top-level settings and sections as plain values (names → str, calls → dicts)."""
+
+    def value(e: A.Expr) -> Any:
+        if isinstance(e, A.Num | A.Str | A.Bool | A.Size):
+            return e.value
+        if isinstance(e, A.Name):
+            return e.id
+        if isinstance(e, A.List):
+            return [value(x) for x in e.items]
+        if isinstance(e, A.Call):
+            return {"kind": e.func, "args": [value(a) for a in e.args], **{k: value(v) for k, v in e.kwargs}}
+        if isinstance(e, A.UnaryOp) and e.op == "-":
+            return -value(e.operand)
+        return eval_expr(e, {})
+
+    out: dict[str, Any] = {s.key: value(s.value) for s in recipe.settings}
+    for sec in recipe.sections:
+        entries: dict[str, Any] = {}
+        for ent in sec.entries:
+            if isinstance(ent, A.PassHook):
+                entries.setdefault("hooks", []).append({"position": ent.position, "anchor": ent.anchor,
+                                                        "spec": ent.spec.value})
+            else:
+                entries[ent.key] = value(ent.value)
+        out[sec.name] = entries
+    return out
+
+
+def recipe_options(recipe: A.RecipeDecl, *, target: str | None = None) -> RecipeOptions:
+    """The recipe's options, defaults filled in once; a value that does not parse is a SourceError at it.
+    `target` overrides the recipe's (the --target flag)."""
+    values = section_values(recipe)
+    if target is not None:
+        values["target"] = target
+    locs: dict[str, Loc] = {s.key: s.value.loc for s in recipe.settings}
+    for sec in recipe.sections:
+        locs[sec.name] = sec.entries[0].loc if sec.entries else sec.loc
+        for ent in sec.entries:
+            if isinstance(ent, A.Setting):
+                locs[f"{sec.name}.{ent.key}"] = ent.value.loc
+    if target is not None:
+        locs.pop("target", None)
+    return _from_values(values, locs)
+
+
+def _from_values(values: dict[str, Any], locs: Mapping[str, Loc]) -> RecipeOptions:
+    if isinstance(values.get("options"), RecipeOptions):  # a Program's meta: the driver's options
+        return values["options"]
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        raw = dict(values.get(name) or {})
+        try:
+            sections[name] = _SECTION_PARSERS.get(name, _plain)(cls, raw)
+        except ValueError as e:
+            key = next((k for k in raw if f"{name}.{k}" in locs and str(k) in str(e)), None)
+            where = locs.get(f"{name}.{key}") if key else locs.get(name)
+            raise SourceError(f"{name}{'.' + key if key else ''}: {e}", where) from None
+    written = frozenset(n for n in SECTIONS if values.get(n))
+    weights = values.get("weights")
+    return RecipeOptions(target=str(values.get("target", "cpu")), dtype=str(values.get("dtype", "fp32")),
+                         random_weights=isinstance(weights, Mapping) and weights.get("kind") == "random",
+                         **sections, set_sections=written, locs=dict(locs))
+
+
+def _plain(cls: type, raw: Mapping[str, Any]) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"no option {unknown[0]!r} (options: {', '.join(sorted(names))})")
+    return cls(**raw)
+
+
+def _scheduler(cls: type, raw: Mapping[str, Any]) -> SchedulerOptions:
+    raw = dict(raw)
+    chunk = raw.get("chunked_prefill")
+    if chunk is True:  # `chunked_prefill = true`: the default chunk
+        raw["chunked_prefill"] = SchedulerOptions.chunked_prefill
+    elif chunk is False:
+        raw["chunked_prefill"] = None
+    if "async_scheduling" in raw and raw["async_scheduling"] in ("true", "false"):
+        raw["async_scheduling"] = raw["async_scheduling"] == "true"
+    return _plain(cls, raw)
+
+
+def _quantize(cls: type, raw: Mapping[str, Any]) -> QuantizeOptions:
+    unknown = sorted(set(raw) - {"weights", "kv_cache"})
+    if unknown:
+        raise ValueError(f"no option {unknown[0]!r} (options: kv_cache, weights)")
+    weights = parse_weight_scheme(raw["weights"]) if raw.get("weights") is not None else None
+    kv = parse_kv_scheme(raw["kv_cache"]) if raw.get("kv_cache") is not None else None
+    return QuantizeOptions(weights, kv, dict(raw))
+
+
+def _cuda_graphs(cls: type, raw: Mapping[str, Any]) -> CudaGraphsOptions:
+    sizes = raw.get("batch_sizes")
+    return _plain(cls, {**raw, **({"batch_sizes": tuple(sizes)} if sizes is not None else {})})
+
+
+def _kv_cache(cls: type, raw: Mapping[str, Any]) -> KVCacheOptions:
+    offload = raw.get("offload")
+    if isinstance(offload, Mapping):  # cpu(16GiB)
+        offload = offload["args"][0]
+    elif offload == "none":
+        offload = None
+    return _plain(cls, {**raw, **({"offload": offload} if "offload" in raw else {})})
+
+
+def _passes(cls: type, raw: Mapping[str, Any]) -> PassesOptions:
+    return PassesOptions(tuple(raw.get("disable", ())), tuple(raw.get("hooks", ())))
+
+
+_SECTION_PARSERS: dict[str, Callable[[type, Mapping[str, Any]], Any]] = {
+    "scheduler": _scheduler, "quantize": _quantize, "cuda_graphs": _cuda_graphs, "kv_cache": _kv_cache,
+    "passes": _passes,
+}

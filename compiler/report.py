@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.compiler.ir import DTYPE_BYTES, Program, TensorType
 from kiln.compiler.kv_layout import KVLayout, KVPoolPlan, kv_layout, plan_kv_pool, step_activation_bytes
 from kiln.compiler.ops import OPS
-from kiln.compiler.options import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_FRACTION, DEFAULT_SCHEDULER
+from kiln.compiler.options import CUDA_GRAPH_PLAN, RecipeOptions
 from kiln.compiler.targets import Target
 
 
@@ -86,31 +85,24 @@ def expert_param_bytes(program: Program) -> tuple[int, int]:
     return total, active
 
 
-def _section(program: Program, key: str) -> Mapping[str, Any]:
-    v = program.meta.get(key)
-    return v if isinstance(v, Mapping) else {}
-
-
 def kv_pool_plan(program: Program, target: Target, *, memory_fraction: float | None = None,
                  weight_bytes: int | None = None) -> KVPoolPlan:
     """The KV pool the runtime will allocate for this program on `target` (the manifest records the same
     decision: codegen/artifact.py). On a GPU target the device's memory is the datasheet's and the activation
     peak (measured at load) an estimate from the IR."""
-    kv = _section(program, "kv_cache")
-    sched = {**DEFAULT_SCHEDULER, **_section(program, "scheduler")}
-    num_blocks = kv.get("num_blocks")
-    fraction = float(kv.get("memory_fraction", DEFAULT_MEMORY_FRACTION) if memory_fraction is None else memory_fraction)
-    tokens = int(sched["max_batched_tokens"])
-    chunk = sched.get("chunked_prefill")
-    size = max(1, min(int(chunk) if chunk and chunk is not True else tokens, tokens))
-    rows = min(-(-tokens // size), int(sched["max_seqs"]))  # sequences of the runtime's profile prefill
-    return plan_kv_pool(kv_layout(program), block_size=int(kv.get("block_size", DEFAULT_BLOCK_SIZE)),
-                        num_blocks=None if num_blocks is None else int(num_blocks),
-                        pool_bytes=target.kv_pool_bytes if num_blocks is None else None, memory_fraction=fraction,
+    options = RecipeOptions.from_meta(program.meta)
+    kv, sched = options.kv_cache, options.scheduler
+    fraction = float(kv.memory_fraction if memory_fraction is None else memory_fraction)
+    tokens = sched.max_batched_tokens
+    size = max(1, min(sched.chunked_prefill or tokens, tokens))
+    rows = min(-(-tokens // size), sched.max_seqs)  # sequences of the runtime's profile prefill
+    plan = program.meta.get(CUDA_GRAPH_PLAN) or {}
+    return plan_kv_pool(kv_layout(program), block_size=kv.block_size, num_blocks=kv.num_blocks,
+                        pool_bytes=target.kv_pool_bytes if kv.num_blocks is None else None, memory_fraction=fraction,
                         device_memory=target.memory_bytes,
                         weight_bytes=_param_count(program)[1] if weight_bytes is None else weight_bytes,
                         activation_peak=step_activation_bytes(program, tokens, rows),
-                        graph_reserve=int(_section(program, "cuda_graphs").get("estimated_bytes", 0)))
+                        graph_reserve=int(plan.get("estimated_bytes", 0)))
 
 
 def capacity(program: Program, target: Target, *, memory_fraction: float | None = None,
@@ -124,8 +116,8 @@ def capacity(program: Program, target: Target, *, memory_fraction: float | None 
     tpot_ctx = (param_bytes + kv.bytes_per_token * context) / target.bandwidth
     peak = target.fp8_flops if program.dtype == "fp8e4m3" else target.bf16_flops
     b_star = peak * param_bytes / (2 * num_params * target.bandwidth)
-    fraction = pool.parts.get("memory_fraction", float(_section(program, "kv_cache").get(
-        "memory_fraction", DEFAULT_MEMORY_FRACTION) if memory_fraction is None else memory_fraction))
+    fraction = pool.parts.get("memory_fraction", float(RecipeOptions.from_meta(program.meta).kv_cache.memory_fraction
+                                                        if memory_fraction is None else memory_fraction))
     return Capacity(target.name, num_params, param_bytes, kv.bytes_per_token, kv.num_layers, target.memory_bytes,
                     fraction, pool.bytes, pool.tokens, tpot, tpot_ctx, context, b_star, pool, kv)
 

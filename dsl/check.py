@@ -12,7 +12,6 @@ from kiln.dsl.evaluate import BUILTINS, Value, eval_config, eval_expr, has_type,
 
 __all__ = ["check_model", "check_module", "check_recipe", "eval_config", "eval_expr"]
 
-TARGETS = ("cpu", "h100", "h200")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -360,7 +359,10 @@ def _flag(expr: ast.Expr, key: str) -> None:
 
 def _symbol(expr: ast.Expr, key: str) -> None:
     if not isinstance(expr, ast.Name):
-        raise SourceError(f"'{key}' must be a name such as fp8 or auto", expr.loc)
+        raise SourceError(f"'{key}' must be a name such as {_SYMBOL_EXAMPLES.get(key, 'fp8 or auto')}", expr.loc)
+
+
+_SYMBOL_EXAMPLES = {"target": "cpu or h200", "method": "mtp"}
 
 
 def _scheme(expr: ast.Expr, key: str) -> None:
@@ -433,7 +435,7 @@ _TOP_LEVEL: dict[str, Validator] = {
     "model": lambda e, k: None,  # checked against the visible models by _check_model_call
     "weights": _weights,
     "tokenizer": _hf_dir,  # default: the weights' checkpoint; random weights have none unless it is given
-    "target": _choice(*TARGETS),
+    "target": _symbol,  # the compiler's target registry knows the names (compiler/targets.py)
     "dtype": _choice(*DTYPES),
 }
 

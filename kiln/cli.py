@@ -117,15 +117,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
-
-
 def serve_address(artifact: str, host: str | None, port: int | None) -> tuple[str, int]:
-    """The flags, else the recipe's `serve { host = ...; port = ... }` (in the manifest), else loopback:8000."""
+    """The flags, else the manifest's `serve` host and port (the recipe's, else the compiler's defaults)."""
     from kiln.runtime.artifact import read_manifest
 
-    recipe = read_manifest(artifact).get("serve") or {}
-    return host or recipe.get("host") or DEFAULT_HOST, port or recipe.get("port") or DEFAULT_PORT
+    serve = read_manifest(artifact)["serve"]
+    return host or serve["host"], port or serve["port"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -28,7 +28,6 @@ from .errors import ArtifactError
 from .manifest import validate_manifest
 
 _package_ids = itertools.count()
-_CUDA_TARGETS = ("h100", "h200")  # artifacts whose kernels are Triton, for NVIDIA GPUs
 _HASH_CHUNK = 16 * 2**20
 
 
@@ -105,10 +104,10 @@ def _load_tokenizer(tok_dir: Path, vocab_size: int) -> Any:
 def _check_device(art: Path, manifest: dict, device: torch.device) -> None:
     """A GPU artifact loads on a CUDA device (or on CPU under Triton's interpreter, TRITON_INTERPRET=1, which
     is how kiln tests its kernels without a GPU); anything else is refused here, before weights load."""
-    target = manifest.get("target", "cpu")
+    target = manifest["target"]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ArtifactError(f"{art}: asked to load on {device}, but this machine has no CUDA device")
-    if target in _CUDA_TARGETS and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if manifest["device"] == "cuda" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         why = ("this machine has no CUDA device" if not torch.cuda.is_available()
                else f"it was asked to load on {device}")
         raise ArtifactError(f"{art}: compiled for target {target!r} (Triton kernels for NVIDIA GPUs), but {why}; "

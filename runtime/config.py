@@ -61,14 +61,17 @@ class KVCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_seqs: int = 256
-    max_batched_tokens: int = 8192
-    chunked_prefill: int | None = 512  # max prompt tokens of one sequence per step; None = only the budget
-    policy: str = "fcfs"
-    prefix_cache: str | None = "radix"  # None / "none" disables
-    preemption: str = "recompute"  # recompute | swap: a preempted sequence's KV is copied to CPU memory
-    swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV blocks (preemption = swap)
-    async_scheduling: bool | None = None  # overlap host work with the device (LLMEngine); None: on for CUDA
+    """The manifest's `scheduler` section (every field explicit: the compiler fills the recipe's defaults), with
+    per-launch overrides."""
+
+    max_seqs: int
+    max_batched_tokens: int
+    chunked_prefill: int | None  # max prompt tokens of one sequence per step; None = only the budget
+    policy: str  # fcfs | priority
+    prefix_cache: str | None  # "radix"; None disables
+    preemption: str  # recompute | swap: a preempted sequence's KV is copied to CPU memory
+    swap_space: int  # bytes of CPU memory for swapped-out KV blocks (preemption = swap)
+    async_scheduling: bool | None  # overlap host work with the device (LLMEngine); None: on for CUDA
 
     def with_overrides(self, **overrides: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -102,27 +105,12 @@ def kv_cache_config_from_manifest(manifest: dict) -> KVCacheConfig:
 
 
 def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
-    s = manifest.get("scheduler", {})
-    default = SchedulerConfig()
-    chunk = s.get("chunked_prefill", default.chunked_prefill)
-    prefix = s.get("prefix_cache", default.prefix_cache)
-    return SchedulerConfig(max_seqs=int(s.get("max_seqs", default.max_seqs)),
-                           max_batched_tokens=int(s.get("max_batched_tokens", default.max_batched_tokens)),
-                           chunked_prefill=int(chunk) if chunk else None,
-                           policy=str(s.get("policy", default.policy)),
-                           prefix_cache=None if prefix in (None, False, "none") else str(prefix),
-                           preemption=str(s.get("preemption", default.preemption)),
-                           swap_space=int(s.get("swap_space", default.swap_space)),
-                           async_scheduling=_flag(s.get("async_scheduling"), "scheduler.async_scheduling"))
-
-
-def _flag(value: Any, where: str) -> bool | None:
-    """A manifest switch: a JSON bool, or a recipe's `true` / `false` (kept as text by the compiler)."""
-    if value is None or isinstance(value, bool):
-        return value
-    if str(value) in ("true", "false"):
-        return str(value) == "true"
-    raise ArtifactError(f"manifest.json: {where} must be true or false, not {value!r}")
+    s = manifest["scheduler"]
+    return SchedulerConfig(max_seqs=int(s["max_seqs"]), max_batched_tokens=int(s["max_batched_tokens"]),
+                           chunked_prefill=None if s["chunked_prefill"] is None else int(s["chunked_prefill"]),
+                           policy=str(s["policy"]), prefix_cache=None if s["prefix_cache"] == "none" else "radix",
+                           preemption=str(s["preemption"]), swap_space=int(s["swap_space"]),
+                           async_scheduling=s["async_scheduling"])
 
 
 @dataclass(frozen=True, slots=True)

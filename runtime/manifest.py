@@ -30,7 +30,6 @@ MLA_LAYOUT = ["num_blocks", "block_size", "latent_dim"]  # per token [c_kv (kv_l
 TENSOR_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")  # activation and KV-cache dtypes
 # safetensors header dtypes of the weights a kiln artifact stores
 WEIGHT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3", "I32")
-TARGETS = ("cpu", "h100", "h200")
 
 PosInt = Annotated[int, Field(strict=True, ge=1)]
 NonNegInt = Annotated[int, Field(strict=True, ge=0)]
@@ -116,14 +115,16 @@ class KVCacheSection(_Section):
 
 
 class SchedulerSection(_Section):
+    """Every field explicit (the compiler fills the recipe's defaults): the runtime has none of its own."""
+
     max_seqs: PosInt
     max_batched_tokens: PosInt
-    chunked_prefill: PosInt | bool | None = None
+    chunked_prefill: PosInt | None  # None: no chunking, only the token budget
     policy: Literal["fcfs", "priority"]
-    prefix_cache: Literal["radix", "none"] | None = None
-    preemption: Literal["recompute", "swap"] | None = None
-    swap_space: NonNegInt | None = None
-    async_scheduling: bool | Literal["true", "false"] | None = None
+    prefix_cache: Literal["radix", "none"]
+    preemption: Literal["recompute", "swap"]
+    swap_space: NonNegInt
+    async_scheduling: bool | None  # None: on for a CUDA device, off for CPU
 
 
 class WeightTensor(_Section):
@@ -185,21 +186,21 @@ class DraftSection(_Section):
 
 
 class SpeculativeSection(_Section):
-    method: str
+    method: str | None  # None: off
     num_tokens: PosInt
 
 
 class ServeSection(_Section):
-    port: Annotated[int, Field(strict=True, ge=1, le=65535)] | None = None
-    host: str | None = None
-    served_name: str | None = None
-    max_model_len: PosInt | None = None
+    host: Annotated[str, Field(min_length=1)]
+    port: Annotated[int, Field(strict=True, ge=1, le=65535)]
+    served_name: str | None  # None: the artifact directory's name
 
 
 class Manifest(_Section):
     schema_version: int
     kiln_version: str
-    target: Literal[TARGETS]
+    target: str  # the compile target's name (informational: `device` says where it loads)
+    device: Literal["cpu", "cuda"]
     dtype: Literal[TENSOR_DTYPES]
     model: dict[str, Any] = Field(default_factory=dict)
     runtime: RuntimeSection
@@ -208,10 +209,10 @@ class Manifest(_Section):
     weights: WeightsSection
     tokenizer: TokenizerSection | None = None
     entry: EntrySection
-    serve: ServeSection | None = None
-    cuda_graphs: CUDAGraphsSection | None = None
+    serve: ServeSection
+    cuda_graphs: CUDAGraphsSection | None = None  # targets that capture CUDA graphs
     drafts: dict[str, DraftSection] = Field(default_factory=dict)
-    speculative: SpeculativeSection | None = None
+    speculative: SpeculativeSection
 
     @model_validator(mode="after")
     def _drafts_fit(self) -> Manifest:
@@ -219,7 +220,7 @@ class Manifest(_Section):
             if d.first_kv_layer + d.num_kv_layers > self.kv_cache.num_layers:
                 raise ValueError(f"draft {name!r} uses KV layers {d.first_kv_layer}..{d.first_kv_layer + d.num_kv_layers - 1}"
                                  f" of {self.kv_cache.num_layers}")
-        if self.speculative is not None and self.speculative.method not in self.drafts:
+        if self.speculative.method is not None and self.speculative.method not in self.drafts:
             raise ValueError(f"speculative.method {self.speculative.method!r} is not one of the drafts "
                              f"({', '.join(self.drafts) or 'none'})")
         return self

@@ -26,8 +26,9 @@ from safetensors.torch import load_file
 RECIPE = 'recipe tiny { model = tiny_llama(); weights = "hf:./ckpt" }\n'
 PASS_LOG = [{"name": "shape_inference", "changed": True}, {"name": "kernel_selection", "changed": True}]
 HF_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "max_position_embeddings": 512}
-MANIFEST_KEYS = {"schema_version", "kiln_version", "recipe_hash", "target", "dtype", "model", "runtime", "kv_cache",
-                 "scheduler", "serve", "weights", "tokenizer", "entry", "params", "kernels", "passes"}
+MANIFEST_KEYS = {"schema_version", "kiln_version", "recipe_hash", "target", "device", "dtype", "model", "runtime",
+                 "kv_cache", "scheduler", "serve", "weights", "tokenizer", "entry", "params", "kernels", "passes",
+                 "speculative", "quantization"}
 
 
 def write(program, out, ckpt, **kw):
@@ -92,8 +93,12 @@ def test_manifest(ckpt, tmp_path):
         "num_layers": 2, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": 32, "dtype": "float32",
         "layout": ["num_blocks", 2, "block_size", "kv_heads", "head_dim"], "memory_fraction": 0.5,
         "num_blocks": None, "pool_bytes": 256 * 2**20, "bytes_per_token": 2 * 2 * KV_HEADS * HEAD_DIM * 4}
+    # every value explicit (the recipe's, else compiler/options.py's default): the runtime has no defaults
     assert manifest["scheduler"] == {"max_seqs": 8, "max_batched_tokens": 8192, "chunked_prefill": 512,
-                                     "policy": "priority", "prefix_cache": "radix"}
+                                     "policy": "priority", "prefix_cache": "radix", "preemption": "recompute",
+                                     "swap_space": 4 * 2**30, "async_scheduling": None}
+    assert manifest["serve"] == {"host": "127.0.0.1", "port": 8000, "served_name": None}
+    assert manifest["device"] == "cpu" and manifest["speculative"] == {"method": None, "num_tokens": 1}
     w = load_file(str(tmp_path / "art/weights/rank0/model-00001-of-00001.safetensors"))
     shard = "model-00001-of-00001.safetensors"
     assert manifest["weights"] == {

@@ -367,3 +367,17 @@ def test_one_error_root_for_everything_a_user_can_get_wrong(tmp_path, capsys):
     assert main(["compile", str(p)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: this pass refuses the program") and "Traceback" not in err
+
+
+def test_unknown_target_in_the_recipe_is_located_with_the_registry(tmp_path, capsys):
+    """The target registry (compiler/targets.py) is the one list of targets: the DSL keeps none."""
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          target = h20
+        }}
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{p}:4:12: error: unknown target 'h20' — did you mean 'h200'? (known: h100, h200, cpu)"), err

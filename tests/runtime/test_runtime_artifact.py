@@ -136,7 +136,9 @@ def test_compiled_manifest_records_digest_and_tensors(compiled_random):
     (lambda m: m["weights"].__setitem__("files", ["/etc/passwd"]), r"weights.files.0: must be a plain file name"),
     (lambda m: m["tokenizer"].__setitem__("dir", "/tmp"), r"tokenizer.dir"),
     (lambda m: m["entry"].__setitem__("module", "os.path"), r"entry.module: must be a Python identifier"),
-    (lambda m: m.__setitem__("target", "tpu"), r"target: Input should be 'cpu', 'h100' or 'h200'"),
+    (lambda m: m.__setitem__("device", "tpu"), r"device: Input should be 'cpu' or 'cuda'"),
+    (lambda m: m["scheduler"].pop("swap_space"), r"scheduler.swap_space: Field required"),  # no runtime defaults
+    (lambda m: m.pop("serve"), r"serve: Field required"),
 ])
 def test_manifest_is_validated_against_one_schema(artifact_copy, edit, message):
     path = artifact_copy(edit)
