@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.dsl import ast as A
 from kiln.dsl import eval_expr
+from kiln.dsl.check import did_you_mean, key_loc, literal
 from kiln.dsl.errors import Loc, SourceError
+from kiln.dsl.evaluate import type_name
 
 # program.meta key of the CUDA-graph capture plan (passes/cuda_graph_plan.py writes it, codegen and the report
 # read it; the manifest's `cuda_graphs` section)
@@ -247,6 +250,137 @@ def parse_kv_scheme(value: Any) -> str:
     raise ValueError(f"KV cache quantization '{kind}' is not supported (supported: fp8)")
 
 
+# ---------------------------------------------------------------- value checks of the recipe's syntax
+# Each takes (expr, key) and raises a SourceError at expr.loc; a section field names its check in its metadata.
+
+
+Validator = Callable[[A.Expr, str], None]
+
+
+def _pos_int(expr: A.Expr, key: str) -> None:
+    v = literal(expr, f"'{key}'", "a positive int")
+    if not (type_name(v) == "int" and v > 0):
+        raise SourceError(f"'{key}' must be a positive int, got {v!r}", expr.loc)
+
+
+def _power_of_two(expr: A.Expr, key: str) -> None:
+    _pos_int(expr, key)
+    v = eval_expr(expr, {})
+    if v & (v - 1):
+        raise SourceError(f"'{key}' must be a power of two, got {v}", expr.loc)
+
+
+def _fraction(expr: A.Expr, key: str) -> None:
+    v = literal(expr, f"'{key}'", "a number in (0, 1]")
+    if type_name(v) not in ("int", "float") or not 0 < v <= 1:
+        raise SourceError(f"'{key}' must be a number in (0, 1], got {v!r}", expr.loc)
+
+
+def _port(expr: A.Expr, key: str) -> None:
+    v = literal(expr, f"'{key}'", "a port number")
+    if type_name(v) != "int" or not 0 < v < 65536:
+        raise SourceError(f"'{key}' must be a port number in 1..65535, got {v!r}", expr.loc)
+
+
+def _string(expr: A.Expr, key: str) -> None:
+    if not isinstance(expr, A.Str) or not expr.value:
+        raise SourceError(f"'{key}' must be a non-empty string", expr.loc)
+
+
+def _choice(*choices: str) -> Validator:
+    def check(expr: A.Expr, key: str) -> None:
+        name = expr.id if isinstance(expr, A.Name) else expr.value if isinstance(expr, A.Str) else None
+        if name not in choices:
+            shown = name if name is not None else "this"
+            raise SourceError(f"'{key}' must be one of {', '.join(choices)}, not '{shown}'"
+                              + (did_you_mean(name, choices) if name else ""), expr.loc)
+    return check
+
+
+def _flag(expr: A.Expr, key: str) -> None:
+    if not isinstance(expr, A.Bool):
+        raise SourceError(f"'{key}' must be true or false", expr.loc)
+
+
+def _symbol(expr: A.Expr, key: str) -> None:
+    if not isinstance(expr, A.Name):
+        raise SourceError(f"'{key}' must be a name such as {_SYMBOL_EXAMPLES.get(key, 'fp8 or auto')}", expr.loc)
+
+
+_SYMBOL_EXAMPLES = {"target": "cpu or h200", "method": "mtp"}
+
+
+def _scheme(expr: A.Expr, key: str) -> None:
+    """`fp8` or `fp8(block=128)`: the scheme names belong to the compiler's quantization registry."""
+    if not isinstance(expr, (A.Name, A.Call)):
+        raise SourceError(f"'{key}' must be a scheme such as fp8 or fp8(block=128)", expr.loc)
+    if isinstance(expr, A.Call):
+        for _, v in expr.kwargs:
+            if not isinstance(v, A.Name):  # `fp8(block=128)`, `awq(group=128, zero_point=true)`
+                eval_expr(v, {})
+
+
+def _weights(expr: A.Expr, key: str) -> None:
+    if isinstance(expr, A.Str) and expr.value:
+        return
+    if isinstance(expr, A.Call) and expr.func == "random" and not expr.args:
+        for i, (k, v) in enumerate(expr.kwargs):
+            if k != "seed":
+                loc = expr.kwarg_locs[i] if i < len(expr.kwarg_locs) else v.loc
+                raise SourceError(f"random(...) takes only seed=, not '{k}'", loc)
+            if type_name(literal(v, "'seed'", "int")) != "int":
+                raise SourceError("'seed' must be an int", v.loc)
+        return
+    raise SourceError('\'weights\' must be a checkpoint such as "hf:./path" or random(seed=0)', expr.loc)
+
+
+def _hf_dir(expr: A.Expr, key: str) -> None:
+    if not (isinstance(expr, A.Str) and expr.value.startswith("hf:") and len(expr.value) > 3):
+        raise SourceError(f"'{key}' must be a Hugging Face directory such as \"hf:./path\"", expr.loc)
+
+
+def _offload(expr: A.Expr, key: str) -> None:
+    if isinstance(expr, A.Name) and expr.id == "none":
+        return
+    if (isinstance(expr, A.Call) and expr.func == "cpu" and len(expr.args) == 1 and not expr.kwargs
+            and isinstance(expr.args[0], A.Size) and expr.args[0].value > 0):
+        return
+    raise SourceError("'offload' must be cpu(SIZE), e.g. cpu(16GiB), or none", expr.loc)
+
+
+def _chunked_prefill(expr: A.Expr, key: str) -> None:
+    if isinstance(expr, A.Bool):
+        return
+    _pos_int(expr, key)
+
+
+def _batch_sizes(expr: A.Expr, key: str) -> None:
+    if not isinstance(expr, A.List) or not expr.items:
+        raise SourceError(f"'{key}' must be a list of positive ints, e.g. [1, 2, 4, 8]", expr.loc)
+    for item in expr.items:
+        _pos_int(item, key)
+
+
+def _draft(expr: A.Expr, key: str) -> None:
+    if not isinstance(expr, (A.Str, A.Call)):
+        raise SourceError("'draft' must be a checkpoint string or a model instantiation", expr.loc)
+
+
+def _size(expr: A.Expr, key: str) -> None:
+    if not (isinstance(expr, A.Size) and expr.value > 0):
+        raise SourceError(f"'{key}' must be a byte size such as 4GiB", expr.loc)
+
+
+def _disable(expr: A.Expr, key: str) -> None:
+    if not isinstance(expr, A.List) or not all(isinstance(i, (A.Name, A.Str)) for i in expr.items):
+        raise SourceError("'disable' must be a list of pass names, e.g. [fuse_qkv]", expr.loc)
+
+
+def opt(default: Any = None, check: Validator | None = None, **kw: Any) -> Any:
+    """A recipe option: its default and the check of the value a recipe writes (None: not a recipe key)."""
+    return field(default=default, metadata={"check": check}, **kw)
+
+
 # ---------------------------------------------------------------- the sections
 
 GiB = 2**30
@@ -254,50 +388,50 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class KVCacheOptions:
-    block_size: int = 16
-    memory_fraction: float = 0.9  # of the device's memory, on targets that size the pool at load
-    num_blocks: int | None = None  # a fixed pool, whatever the memory
-    offload: int | None = None  # bytes of CPU memory (cpu(16GiB)); not built yet
+    block_size: int = opt(16, _power_of_two)
+    memory_fraction: float = opt(0.9, _fraction)  # of the device's memory, on targets that size the pool at load
+    num_blocks: int | None = opt(None, _pos_int)  # a fixed pool, whatever the memory
+    offload: int | None = opt(None, _offload)  # bytes of CPU memory (cpu(16GiB)); not built yet
 
 
 @dataclass(frozen=True)
 class SchedulerOptions:
-    max_seqs: int = 256
-    max_batched_tokens: int = 8192
-    chunked_prefill: int | None = 512  # prompt tokens of one sequence per step; None: only the token budget
-    policy: str = "fcfs"
-    prefix_cache: str = "radix"  # or "none"
-    preemption: str = "recompute"  # or "swap"
-    swap_space: int = 4 * GiB  # bytes of CPU memory for swapped-out KV blocks
-    async_scheduling: bool | None = None  # None: on for CUDA devices, off for CPU
+    max_seqs: int = opt(256, _pos_int)
+    max_batched_tokens: int = opt(8192, _pos_int)
+    chunked_prefill: int | None = opt(512, _chunked_prefill)  # prompt tokens of a sequence per step; None: no limit
+    policy: str = opt("fcfs", _choice("fcfs", "priority"))
+    prefix_cache: str = opt("radix", _choice("radix", "none"))
+    preemption: str = opt("recompute", _choice("recompute", "swap"))
+    swap_space: int = opt(4 * GiB, _size)  # bytes of CPU memory for swapped-out KV blocks
+    async_scheduling: bool | None = opt(None, _flag)  # None: on for CUDA devices, off for CPU
 
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    weights: WeightScheme | None = None
-    kv_cache: str | None = None  # the fp8 KV scale source (KV_SCALE_SOURCES)
+    weights: WeightScheme | None = opt(None, _scheme)
+    kv_cache: str | None = opt(None, _scheme)  # the fp8 KV scale source (KV_SCALE_SOURCES)
     spelling: Mapping[str, Any] = field(default_factory=dict)  # the recipe's values, as written
 
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    tp: int = 1
-    dp: int = 1
-    ep: int = 1
-    pp: int = 1
+    tp: int = opt(1, _pos_int)
+    dp: int = opt(1, _pos_int)
+    ep: int = opt(1, _pos_int)
+    pp: int = opt(1, _pos_int)
 
 
 @dataclass(frozen=True)
 class SpeculativeOptions:
-    method: str | None = None  # a draft head of the model (mtp)
-    tokens: int = 1
-    draft: Any = None  # a separate draft model; not built yet
+    method: str | None = opt(None, _symbol)  # a draft head of the model (mtp)
+    tokens: int = opt(1, _pos_int)
+    draft: Any = opt(None, _draft)  # a separate draft model; not built yet
 
 
 @dataclass(frozen=True)
 class LoraOptions:
-    max_loras: int | None = None
-    max_rank: int | None = None
+    max_loras: int | None = opt(None, _pos_int)
+    max_rank: int | None = opt(None, _pos_int)
 
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -305,7 +439,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class CudaGraphsOptions:
-    batch_sizes: tuple[int, ...] | None = None  # None: DEFAULT_BATCH_SIZES up to scheduler.max_seqs
+    batch_sizes: tuple[int, ...] | None = opt(None, _batch_sizes)  # None: DEFAULT_BATCH_SIZES up to max_seqs
 
     def buckets(self, max_seqs: int) -> tuple[int, ...]:
         """The capture buckets, ascending; ValueError when one is not a positive int, is repeated, or exceeds
@@ -329,22 +463,22 @@ class CudaGraphsOptions:
 
 @dataclass(frozen=True)
 class DisaggregateOptions:
-    prefill: int | None = None
-    decode: int | None = None
-    transport: str | None = None
+    prefill: int | None = opt(None, _pos_int)
+    decode: int | None = opt(None, _pos_int)
+    transport: str | None = opt(None, _symbol)
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    host: str = "127.0.0.1"  # loopback only
-    port: int = 8000
-    served_name: str | None = None  # None: the artifact directory's name
-    max_model_len: int | None = None  # None: the model's max_position, else the checkpoint's, else 4096
+    host: str = opt("127.0.0.1", _string)  # loopback only
+    port: int = opt(8000, _port)
+    served_name: str | None = opt(None, _string)  # None: the artifact directory's name
+    max_model_len: int | None = opt(None, _pos_int)  # None: the model's max_position, else the checkpoint's, else 4096
 
 
 @dataclass(frozen=True)
 class PassesOptions:
-    disable: tuple[str, ...] = ()
+    disable: tuple[str, ...] = opt((), _disable)
     hooks: tuple[Mapping[str, str], ...] = ()  # {"position", "anchor", "spec"}
 
 
@@ -361,8 +495,8 @@ class RecipeOptions:
     """Every recipe option with its value: the recipe's, else the default above. `locs` maps "target",
     "quantize.weights", "lora" (a section) ... to where the recipe wrote it, for errors about it."""
 
-    target: str = "cpu"
-    dtype: str = "fp32"
+    target: str = opt("cpu", _symbol)  # the registry (compiler/targets.py) knows the names
+    dtype: str = opt("fp32", _choice("fp32", "bf16", "fp16"))
     random_weights: bool = False  # weights = random(seed=N)
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
@@ -425,9 +559,62 @@ def section_values(recipe: A.RecipeDecl) -> dict[str, Any]:
     return out
 
 
+# top-level recipe settings that are not RecipeOptions fields: the model (dsl/check.py checks its call) and
+# where the weights and tokenizer come from (the driver resolves them)
+_SETTINGS: dict[str, Validator | None] = {"model": None, "weights": _weights, "tokenizer": _hf_dir}
+
+
+def _checks(cls: type) -> dict[str, Validator]:
+    """A section's recipe keys and their checks: its fields that declare one."""
+    return {f.name: f.metadata["check"] for f in dataclasses.fields(cls) if f.metadata.get("check")}
+
+
+def check_recipe_syntax(recipe: A.RecipeDecl) -> None:
+    """Every setting and section entry is a known key with a value of its form, each error at its place
+    (unknown names get a did-you-mean). The keys are the option dataclasses' fields: one list."""
+    top = {**_SETTINGS, **_checks(RecipeOptions)}
+    for s in recipe.settings:
+        if s.key not in top:
+            note = f"recipe settings are {', '.join(top)}; sections are {', '.join(SECTIONS)}"
+            raise SourceError(f"unknown recipe setting '{s.key}'" + did_you_mean(s.key, top), key_loc(s), (note,))
+        if top[s.key] is not None:
+            top[s.key](s.value, s.key)
+    sections: dict[str, A.Section] = {}
+    for sec in recipe.sections:
+        if sec.name in sections:
+            raise SourceError(f"section '{sec.name}' appears twice", sec.loc, (f"first at {sections[sec.name].loc}",))
+        if sec.name not in SECTIONS:
+            raise SourceError(f"unknown section '{sec.name}'" + did_you_mean(sec.name, SECTIONS), sec.loc,
+                              (f"sections are {', '.join(SECTIONS)}",))
+        sections[sec.name] = sec
+        _check_section(sec, _checks(SECTIONS[sec.name]))
+
+
+def _check_section(sec: A.Section, keys: Mapping[str, Validator]) -> None:
+    seen: dict[str, A.Setting] = {}
+    for entry in sec.entries:
+        if isinstance(entry, A.PassHook):
+            if sec.name != "passes":
+                raise SourceError(f"'{entry.position} {entry.anchor}: ...' belongs in the passes section", entry.loc)
+            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", entry.spec.value):
+                raise SourceError(f"a pass is named \"package.module:Class\", got \"{entry.spec.value}\"",
+                                  entry.spec.loc)
+            continue
+        if entry.key not in keys:
+            raise SourceError(f"unknown key '{entry.key}' in section '{sec.name}'" + did_you_mean(entry.key, keys),
+                              key_loc(entry), (f"'{sec.name}' takes {', '.join(keys)}",))
+        if entry.key in seen:
+            raise SourceError(f"'{entry.key}' is set twice in section '{sec.name}'", key_loc(entry),
+                              (f"first set at {seen[entry.key].loc}",))
+        seen[entry.key] = entry
+        keys[entry.key](entry.value, entry.key)
+
+
 def recipe_options(recipe: A.RecipeDecl, *, target: str | None = None) -> RecipeOptions:
-    """The recipe's options, defaults filled in once; a value that does not parse is a SourceError at it.
-    `target` overrides the recipe's (the --target flag)."""
+    """The recipe's options, checked (check_recipe_syntax) and filled in once; a value that does not parse is a
+    SourceError at it. `target` overrides the recipe's (the --target flag)."""
+    check_recipe_syntax(recipe)
+    check_section_values(recipe)
     values = section_values(recipe)
     if target is not None:
         values["target"] = target

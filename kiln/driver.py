@@ -15,7 +15,7 @@ from typing import Any
 from kiln.codegen import write_artifact
 from kiln.compiler import PassContext, PassManager, Program
 from kiln.compiler.instantiate import instantiate_model
-from kiln.compiler.options import RecipeOptions, check_config_values, check_section_values, recipe_options
+from kiln.compiler.options import RecipeOptions, check_config_values, recipe_options
 from kiln.compiler.pass_manager import PassError, load_pass
 from kiln.compiler.report import format_report
 from kiln.compiler.targets import TargetError, get_target
@@ -173,9 +173,8 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     recipe_file = Path(recipe_path)
     loaded = load_recipe(str(recipe_file), recipe_name)
     recipe = loaded.recipe
-    check_config_values(loaded.model, loaded.model_call, loaded.config)
-    check_section_values(recipe)
     options = recipe_options(recipe, target=target)
+    check_config_values(loaded.model, loaded.model_call, loaded.config)
     try:
         tgt = get_target(options.target)
     except TargetError as e:
