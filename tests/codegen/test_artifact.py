@@ -114,9 +114,18 @@ def test_manifest(ckpt, tmp_path):
     assert manifest["kernels"] == ["cpu.add", "cpu.add_rms_norm", "cpu.embedding", "cpu.linear", "cpu.logits",
                                    "cpu.paged_attention", "cpu.rms_norm", "cpu.rope", "cpu.silu_mul"]
     assert manifest["passes"] == PASS_LOG
-    from kiln.runtime.manifest import SCHEMA_VERSION, validate_manifest
+    from kiln.codegen import artifact as codegen_artifact
+    from kiln.runtime import manifest as schema
 
-    assert validate_manifest(manifest).schema_version == SCHEMA_VERSION  # what codegen writes, the runtime reads
+    assert validate_manifest_round_trip(manifest, schema)  # what codegen writes, the runtime's schema reads
+    # the version and layouts are the runtime's (codegen may not import it: these must stay equal)
+    assert codegen_artifact.SCHEMA_VERSION == schema.SCHEMA_VERSION
+    assert (codegen_artifact.KV_LAYOUT, codegen_artifact.MLA_KV_LAYOUT) == (schema.MHA_LAYOUT, schema.MLA_LAYOUT)
+
+
+def validate_manifest_round_trip(manifest, schema) -> bool:
+    checked = schema.validate_manifest(json.loads(json.dumps(manifest)))
+    return checked.schema_version == schema.SCHEMA_VERSION and checked.kv_cache.layout == manifest["kv_cache"]["layout"]
 
 
 @pytest.mark.parametrize("files, message", [

@@ -114,7 +114,11 @@ def recorded() -> dict[str, dict[str, str]]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_artifact_bytes_are_as_recorded(case, tiny_checkpoint, tmp_path, recorded):
     pytest.importorskip("transformers")
-    got = _digests(_compile(case, tiny_checkpoint, tmp_path))
+    art = _compile(case, tiny_checkpoint, tmp_path)
+    from kiln.runtime.manifest import validate_manifest
+
+    validate_manifest(json.loads((art / "manifest.json").read_text()))  # codegen's manifest, the runtime's schema
+    got = _digests(art)
     if os.environ.get("KILN_RECORD_DIGESTS") == "1":
         data = json.loads(RECORD.read_text()) if RECORD.is_file() else {}
         data[case] = got
