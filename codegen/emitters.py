@@ -15,14 +15,6 @@ KERNEL_MODULES: dict[str, tuple[str, str]] = {
     "triton": ("triton/kernels.py.j2", "K"),  # rendered per model shape and dtype (see artifact.kernel_params)
 }
 
-# target -> kernel modules its artifact carries; model.py imports the first as K. The tvm and triton libraries
-# call the cpu one (torch) for what they have no kernel for, so artifacts carry both.
-TARGET_KERNEL_MODULES: dict[str, tuple[str, ...]] = {
-    "cpu": ("tvm", "cpu"),
-    "h100": ("triton", "cpu"),
-    "h200": ("triton", "cpu"),
-}
-
 EMITTERS: dict[str, str] = {
     "cpu.embedding": "K.embedding({0}, {1})",
     "cpu.rms_norm": "K.rms_norm({0}, {1}, eps={eps})",
