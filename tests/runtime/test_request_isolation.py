@@ -4,6 +4,8 @@ logits, stop checks) fails that request alone. The others finish with the tokens
 (greedy and seeded requests, so the tokens do not depend on the batch), and every KV block comes back."""
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -179,6 +181,9 @@ def test_a_nan_weight_fails_the_requests_that_read_it(artifact_dir, reference, t
     weights = load_file(str(weights_file))
     weights["embed"][poisoned] = float("nan")
     save_file(weights, str(weights_file))
+    manifest = json.loads((art / "manifest.json").read_text())  # as if compiled so: the load's digest check passes
+    manifest["weights"]["sha256"][weights_file.name] = hashlib.sha256(weights_file.read_bytes()).hexdigest()
+    (art / "manifest.json").write_text(json.dumps(manifest))
 
     engine = LLMEngine(art, num_kv_blocks=128)
     bad_ids = arrivals[2][0][1]
