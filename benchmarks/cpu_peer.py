@@ -436,7 +436,7 @@ def profile_kiln(ckpt_name: str, art: Path, args: argparse.Namespace, logs: Path
                 os.killpg(sampler.pid, signal.SIGKILL)
                 sampler.wait()
         result: dict[str, Any] = {"concurrency": args.profile_concurrency, "seconds": args.profile_seconds,
-                                  "load": load, "load_wall_s": wall,
+                                  "load": load, "load_wall_s": wall, "load_avg_1m": os.getloadavg()[0],
                                   "load_outlasted_sampling": wall > 2 + 2 * args.profile_seconds + 2}
         names: dict[int, str] = {}
         for mode, raw in raws.items():
@@ -509,34 +509,46 @@ def warm_up(url: str, vocab: int, concurrency: list[int], args: argparse.Namespa
         kiln_client(url, vocab, c, args, num_prompts=min(c, args.num_prompts), output_len=WARMUP_OUTPUT_LEN)
 
 
-def serve_rounds(name: str, ckpt: Path, art: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
-    """{server: {"startup_s": [...], "clients": {client: {concurrency: [round results]}}}}."""
+def serve_rounds(name: str, ckpt: Path, art: Path, args: argparse.Namespace, logs: Path,
+                 out: dict[str, Any], save: Any) -> None:
+    """Fills `out` = {server: {"startup_s": [...], "clients": {client: {concurrency: [round results]}}}},
+    calling `save()` after every client run."""
     vocab = json.loads((art / "manifest.json").read_text())["runtime"]["vocab_size"]
     servers = ["kiln"] + (["vllm"] if args.vllm_python else [])
     clients = (["vllm"] if args.vllm_python else []) + ["kiln"]
-    out: dict[str, Any] = {s: {"startup_s": [], "clients": {c: {str(k): [] for k in args.concurrency}
-                                                            for c in clients}} for s in servers}
+    out.update({s: {"startup_s": [], "clients": {c: {str(k): [] for k in args.concurrency} for c in clients}}
+                for s in servers})
     for rnd in range(args.rounds):
         for kind in (servers if rnd % 2 == 0 else servers[::-1]):
             log(f"{name}: round {rnd + 1}/{args.rounds}: starting {kind}")
             server = start_server(kind, ckpt, art, args, logs / f"{name}-{kind}-r{rnd + 1}.log")
             try:
                 out[kind]["startup_s"].append(server.wait_ready(READY_TIMEOUT_S[kind]))
+                if kind == "vllm":
+                    out[kind]["thread_notes"] = vllm_thread_notes(server.log_tail(200_000))
                 warm_up(server.url, vocab, args.concurrency, args)
                 for c in args.concurrency:
-                    for client in (clients if rnd % 2 == 0 else clients[::-1]):
+                    order = clients if rnd % 2 == 0 else clients[::-1]
+                    for client in order if rnd < args.cross_check_rounds or len(order) == 1 else clients[:1]:
+                        load = os.getloadavg()[0]
                         if client == "vllm":
                             r = vllm_client(server.url, ckpt, c, args, logs / f"{name}-vllm-client.log")
                         else:
                             r = kiln_client(server.url, vocab, c, args)
-                        r["round"] = rnd + 1
+                        r.update(round=rnd + 1, load_avg_1m=[load, os.getloadavg()[0]])
                         out[kind]["clients"][client][str(c)].append(r)
+                        save()
                         log(f"{name}: {kind} server, {client} client, concurrency {c}: "
                             f"{r['out_tok_s']:.1f} out tok/s, TPOT p50 {r['tpot_p50_ms']:.1f} ms"
                             + (f", {r['failed']} failed" if r["failed"] else ""))
             finally:
                 server.stop()
-    return out
+
+
+def vllm_thread_notes(log_text: str) -> list[str]:
+    """What vLLM says about its threads (OpenMP binding, torch threads per process) in its log."""
+    keys = ("core ids=", "VLLM_CPU_OMP_THREADS_BIND=", "Torch threads", "OMP_NUM_THREADS")
+    return [line.strip()[-200:] for line in log_text.splitlines() if any(k in line for k in keys)][:12]
 
 
 def summarize(result: dict[str, Any], concurrency: list[int]) -> list[dict[str, Any]]:
@@ -555,12 +567,12 @@ def summarize(result: dict[str, Any], concurrency: list[int]) -> list[dict[str, 
                 row[f"{server}_tpot_p50_ms"] = statistics.median(r["tpot_p50_ms"] for r in runs)
                 row[f"{server}_ttft_p50_ms"] = statistics.median(r["ttft_p50_ms"] for r in runs)
                 row[f"{server}_stream_share"] = stream["pass_ms_best"] / row[f"{server}_tpot_p50_ms"]
-                if primary != "kiln":
+                if primary != "kiln" and served[server]["clients"]["kiln"][c]:
                     row[f"{server}_kiln_client_out_tok_s"] = [r["out_tok_s"] for r in served[server]["clients"]["kiln"][c]]
             kiln_med = statistics.median(row["kiln_out_tok_s"])
             if "vllm" in served:
                 row["ratio"] = kiln_med / statistics.median(row["vllm_out_tok_s"])
-                if primary != "kiln":
+                if "kiln_kiln_client_out_tok_s" in row and "vllm_kiln_client_out_tok_s" in row:
                     row["ratio_kiln_client"] = statistics.median(row["kiln_kiln_client_out_tok_s"]) / \
                         statistics.median(row["vllm_kiln_client_out_tok_s"])
             row["kiln_offline_out_tok_s"] = offline[c]["out_tok_s"]
@@ -590,7 +602,8 @@ def format_table(result: dict[str, Any]) -> str:
         cells += [f"{r['kiln_offline_out_tok_s']:.0f}", f"{r['served_over_offline']:.2f}×",
                   f"{r['kiln_stream_share']:.0%}"]
         if vllm:
-            cells += [f"{r['vllm_stream_share']:.0%}", f"{r['ratio_kiln_client']:.2f}×"]
+            cells += [f"{r['vllm_stream_share']:.0%}",
+                      f"{r['ratio_kiln_client']:.2f}×" if "ratio_kiln_client" in r else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name, m in result["checkpoints"].items():
@@ -621,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, help="prompt tokens (default 128)")
     ap.add_argument("--output-len", type=int, help="output tokens (default 64)")
     ap.add_argument("--rounds", type=int, help="rounds, servers alternating (default 2)")
+    ap.add_argument("--cross-check-rounds", type=int, help="rounds that also run kiln's client when vLLM's runs "
+                    "(default: every round)")
     ap.add_argument("--offline-b1-prompts", type=int, default=8, help="prompts of the offline batch-1 run")
     ap.add_argument("--cores", type=parse_cores, help="cores both servers run on, e.g. 0-1 (default: all allowed)")
     ap.add_argument("--kiln-threads", type=int, help="kiln's OMP_NUM_THREADS (default: the number of cores)")
@@ -652,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     args.checkpoints = args.checkpoints.split(",")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.cross_check_rounds is None:
+        args.cross_check_rounds = args.rounds
     if args.vllm_python and not Path(args.vllm_python).exists():
         ap.error(f"--vllm-python {args.vllm_python} does not exist")
     unknown = [c for c in args.checkpoints if c not in ("embedded", *MODELS)]
@@ -672,12 +689,20 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_python": args.vllm_python, "checkpoints": {},
     }
     t_run = time.monotonic()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"cpu_peer-{now:%H%M%S}.json"
+
+    def save() -> None:  # after every measurement: a run cut short keeps what it measured
+        result["duration_s"] = time.monotonic() - t_run
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
     for name in args.checkpoints:
         work = args.work_dir / name
         ckpt = checkpoint(name, args.work_dir)
         art = compile_for_kiln(ckpt, work)
         m: dict[str, Any] = {"checkpoint": str(ckpt), "artifact": str(art), "params": param_count(ckpt),
-                             "kiln_num_kv_blocks": kiln_kv_blocks(art, args.kv_gib)}
+                             "kiln_num_kv_blocks": kiln_kv_blocks(art, args.kv_gib), "served": {}}
+        result["checkpoints"][name] = m
         log(f"{name}: streaming limit")
         m["stream"] = run_worker("stream", args.cores, args.kiln_threads, ckpt=ckpt, min_time=args.stream_seconds)
         log(f"{name}: offline LLM.generate at batch {args.concurrency}")
@@ -685,17 +710,16 @@ def main(argv: list[str] | None = None) -> int:
                                   num_prompts=args.num_prompts, b1_prompts=args.offline_b1_prompts,
                                   input_len=args.input_len, output_len=args.output_len,
                                   num_kv_blocks=m["kiln_num_kv_blocks"], seed=args.seed)
-        m["served"] = serve_rounds(name, ckpt, art, args, logs)
+        m["offline"]["load_avg_1m"] = os.getloadavg()[0]
+        save()
+        serve_rounds(name, ckpt, art, args, logs, m["served"], save)
         if args.profile_concurrency:
             log(f"{name}: profiling kiln's server at concurrency {args.profile_concurrency}")
             m["profile"] = profile_kiln(name, art, args, logs)
-        result["checkpoints"][name] = m
+        save()
     result["host"]["load_avg_end"] = os.getloadavg()
-    result["duration_s"] = time.monotonic() - t_run
     result["summary"] = summarize(result, args.concurrency)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"cpu_peer-{now:%H%M%S}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    save()
     print(format_table(result))
     log(f"wrote {path} (server logs in {logs})")
     return 0
