@@ -95,7 +95,7 @@ def render_executor(program, work: Path, package: str, max_model_len: int) -> tu
     them, and imports it: returns (package dir, its Model class). gpu_engine.py and gpu_deepseek_layer.py
     render theirs through this too."""
     from kiln.codegen.artifact import kernel_params
-    from kiln.codegen.emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
+    from kiln.codegen.emitters import KERNEL_MODULES
     from kiln.codegen.render import render_model, template_env
 
     pkg = work / package
@@ -106,7 +106,7 @@ def render_executor(program, work: Path, package: str, max_model_len: int) -> tu
                                                max_model_len=max_model_len))
     params = kernel_params(program)
     env = template_env()
-    for ns in TARGET_KERNEL_MODULES[params["target"]]:
+    for ns in params["kernel_modules"]:  # the target's libraries (compiler/targets.py)
         (pkg / "kernels" / f"{ns}.py").write_text(env.get_template(KERNEL_MODULES[ns][0]).render(
             kiln_version="bench", **params))
     sys.path.insert(0, str(work))
@@ -251,7 +251,7 @@ def streaming_limit(setup: Setup, mats: list[torch.Tensor]) -> tuple[float, floa
 
 
 def decode_batch(batch_size: int, context: int, layers_kv: int, kv_heads: int, head_dim: int, device,
-                 kv_dtype=torch.bfloat16):
+                 kv_dtype=torch.bfloat16, vocab: int = 1000):
     from kiln.runtime.forward_batch import ForwardBatch
 
     blocks_per_seq = math.ceil(context / BLOCK)
@@ -261,7 +261,7 @@ def decode_batch(batch_size: int, context: int, layers_kv: int, kv_heads: int, h
     pos = context - 1
     slots = tables[:, pos // BLOCK].long() * BLOCK + pos % BLOCK
     i32 = dict(dtype=torch.int32, device=device)
-    fb = ForwardBatch(input_ids=torch.randint(0, 1000, (batch_size,), **i32),
+    fb = ForwardBatch(input_ids=torch.randint(0, vocab, (batch_size,), **i32),  # ids the embedding has
                       positions=torch.full((batch_size,), pos, **i32),
                       query_start_loc=torch.arange(batch_size + 1, **i32),
                       seq_lens=torch.full((batch_size,), context, **i32),
@@ -272,12 +272,12 @@ def decode_batch(batch_size: int, context: int, layers_kv: int, kv_heads: int, h
     return fb, kv
 
 
-def prefill_batch(tokens: int, layers_kv: int, kv_heads: int, head_dim: int, device):
+def prefill_batch(tokens: int, layers_kv: int, kv_heads: int, head_dim: int, device, vocab: int = 1000):
     from kiln.runtime.forward_batch import ForwardBatch
 
     nb = math.ceil(tokens / BLOCK)
     i32 = dict(dtype=torch.int32, device=device)
-    fb = ForwardBatch(input_ids=torch.randint(0, 1000, (tokens,), **i32), positions=torch.arange(tokens, **i32),
+    fb = ForwardBatch(input_ids=torch.randint(0, vocab, (tokens,), **i32), positions=torch.arange(tokens, **i32),
                       query_start_loc=torch.tensor([0, tokens], **i32), seq_lens=torch.tensor([tokens], **i32),
                       block_tables=torch.arange(nb, **i32)[None], slot_mapping=torch.arange(tokens, device=device),
                       logits_indices=torch.tensor([tokens - 1], **i32), num_decodes=0)
@@ -330,7 +330,7 @@ def _decode_row(setup: Setup, model, cfg: dict, bs: int, weight_bytes: int, bw_s
                 kv_dtype=torch.bfloat16) -> dict:
     layers, kvh = cfg["layers"], cfg["kv_heads"]
     head_dim = cfg["hidden"] // cfg["heads"]
-    fb, kv = decode_batch(bs, setup.context, layers, kvh, head_dim, setup.device, kv_dtype)
+    fb, kv = decode_batch(bs, setup.context, layers, kvh, head_dim, setup.device, kv_dtype, vocab=cfg["vocab"])
     step = functools.partial(model.forward, fb, kv)
     t = timed(setup, step)
     kv_bytes = bs * setup.context * layers * 2 * kvh * head_dim * kv[0].element_size()
@@ -372,7 +372,7 @@ def bench_model(setup: Setup, name: str, cfg: dict, batches: list[int], ceilings
         _print_row(row)
         _empty_cache(setup)
     if time.time() < deadline:
-        fb, kv = prefill_batch(setup.prefill, layers, kvh, head_dim, setup.device)
+        fb, kv = prefill_batch(setup.prefill, layers, kvh, head_dim, setup.device, vocab=cfg["vocab"])
         t = timed(setup, functools.partial(model.forward, fb, kv), warmup=2, iters=5)
         # layer GEMMs over every token (the LM head runs on the last token only: left out)
         n_params = sum(w.numel() for n, w in weights.items() if w.dim() == 2 and not n.endswith(("embed", "lm_head")))

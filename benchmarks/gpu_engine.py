@@ -158,9 +158,10 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
 
 def predicted_plan(program, setup: Setup, device_total: int | None) -> dict:
     """What `kiln compile --report` (compiler.report.capacity) and the cuda_graph_plan pass predict."""
+    from kiln.compiler.kv_layout import step_activation_bytes
+    from kiln.compiler.options import CUDA_GRAPH_PLAN, RecipeOptions
     from kiln.compiler.report import capacity
     from kiln.compiler.targets import get_target
-    from kiln.passes.cuda_graph_plan import _per_token_bytes
 
     target = get_target(setup.target)
     cap = capacity(program, target, memory_fraction=MEMORY_FRACTION)
@@ -170,12 +171,10 @@ def predicted_plan(program, setup: Setup, device_total: int | None) -> dict:
         pool = max(0, int(device_total * MEMORY_FRACTION) - cap.param_bytes)
         plan["kv_tokens_at_device_memory"] = pool // cap.kv_bytes_per_token
         plan["kv_pool_bytes_at_device_memory"] = pool
-    graphs = program.meta.get("cuda_graphs") or {}
+    graphs = program.meta.get(CUDA_GRAPH_PLAN) or {}
     plan["graphs_bytes"] = graphs.get("estimated_bytes")
-    max_tokens = int((program.meta.get("scheduler") or {}).get("max_batched_tokens", 8192))
-    blocks = {spec.graph for spec in program.blocks.values()}
-    per_token = _per_token_bytes(program, "entry") + max((_per_token_bytes(program, g) for g in blocks), default=0)
-    plan["prefill_activations_bytes"] = max_tokens * per_token
+    max_tokens = RecipeOptions.from_meta(program.meta).scheduler.max_batched_tokens
+    plan["prefill_activations_bytes"] = step_activation_bytes(program, max_tokens)
     plan["prefill_tokens"] = max_tokens
     return plan
 

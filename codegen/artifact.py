@@ -1,6 +1,7 @@
 """The artifact writer: a lowered Program (+ checkpoint, recipe) -> a self-contained serving directory.
 
     ART/manifest.json  __init__.py  __main__.py  model.py  kernels/{__init__,cpu}.py (GPU targets: + triton.py)
+        (cpu target: + kernels/tvm.py, kernels/tvm_cpu/{cpu.so, kernels.py, build.json}: codegen/tvm_build.py)
         weights/rank0/model-0000k-of-0000n.safetensors  tokenizer/  recipe.dsl  ir.txt
 
 Everything is written to a sibling temp directory and renamed into place at the end, so a failed compile
@@ -9,6 +10,7 @@ absolute paths.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -17,23 +19,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.ir import DTYPE_BYTES, Attrs, Program, TensorType
+from kiln.compiler.ir import Attrs, Program, TensorType
+from kiln.compiler.kv_layout import FP8_KV, kv_cache_nodes, kv_layout
+from kiln.compiler.options import CUDA_GRAPH_PLAN as PLAN
+from kiln.compiler.options import DEFAULT_MAX_MODEL_LEN, RecipeOptions
+from kiln.compiler.targets import Target, TargetError, get_target
 from kiln.compiler.text import print_program
 from kiln.dsl.errors import KilnError
 
-from .emitters import KERNEL_MODULES, TARGET_KERNEL_MODULES
-from .errors import CodegenError
-from .render import kernels_used, kv_cache_nodes, render_model, template_env
+from .emitters import KERNEL_MODULES
+from .errors import CodegenError, TokenizerError
+from .render import kernels_used, render_model, template_env, vocab_size
+from .tvm_build import build_library
 from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # runtime/manifest.py defines what a version holds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
-DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MEMORY_FRACTION = 0.9
-DEFAULT_SCHEDULER = {"max_seqs": 256, "max_batched_tokens": 8192, "chunked_prefill": 512, "policy": "fcfs",
-                     "prefix_cache": "radix"}
 KV_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
 MLA_KV_LAYOUT = ["num_blocks", "block_size", "latent_dim"]  # per token [c_kv (kv_lora_rank) | k_pe (rope dim)]
 
@@ -70,88 +72,47 @@ def _token_ids(v: Any) -> list[int]:
 
 
 def _runtime_section(program: Program, hf_config: dict, gen_config: dict, max_model_len: int) -> dict[str, Any]:
-    out = program.entry.node(program.entry.outputs[0]).out
-    vocab = out.shape[-1] if isinstance(out, TensorType) and isinstance(out.shape[-1], int) else None
-    vocab = vocab or program.config.get("vocab") or program.config.get("vocab_size")
-    if not isinstance(vocab, int):
-        raise CodegenError("cannot tell the vocabulary size: the entry graph's output is untyped and the config "
-                           "has no 'vocab'", None)
     bos = gen_config.get("bos_token_id", hf_config.get("bos_token_id"))
     eos = _token_ids(gen_config.get("eos_token_id"))
     eos += [t for t in _token_ids(hf_config.get("eos_token_id")) if t not in eos]
-    return {"vocab_size": vocab, "max_model_len": max_model_len, "bos_token_id": bos, "eos_token_ids": eos}
+    return {"vocab_size": vocab_size(program), "max_model_len": max_model_len, "bos_token_id": bos,
+            "eos_token_ids": eos}
 
 
-def _mla_kv_cache_section(program: Program, nodes: list) -> dict[str, Any]:
-    """MLA caches only the latent: layers · (kv_lora_rank + qk_rope_head_dim) elements per token."""
-    dims = set()
-    for graph, node in nodes:
-        if node.op != "mla_attention":
-            raise CodegenError("a model mixing MLA and MHA attention layers needs two KV layouts; the runtime has "
-                               "one per model", node.loc)
-        c_kv, k_pe = graph.node(node.inputs[2]).out, graph.node(node.inputs[3]).out
-        dims.add((int(c_kv.shape[-1]), int(k_pe.shape[-1])))
-    if len(dims) > 1:
-        raise CodegenError(f"MLA layers differ in latent shape {sorted(dims)}; the paged cache needs one", None)
-    kv_lora_rank, rope_dim = dims.pop()
-    fp8 = {node.attrs.get("kv_dtype") == "fp8e4m3" for _, node in nodes}
-    if len(fp8) > 1:
-        raise CodegenError("some MLA layers cache the latent in fp8 and some do not; the runtime allocates one "
-                           "KV dtype", None)
-    dtype, elem = TORCH_DTYPE_NAMES[program.dtype], DTYPE_BYTES[program.dtype]
-    if fp8 == {True}:  # e4m3 with one scale per layer (params `*.kv_scale`)
-        dtype, elem = "float8_e4m3fn", DTYPE_BYTES["fp8e4m3"]
-    return {
-        "num_layers": len(nodes),
-        "kv_lora_rank": kv_lora_rank,
-        "qk_rope_head_dim": rope_dim,
-        "latent_dim": kv_lora_rank + rope_dim,
-        "dtype": dtype,
-        "layout": MLA_KV_LAYOUT,
-        "bytes_per_token": len(nodes) * (kv_lora_rank + rope_dim) * elem,
-        **_kv_cache_sizing(program),
-    }
+def _options(program: Program) -> RecipeOptions:
+    return RecipeOptions.from_meta(program.meta)
 
 
 def _kv_cache_sizing(program: Program) -> dict[str, Any]:
-    """The recipe's kv_cache {block_size, memory_fraction, num_blocks}, defaults filled in."""
-    meta = _section(program.meta, "kv_cache")
-    return {"block_size": int(meta.get("block_size", DEFAULT_BLOCK_SIZE)),
-            "memory_fraction": float(meta.get("memory_fraction", DEFAULT_MEMORY_FRACTION)),
-            "num_blocks": meta.get("num_blocks")}
+    """The recipe's kv_cache {block_size, memory_fraction, num_blocks} and how the runtime sizes the pool:
+    `num_blocks` when the recipe fixes it, else the target's `pool_bytes` (cpu), else (null) from the device's
+    memory at load (compiler/kv_layout.py plan_kv_pool; the report predicts the same)."""
+    kv = _options(program).kv_cache
+    target = _target(program)
+    return {"block_size": kv.block_size, "memory_fraction": float(kv.memory_fraction), "num_blocks": kv.num_blocks,
+            "pool_bytes": target.kv_pool_bytes if kv.num_blocks is None else None}
+
+
+def _target(program: Program) -> Target:
+    name = str(program.meta.get("target", "cpu"))
+    try:
+        return get_target(name)
+    except TargetError as e:
+        raise CodegenError(str(e), None) from None
 
 
 def _kv_cache_section(program: Program) -> dict[str, Any]:
-    nodes = kv_cache_nodes(program)
-    if any(node.op == "mla_attention" for _, node in nodes):
-        return _mla_kv_cache_section(program, nodes)
-    heads = set()
-    for graph, node in nodes:
-        k = graph.node(node.inputs[1]).out
-        if not isinstance(k, TensorType):
-            raise CodegenError("attention keys are untyped; run shape_inference before codegen", node.loc)
-        heads.add((k.shape[1], k.shape[2]))
-    if len(heads) > 1:
-        raise CodegenError(f"attention layers differ in KV shape {sorted(heads)}; the paged KV cache needs one "
-                           "(kv_heads, head_dim) for all layers", None)
-    kv_heads, head_dim = heads.pop() if heads else (0, 0)
-    dtype = TORCH_DTYPE_NAMES[program.dtype]
-    fp8 = {node.attrs.get("kv_dtype") == "fp8e4m3" for _, node in nodes}
-    if len(fp8) > 1:
-        raise CodegenError("some attention layers cache K/V in fp8 and some do not; the runtime allocates one "
-                           "KV dtype", None)
-    elem = DTYPE_BYTES[program.dtype]
-    if fp8 == {True}:  # e4m3 with per-layer, per-KV-head scales (params `*.k_scale`, `*.v_scale`)
-        dtype, elem = "float8_e4m3fn", DTYPE_BYTES["fp8e4m3"]
-    return {
-        "num_layers": len(nodes),
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "dtype": dtype,
-        "layout": KV_LAYOUT,
-        "bytes_per_token": len(nodes) * 2 * kv_heads * head_dim * elem,
-        **_kv_cache_sizing(program),
-    }
+    """compiler/kv_layout.py's geometry in the manifest's words. fp8 caches are e4m3 with scales: per layer and
+    KV head (params `*.k_scale`, `*.v_scale`), or one per MLA layer (`*.kv_scale`)."""
+    kv = kv_layout(program)
+    dtype = "float8_e4m3fn" if kv.dtype == FP8_KV else TORCH_DTYPE_NAMES[program.dtype]
+    if kv.kind == "mla":
+        geometry = {"kv_lora_rank": kv.kv_lora_rank, "qk_rope_head_dim": kv.rope_dim, "latent_dim": kv.latent_dim,
+                    "layout": MLA_KV_LAYOUT}
+    else:
+        geometry = {"kv_heads": kv.kv_heads, "head_dim": kv.head_dim, "layout": KV_LAYOUT}
+    return {"num_layers": kv.num_layers, **geometry, "dtype": dtype, "bytes_per_token": kv.bytes_per_token,
+            **_kv_cache_sizing(program)}
 
 
 def _drafts_section(program: Program) -> dict[str, Any]:
@@ -177,11 +138,12 @@ def kernel_params(program: Program) -> dict[str, Any]:
             heads = (int(q.shape[-1]), int(q.shape[-2]), int(k.shape[-2]))
             break
     head_dim, num_heads, num_kv_heads = heads or (128, 1, 1)
-    target = str(program.meta.get("target", "cpu"))
-    if target not in TARGET_KERNEL_MODULES:
-        raise CodegenError(f"no kernel library for target {target!r} (known: {', '.join(TARGET_KERNEL_MODULES)})",
-                           None)
-    return {"target": target, "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+    target = _target(program)
+    unknown = [m for m in target.kernel_modules if m not in KERNEL_MODULES]
+    if unknown:
+        raise CodegenError(f"target {target.name!r} names kernel libraries {unknown} codegen has no template for "
+                           f"(known: {', '.join(KERNEL_MODULES)})", None)
+    return {"target": target.name, "kernel_modules": target.kernel_modules, "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
             "dtype": TORCH_DTYPE_NAMES[program.dtype],
             "block_size": _kv_cache_sizing(program)["block_size"]}
 
@@ -189,7 +151,7 @@ def kernel_params(program: Program) -> dict[str, Any]:
 def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config: Mapping[str, Any]) -> int:
     """The argument, else the recipe's serve.max_model_len, else the model config's max_position (or the
     checkpoint's max_position_embeddings), else 4096."""
-    for v in (max_model_len, _section(program.meta, "serve").get("max_model_len"),
+    for v in (max_model_len, _options(program).serve.max_model_len,
               program.config.get("max_position"), hf_config.get("max_position_embeddings")):
         if v is not None:
             return int(v)
@@ -199,7 +161,7 @@ def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config
 def _cuda_graphs_section(program: Program, max_model_len: int) -> dict[str, Any]:
     """The plan, with block_tables sized for the artifact's max_model_len (which may come from the checkpoint's
     config, which the pass did not see)."""
-    plan = _section(program.meta, "cuda_graphs")
+    plan = _section(program.meta, PLAN)
     max_blocks = -(-max_model_len // int(plan["block_size"]))
     if max_blocks != plan["max_blocks_per_seq"]:
         buffers = dict(plan["static_buffers"])
@@ -211,23 +173,48 @@ def _cuda_graphs_section(program: Program, max_model_len: int) -> dict[str, Any]
     return plan
 
 
+def weights_index(wdir: Path, files: list[str]) -> dict[str, Any]:
+    """What the loader checks the weight files against: each file's sha256 and every tensor's file, safetensors
+    dtype and shape (read back from the written headers)."""
+    from safetensors import safe_open
+
+    digests: dict[str, str] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    for name in files:
+        h = hashlib.sha256()
+        with open(wdir / name, "rb") as f:
+            while chunk := f.read(16 * 2**20):
+                h.update(chunk)
+        digests[name] = h.hexdigest()
+        with safe_open(str(wdir / name), framework="pt") as f:
+            for t in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                sl = f.get_slice(t)
+                tensors[t] = {"file": name, "dtype": sl.get_dtype(), "shape": list(sl.get_shape())}
+    return {"sha256": digests, "tensors": dict(sorted(tensors.items()))}
+
+
 def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
                    hf_config: dict, gen_config: dict, weight_files: list[str], has_tokenizer: bool,
-                   pass_log: list[dict]) -> dict[str, Any]:
+                   pass_log: list[dict], weights: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of `program` (runtime/manifest.py is its schema). `weights`: `weights_index` of the written
+    files, and `aliases` when some tensors are stored once under another name."""
     if program.dtype not in TORCH_DTYPE_NAMES:
         raise CodegenError(f"program dtype {program.dtype} is not one of {', '.join(TORCH_DTYPE_NAMES)}", None)
+    options = _options(program)
     return {
         "schema_version": SCHEMA_VERSION,
         "kiln_version": kiln_version,
         "recipe_hash": recipe_hash,
-        "target": str(program.meta.get("target", "cpu")),
+        "target": _target(program).name,
+        "device": _target(program).device,
         "dtype": TORCH_DTYPE_NAMES[program.dtype],
         "model": {"name": program.name, "config": _jsonable(program.config)},
         "runtime": _runtime_section(program, hf_config, gen_config, max_model_len),
         "kv_cache": _kv_cache_section(program),
-        "scheduler": {**DEFAULT_SCHEDULER, **_section(program.meta, "scheduler")},
-        "serve": _section(program.meta, "serve") or None,
-        "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), "total_bytes": total_weight_bytes(program)},
+        "scheduler": dataclasses.asdict(options.scheduler),
+        "serve": {"host": options.serve.host, "port": options.serve.port, "served_name": options.serve.served_name},
+        "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), **(weights or {}),
+                    "total_bytes": total_weight_bytes(program, (weights or {}).get("aliases"))},
         "tokenizer": {"dir": "tokenizer"} if has_tokenizer else None,
         "entry": {"module": "model", "class": "Model"},
         "params": [{"name": s.name, "shape": list(s.shape), "dtype": TORCH_DTYPE_NAMES.get(s.dtype, s.dtype),
@@ -235,15 +222,14 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "kernels": kernels_used(program),
         "passes": _jsonable(list(pass_log)),
         # GPU targets: the cuda_graph_plan pass's capture plan (runtime/graph_runner.py follows it)
-        **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)}
-           if "max_blocks_per_seq" in _section(program.meta, "cuda_graphs") else {}),
+        **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)} if PLAN in program.meta else {}),
         # draft heads (named forwards, e.g. DeepSeek MTP) for speculative decoding, only when there are some;
-        # the recipe's `speculative` section turns decoding with one on by default
+        # `speculative.method` (the recipe's) turns decoding with one on by default
         **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
-        **({"speculative": {"method": spec["method"], "num_tokens": int(spec.get("tokens", 1))}}
-           if (spec := _section(program.meta, "speculative")).get("method") else {}),
-        # the recipe's `quantize` section, only when there is one (readers: kiln eval, humans)
-        **({"quantization": quantize} if (quantize := _section(program.meta, "quantize")) else {}),
+        "speculative": {"method": options.speculative.method, "num_tokens": options.speculative.tokens},
+        # the recipe's `quantize` values as written (readers: humans)
+        "quantization": {"weights": options.quantize.spelling.get("weights"),
+                         "kv_cache": options.quantize.spelling.get("kv_cache")},
     }
 
 
@@ -272,28 +258,81 @@ def _install(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def tokenizer_files(tokenizer_dir: Path, vocab_size: int) -> list[str]:
+    """The tokenizer files of `tokenizer_dir` an artifact carries, each checked as the runtime will read it
+    (a tokenizer that loads at compile time loads at serve time); [] when the directory has no tokenizer.json.
+    Raises TokenizerError naming the file."""
+    names = [n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    if "tokenizer.json" not in names:
+        return []
+    from tokenizers import Tokenizer
+
+    file = tokenizer_dir / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust library raises a bare Exception on any malformed file
+        raise TokenizerError(f"{file}: not a tokenizers file ({str(e).splitlines()[0][:200]})") from None
+    if tok.get_vocab_size(with_added_tokens=True) > vocab_size:
+        raise TokenizerError(f"{file}: {tok.get_vocab_size(with_added_tokens=True)} tokens, more than the model's "
+                             f"vocabulary of {vocab_size}: token ids past {vocab_size - 1} would have no embedding")
+    for name in names:
+        if name.endswith(".json") and name != "tokenizer.json":
+            path = tokenizer_dir / name
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{path}: invalid JSON ({e})") from None
+            if not isinstance(data, dict):
+                raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    template = _chat_template(tokenizer_dir)
+    if template is not None:
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise TokenizerError(f"{tokenizer_dir}: the chat template does not parse (line {e.lineno}: "
+                                 f"{e.message})") from None
+    return names
+
+
+def _chat_template(tokenizer_dir: Path) -> str | None:
+    """The chat template the runtime renders: chat_template.jinja, else tokenizer_config.json's."""
+    if (tokenizer_dir / "chat_template.jinja").is_file():
+        return (tokenizer_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(tokenizer_dir / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
 def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str | Path | None, seed: int = 0,
                    recipe_text: str, recipe_file: str, pass_log: list[dict], kiln_version: str,
-                   max_model_len: int | None = None, progress: bool = True) -> dict[str, Any]:
+                   max_model_len: int | None = None, progress: bool = True,
+                   tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
     """Writes the serving artifact of a lowered `program` to `out_dir` and returns its manifest.
 
     `program` is typed and kernel-selected (every compute node has attrs["kernel"]); `program.meta` may carry
     the recipe's `target`, `kv_cache` {block_size, memory_fraction, num_blocks}, `scheduler` {...} and
-    `serve` {max_model_len}. `checkpoint_dir=None` writes random weights from `seed`. Raises a KilnError
-    (CodegenError, WeightError, CheckpointError) on anything that cannot be compiled; then nothing is left.
+    `serve` {max_model_len}. `checkpoint_dir=None` writes random weights from `seed`. The tokenizer comes from
+    `tokenizer_dir` (default: the checkpoint's directory). Raises a KilnError (CodegenError, WeightError,
+    CheckpointError, TokenizerError) on anything that cannot be compiled; then nothing is left.
     """
     out = Path(out_dir)
     _check_destination(out)
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else ckpt
     hf_config = _read_json(ckpt / "config.json") if ckpt else {}
     gen_config = _read_json(ckpt / "generation_config.json") if ckpt else {}
     recipe_hash = hashlib.sha256(recipe_text.encode("utf-8")).hexdigest()
     max_len = resolve_max_model_len(program, max_model_len, hf_config)
     model_py = render_model(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                             recipe_file=recipe_file)
-    build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
-                   hf_config=hf_config, gen_config=gen_config, weight_files=[], has_tokenizer=False,
-                   pass_log=pass_log)  # fails before the (slow) weight conversion if the manifest cannot be made
+    probe = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
+                           hf_config=hf_config, gen_config=gen_config, weight_files=[], has_tokenizer=False,
+                           pass_log=pass_log)  # fails before the (slow) weight conversion if it cannot be made
+    tok_files = tokenizer_files(tok_dir, probe["runtime"]["vocab_size"]) if tok_dir is not None else []
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -305,27 +344,23 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
             _write(tmp / name, env.get_template(template).render(kiln_version=kiln_version,
                                                                  program_name=program.name))
         params = kernel_params(program)
-        for namespace in sorted(TARGET_KERNEL_MODULES[params["target"]]):
+        for namespace in sorted(params["kernel_modules"]):
             template = KERNEL_MODULES[namespace][0]
             _write(tmp / "kernels" / f"{namespace}.py", env.get_template(template).render(kiln_version=kiln_version,
                                                                                            **params))
+        build_library(kernels_used(program), params, tmp / "kernels", env=env, kiln_version=kiln_version)
         _write(tmp / "recipe.dsl", recipe_text)
         _write(tmp / "ir.txt", print_program(program))
-        copied = []
-        if ckpt is not None:
-            for name in TOKENIZER_FILES:
-                if (ckpt / name).is_file():
-                    (tmp / "tokenizer").mkdir(exist_ok=True)
-                    shutil.copyfile(ckpt / name, tmp / "tokenizer" / name)
-                    copied.append(name)
-        aliases: dict[str, str] = {}
+        for name in tok_files:
+            (tmp / "tokenizer").mkdir(exist_ok=True)
+            shutil.copyfile(tok_dir / name, tmp / "tokenizer" / name)
+        aliases: dict[str, str] = {}  # tensors stored once under another name (e.g. DeepSeek MTP's embedding)
         files = convert_weights(program, ckpt, tmp, seed=seed, progress=progress, aliases=aliases)
+        index = weights_index(tmp / WEIGHTS_DIR, files)
         manifest = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                                   hf_config=hf_config, gen_config=gen_config, weight_files=files,
-                                  has_tokenizer=bool(copied), pass_log=pass_log)
-        if aliases:  # tensors stored once under another name (equal copies, e.g. DeepSeek MTP's embedding)
-            manifest["weights"]["aliases"] = dict(sorted(aliases.items()))
-            manifest["weights"]["total_bytes"] = total_weight_bytes(program, aliases)  # stored bytes, once
+                                  has_tokenizer=bool(tok_files), pass_log=pass_log,
+                                  weights={**index, "aliases": dict(sorted(aliases.items()))})
         _write(tmp / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700; an artifact is an ordinary directory
         _install(tmp, out)

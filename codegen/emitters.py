@@ -11,15 +11,8 @@ from __future__ import annotations
 # kernel module namespace (prefix of a kernel id) -> (kernels template, alias model.py imports it as)
 KERNEL_MODULES: dict[str, tuple[str, str]] = {
     "cpu": ("cpu/kernels.py.j2", "K"),
+    "tvm": ("tvm/library.py.j2", "K"),  # loads kernels/tvm_cpu/cpu.so (codegen/tvm_build.py builds it)
     "triton": ("triton/kernels.py.j2", "K"),  # rendered per model shape and dtype (see artifact.kernel_params)
-}
-
-# target -> kernel modules its artifact carries; model.py imports the first as K. The triton library calls
-# the cpu one (torch) for what it has no kernel for, so GPU artifacts carry both.
-TARGET_KERNEL_MODULES: dict[str, tuple[str, ...]] = {
-    "cpu": ("cpu",),
-    "h100": ("triton", "cpu"),
-    "h200": ("triton", "cpu"),
 }
 
 EMITTERS: dict[str, str] = {
@@ -50,6 +43,13 @@ EMITTERS: dict[str, str] = {
                              "group_score={group_score})"),
     "cpu.moe_experts": "K.moe_experts({args})",
 }
+
+# cpu target, kernels built with apache-tvm (kernels/tvm.py, imported as K): the cpu library's signatures.
+EMITTERS.update({
+    "tvm.paged_attention": EMITTERS["cpu.paged_attention"],
+    "tvm.add_rms_norm": EMITTERS["cpu.add_rms_norm"],
+    "tvm.silu_mul": EMITTERS["cpu.silu_mul"],
+})
 
 # GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.
 EMITTERS.update({

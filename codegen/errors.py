@@ -21,9 +21,13 @@ class CheckpointError(KilnError):
     """The checkpoint directory cannot be read (missing, no safetensors files, a broken index)."""
 
 
+class TokenizerError(KilnError):
+    """A tokenizer file the artifact would carry does not load (checked at compile time, not at serve time)."""
+
+
 def fmt_shape(shape: Iterable[int | str]) -> str:
     """A shape as error messages write it: `[64, 32]`."""
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-__all__ = ["CheckpointError", "CodegenError", "KilnError", "WeightError", "fmt_shape"]
+__all__ = ["CheckpointError", "CodegenError", "KilnError", "TokenizerError", "WeightError", "fmt_shape"]

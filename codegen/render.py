@@ -17,9 +17,11 @@ from typing import Any
 
 import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
+from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
 from kiln.compiler.ops import OPS, REQUIRED
+from kiln.compiler.targets import get_target
 
-from .emitters import EMITTERS, STRUCTURAL_OPS, TARGET_KERNEL_MODULES
+from .emitters import EMITTERS, STRUCTURAL_OPS
 from .errors import CodegenError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -90,28 +92,8 @@ def kernels_used(program: Program) -> list[str]:
 
 
 # Ops that own a paged KV cache (one tensor per node per layer): MHA/GQA K/V, or MLA's latent [c_kv | k_pe].
-KV_CACHE_OPS = ("attention", "mla_attention")
-
-
 def _kv_count(graph: Graph) -> int:
     return sum(graph.count(op) for op in KV_CACHE_OPS)
-
-
-def kv_cache_nodes(program: Program, forward: str | None = None) -> list[tuple[Graph, Node]]:
-    """(graph, attention node) per KV cache, in cache-index order (layer schedule, then dataflow order): the
-    entry's caches, then each named forward's (a draft head's layers own caches of their own). `forward`
-    limits the list to that forward graph's caches."""
-    out: list[tuple[Graph, Node]] = []
-    for name in [forward] if forward is not None else program.forward_graphs():
-        top = program.graphs[name]
-        for node in _nodes(top):
-            if node.op in KV_CACHE_OPS:
-                out.append((top, node))
-            elif node.op == "block":
-                spec = program.blocks[node.attrs["block"]]
-                graph = program.graphs[spec.graph]
-                out.extend([(graph, n) for _, n in graph.items() if n.op in KV_CACHE_OPS] * spec.count)
-    return out
 
 
 def _type_of(graph: Graph, vid: str) -> TensorType:
@@ -429,6 +411,17 @@ def _forwards(model: _Model, kv_base: int) -> Iterator[dict[str, Any]]:
         kv_base += num_kv
 
 
+def vocab_size(program: Program) -> int:
+    """The width of the logits: the entry graph's first output's last dimension, else the config's vocab."""
+    out = program.entry.node(program.entry.outputs[0]).out
+    vocab = out.shape[-1] if isinstance(out, TensorType) and isinstance(out.shape[-1], int) else None
+    vocab = vocab or program.config.get("vocab") or program.config.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise CodegenError("cannot tell the vocabulary size: the entry graph's output is untyped and the config "
+                           "has no 'vocab'", None)
+    return vocab
+
+
 def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
                  recipe_file: str | None = None) -> str:
     """The source of the artifact's `model.py` for `program` (typed, every compute node kernel-selected).
@@ -448,15 +441,16 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         program_name=program.name,
         dtype=program.dtype,
         max_model_len=int(max_model_len),
+        vocab_size=vocab_size(program),
         num_kv_caches=len(kv_cache_nodes(program)),
         init_lines=model.init_lines,
         forward_lines=forward_lines,
         returns_hidden=len(program.entry.outputs) > 1,
         forwards=forwards,
         methods=list(_methods(model)),
-        kernels_module=TARGET_KERNEL_MODULES[str(program.meta.get("target", "cpu"))][0],
+        kernels_module=get_target(str(program.meta.get("target", "cpu"))).kernel_modules[0],
     )
 
 
 __all__ = ["CONTEXT_FIELDS", "identifier", "kernel_of", "kernels_used", "kv_cache_nodes", "literal",
-           "render_model", "template_env", "used_graphs"]
+           "render_model", "template_env", "used_graphs", "vocab_size"]

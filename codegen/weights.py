@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from kiln.compiler.ir import DTYPE_BYTES, EXPERT_INDEX, ParamSpec, Program
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -56,13 +56,12 @@ class Checkpoint:
         index = self.path / INDEX_FILE
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-            files = {f: self.path / f for f in sorted(set(weight_map.values()))}
-            for f, p in files.items():
-                if not p.is_file():
-                    raise CheckpointError(f"{index} lists {f}, which is not in {self.path}")
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+            files = {f: self._shard(index, f) for f in sorted(set(weight_map.values()))}
             return {name: files[f] for name, f in weight_map.items()}
         single = self.path / "model.safetensors"
         paths = [single] if single.is_file() else sorted(self.path.glob("*.safetensors"))
@@ -77,9 +76,23 @@ class Checkpoint:
                 file_of[name] = p
         return file_of
 
+    def _shard(self, index: Path, name: str) -> Path:
+        """A file the index names: one inside the checkpoint directory (symlinks resolved), never outside it."""
+        root = self.path.resolve()
+        path = (root / name).resolve()
+        if not path.is_relative_to(root):
+            raise CheckpointError(f"{index} names {name!r}, which is outside the checkpoint directory {root}; "
+                                  "an index may only name files in its own directory")
+        if not path.is_file():
+            raise CheckpointError(f"{index} lists {name}, which is not in {self.path}")
+        return path
+
     def _open(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as e:  # empty, truncated, garbage, unreadable
+                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
@@ -89,7 +102,11 @@ class Checkpoint:
         return tuple(self._open(self.file_of[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._open(self.file_of[name]).get_tensor(name)
+        file = self.file_of[name]
+        try:
+            return self._open(file).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: tensor '{name}' cannot be read ({e})") from None
 
     def dtype_name(self, name: str) -> str:
         """The safetensors dtype of a tensor ("BF16", "F8_E4M3", ...), from the header."""

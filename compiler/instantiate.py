@@ -285,32 +285,3 @@ def instantiate_model(model: A.ModelDecl, args: Mapping[str, A.Expr], dtype: str
     used = {n.attrs["name"] for g in graphs.values() for _, n in g.items() if n.op == "param"}
     params = {k: v for k, v in low.params.items() if k in used}
     return Program(model.name, dict(config), params, graphs, dict(low.blocks), low.dtype, dict(meta or {}))
-
-
-def section_values(recipe: A.RecipeDecl) -> dict[str, Any]:
-    """A recipe's top-level settings and sections as plain values (names → str, calls → dicts)."""
-
-    def value(e: A.Expr) -> Any:
-        if isinstance(e, A.Num | A.Str | A.Bool | A.Size):
-            return e.value
-        if isinstance(e, A.Name):
-            return e.id
-        if isinstance(e, A.List):
-            return [value(x) for x in e.items]
-        if isinstance(e, A.Call):
-            return {"kind": e.func, "args": [value(a) for a in e.args], **{k: value(v) for k, v in e.kwargs}}
-        if isinstance(e, A.UnaryOp) and e.op == "-":
-            return -value(e.operand)
-        return eval_expr(e, {})
-
-    out: dict[str, Any] = {s.key: value(s.value) for s in recipe.settings}
-    for sec in recipe.sections:
-        entries: dict[str, Any] = {}
-        for ent in sec.entries:
-            if isinstance(ent, A.PassHook):
-                entries.setdefault("hooks", []).append({"position": ent.position, "anchor": ent.anchor,
-                                                        "spec": ent.spec.value})
-            else:
-                entries[ent.key] = value(ent.value)
-        out[sec.name] = entries
-    return out

@@ -9,12 +9,13 @@ returns a new `Program` (or the same object when nothing changed) and never muta
         def run(self, program, ctx):
             ...
 
-    pm = PassManager.for_target("cpu")          # via kiln.passes.pipeline
+    pm = PassManager.for_target("cpu")          # the target's pipeline (kiln.passes registers kiln's own)
     pm.insert_after("fuse_qkv", MyPass())
 """
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,9 +25,10 @@ from typing import Any, TypeVar
 from kiln.compiler.ir import Program
 from kiln.compiler.text import print_program
 from kiln.compiler.verifier import verify_program
+from kiln.dsl.errors import KilnError
 
 
-class PassError(Exception):
+class PassError(KilnError):
     """A pass could not be found, ordered, or produced invalid IR."""
 
 
@@ -59,10 +61,13 @@ class PassRecord:
 
 
 class Pass:
-    """A program-to-program transformation. Subclasses set `name`/`requires` through `register_pass`."""
+    """A program-to-program transformation. `register_pass` sets its name and declared constraints."""
 
     name: str = "<unnamed>"
-    requires: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()  # passes that must have run before this one (so must be in the pipeline)
+    after: tuple[str, ...] = ()  # passes that, when in the pipeline, must run before this one
+    before: tuple[str, ...] = ()  # passes that, when in the pipeline, must run after this one
+    guarantees: tuple[str, ...] = ()  # properties of the IR from this pass on, e.g. "typed" (the verifier checks)
 
     def run(self, program: Program, ctx: PassContext) -> Program:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -75,12 +80,17 @@ _REGISTRY: dict[str, type[Pass]] = {}
 P = TypeVar("P", bound=type[Pass])
 
 
-def register_pass(name: str, requires: Iterable[str] = ()) -> Callable[[P], P]:
+def register_pass(name: str, requires: Iterable[str] = (), *, after: Iterable[str] = (), before: Iterable[str] = (),
+                  guarantees: Iterable[str] = ()) -> Callable[[P], P]:
+    """Names a Pass class and declares where it may run: `requires` (must run before it), `after` / `before`
+    (order relative to passes that may be absent). The pass manager checks them whenever a pipeline is built or
+    edited, so a user's insert_before or disable cannot silently break an ordering a pass relies on."""
     def deco(cls: P) -> P:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise PassError(f"pass name {name!r} is already registered by {_REGISTRY[name].__qualname__}")
         cls.name = name
-        cls.requires = tuple(requires)
+        cls.requires, cls.after, cls.before = tuple(requires), tuple(after), tuple(before)
+        cls.guarantees = tuple(guarantees)
         _REGISTRY[name] = cls
         return cls
 
@@ -91,31 +101,93 @@ def registered_passes() -> dict[str, type[Pass]]:
     return dict(_REGISTRY)
 
 
-def load_pass(spec: str) -> Pass:
-    """Instantiates a pass from `"pkg.module:ClassName"` (recipe `passes { after X: "..." }`)."""
+# pipeline name -> factory(target) -> the ordered passes; registered by the module that defines the passes
+# (kiln.passes registers kiln's own), never imported here: a target names its pipeline and that module.
+_PIPELINES: dict[str, Callable[[Any], list[Pass]]] = {}
+
+
+def register_pipeline(name: str, factory: Callable[[Any], list[Pass]]) -> None:
+    """Declares the pipeline `name`: `factory(target)` returns its passes in order (targets.Target names it)."""
+    if name in _PIPELINES and _PIPELINES[name] is not factory:
+        raise PassError(f"pipeline {name!r} is registered twice")
+    _PIPELINES[name] = factory
+
+
+def pipeline_passes(target: str) -> list[Pass]:
+    """The passes of `target`'s pipeline: the target's `pipeline`, from the module it names (imported lazily)."""
+    from kiln.compiler.targets import get_target
+
+    tgt = get_target(target)
+    if tgt.pipeline not in _PIPELINES:
+        importlib.import_module(tgt.pipeline_module)  # registers its pipelines
+    if tgt.pipeline not in _PIPELINES:
+        raise PassError(f"target {target!r} names pipeline {tgt.pipeline!r}, which {tgt.pipeline_module} does not "
+                        f"register (registered: {', '.join(sorted(_PIPELINES)) or 'none'})")
+    return _PIPELINES[tgt.pipeline](tgt)
+
+
+def check_order(passes: list[Pass]) -> None:
+    """Raises PassError naming the passes when the list breaks a declared `requires`, `after` or `before`."""
+    index: dict[str, int] = {}
+    for k, p in enumerate(passes):
+        index.setdefault(p.name, k)
+    for k, p in enumerate(passes):
+        for r in p.requires:
+            if r not in index:
+                raise PassError(f"pass {p.name!r} requires {r!r}, which is not in the pipeline")
+            if index[r] > k:
+                raise PassError(f"pass {p.name!r} requires {r!r} to run before it, but {r!r} comes after it")
+        for a in p.after:
+            if a in index and index[a] > k:
+                raise PassError(f"pass {p.name!r} must run after {a!r} (declared by {p.name!r}), but {a!r} comes "
+                                "after it")
+        for b in p.before:
+            if b in index and index[b] < k:
+                raise PassError(f"pass {p.name!r} must run before {b!r} (declared by {p.name!r}), but {b!r} comes "
+                                "before it")
+
+
+def load_pass(spec: str, search: Iterable[str | Path] = ()) -> Pass:
+    """Instantiates a pass from `"pkg.module:ClassName"` (recipe `passes { after X: "..." }`). The module is
+    looked up in the `search` directories first (a recipe's own directory), then on sys.path. Importing it runs
+    its code: a recipe's passes are code, as trusted as the recipe."""
     mod_name, _, attr = spec.partition(":")
     if not attr:
         raise PassError(f"pass spec {spec!r} must read 'package.module:ClassName'")
+    dirs = [str(d) for d in search]
+    saved = list(sys.path)
+    sys.path[:0] = dirs
     try:
-        cls = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise PassError(f"cannot load pass {spec!r}: {e}") from None
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        where = f" (looked in {', '.join(dirs)} and on sys.path)" if dirs else ""
+        raise PassError(f"cannot import module {mod_name!r}{where}: {e}") from None
+    except Exception as e:  # the module's own code failed
+        raise PassError(f"importing {mod_name!r} failed: {type(e).__name__}: {e}") from None
+    finally:
+        sys.path[:] = saved
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise PassError(f"module {mod_name!r} ({getattr(module, '__file__', '?')}) has no {attr!r}")
     if not (isinstance(cls, type) and issubclass(cls, Pass)):
         raise PassError(f"{spec!r} is not a kiln Pass subclass")
-    return cls()
+    try:
+        return cls()
+    except Exception as e:
+        raise PassError(f"{spec!r}(): {type(e).__name__}: {e}") from None
 
 
 class PassManager:
-    """An ordered list of passes. Runs each, verifies the IR after it, logs and optionally dumps it."""
+    """An ordered list of passes. Runs each, verifies the IR after it, logs and optionally dumps it. Every edit
+    is checked against the passes' declared constraints (`check_order`) and refused, unchanged, if it breaks one."""
 
     def __init__(self, passes: Iterable[Pass]):
         self.passes: list[Pass] = list(passes)
+        check_order(self.passes)
 
     @classmethod
     def for_target(cls, target: str) -> PassManager:
-        from kiln.passes.pipeline import build_pipeline  # noqa: PLC0415 - passes register on import
-
-        return cls(build_pipeline(target))
+        return cls(pipeline_passes(target))
 
     @property
     def names(self) -> list[str]:
@@ -127,14 +199,25 @@ class PassManager:
         except ValueError:
             raise PassError(f"no pass named {name!r} in the pipeline (have: {', '.join(self.names)})") from None
 
+    def _edit(self, passes: list[Pass]) -> None:
+        check_order(passes)
+        self.passes = passes
+
     def insert_after(self, anchor: str, p: Pass) -> None:
-        self.passes.insert(self._index(anchor) + 1, p)
+        k = self._index(anchor) + 1
+        self._edit([*self.passes[:k], p, *self.passes[k:]])
 
     def insert_before(self, anchor: str, p: Pass) -> None:
-        self.passes.insert(self._index(anchor), p)
+        k = self._index(anchor)
+        self._edit([*self.passes[:k], p, *self.passes[k:]])
 
     def remove(self, name: str) -> None:
-        del self.passes[self._index(name)]
+        k = self._index(name)
+        needed = [p.name for p in self.passes if name in p.requires]
+        if needed:
+            raise PassError(f"cannot disable {name!r}: {', '.join(repr(n) for n in needed)} "
+                            f"{'requires' if len(needed) == 1 else 'require'} it")
+        self._edit(self.passes[:k] + self.passes[k + 1:])
 
     def run(self, program: Program, ctx: PassContext | None = None) -> Program:
         ctx = ctx or PassContext()
@@ -144,10 +227,12 @@ class PassManager:
         if ctx.dump_dir is not None:
             ctx.dump_dir.mkdir(parents=True, exist_ok=True)
             (ctx.dump_dir / "00_input.ir").write_text(print_program(program))
+        typed = False  # from the first pass that guarantees "typed" on, the verifier requires every type
         for k, p in enumerate(self.passes, start=1):
             missing = [r for r in p.requires if r not in done]
             if missing:
                 raise PassError(f"pass {p.name!r} requires {missing} to run before it")
+            typed = typed or "typed" in p.guarantees
             ctx.stats = {}
             t0 = time.perf_counter()
             out = p.run(program, ctx)
@@ -156,7 +241,7 @@ class PassManager:
                 raise PassError(f"pass {p.name!r} returned {type(out).__name__}, not a Program")
             if ctx.verify:
                 try:
-                    verify_program(out, require_types="shape_inference" in done or p.name == "shape_inference")
+                    verify_program(out, require_types=typed)
                 except Exception as e:
                     raise PassError(f"IR is invalid after pass {p.name!r}: {e}") from None
             ctx.log.append(PassRecord(p.name, out is not program, program.num_nodes(), out.num_nodes(),

@@ -3,7 +3,9 @@
 The planner is the roofline arithmetic every serving engineer does by hand:
   * parameter bytes — what one decode step must stream from memory at least once;
   * KV bytes per token = layers · kv_heads · head_dim · 2 (K and V) · bytes per element;
-  * KV tokens that fit = (memory · memory_fraction − parameter bytes) / KV bytes per token;
+  * the KV pool the runtime will allocate (compiler/kv_layout.py, the manifest's decision): the recipe's
+    kv_cache.num_blocks, else the target's fixed budget (cpu), else memory · memory_fraction − parameter
+    bytes − the activation peak − the CUDA-graph reserve (GPU targets, sized at load); tokens = blocks · block_size;
   * TPOT floor at batch 1 = (parameter bytes + KV bytes of the context) / memory bandwidth;
   * decode turns compute-bound at the batch where 2 · params · B FLOPs take as long as streaming the
     weights: B* = peak FLOP/s · parameter bytes / (2 · params · bandwidth).
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.compiler.ir import DTYPE_BYTES, Program, TensorType
+from kiln.compiler.kv_layout import KVLayout, KVPoolPlan, kv_layout, plan_kv_pool, step_activation_bytes
 from kiln.compiler.ops import OPS
+from kiln.compiler.options import CUDA_GRAPH_PLAN, RecipeOptions
 from kiln.compiler.targets import Target
 
 
@@ -29,15 +33,17 @@ class Capacity:
     kv_layers: int
     memory_bytes: int
     memory_fraction: float
-    kv_pool_bytes: int
+    kv_pool_bytes: int  # what the runtime will allocate (kv_layout.plan_kv_pool: the manifest's decision)
     kv_tokens: int
     tpot_floor_s: float  # batch 1, empty context
     tpot_floor_ctx_s: float  # batch 1 at `context` tokens
     context: int
     compute_bound_batch: float
+    kv_pool: KVPoolPlan | None = None
+    kv: KVLayout | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k not in ("kv_pool", "kv")}
 
 
 # Quantized params (ParamSpec.quant): how many model parameters one element stands for. Scales, zeros and
@@ -53,59 +59,6 @@ def _param_count(program: Program) -> tuple[int, int]:
         count += n * layers * (1 if spec.quant is None else _QUANT_PARAMS_PER_ELEM.get(spec.quant.get("role"), 0))
         nbytes += n * layers * DTYPE_BYTES[spec.dtype]
     return count, nbytes
-
-
-def kv_cache_dtype(program: Program) -> str | None:
-    """"fp8e4m3" when the quantize_kv_cache pass stored the attention KV (or MLA latent) in fp8, else None."""
-    for g in program.graphs.values():
-        for _, n in g.items():
-            if n.op in ("attention", "mla_attention") and n.attrs.get("kv_dtype"):
-                return n.attrs["kv_dtype"]
-    return None
-
-
-def kv_geometry(program: Program) -> tuple[int, int, int]:
-    """(attention layers, kv_heads, head_dim) over the whole layer schedule."""
-    layers, kv_heads, head_dim = 0, 0, 0
-    for spec in program.blocks.values():
-        g = program.graphs[spec.graph]
-        for _, n in g.items():
-            if n.op == "attention":
-                k = g.node(n.inputs[1]).out
-                assert isinstance(k, TensorType)
-                layers += spec.count
-                kv_heads, head_dim = int(k.shape[1]), int(k.shape[2])
-    return layers, kv_heads, head_dim
-
-
-def mla_kv_geometry(program: Program) -> tuple[int, int]:
-    """(MLA layers, latent_dim = kv_lora_rank + qk_rope_head_dim) over the layer schedule; MLA caches only
-    the latent, so KV bytes per token = layers · latent_dim · bytes per element."""
-    layers, latent = 0, 0
-    for spec in program.blocks.values():
-        g = program.graphs[spec.graph]
-        for _, n in g.items():
-            if n.op == "mla_attention":
-                c_kv, k_pe = g.node(n.inputs[2]).out, g.node(n.inputs[3]).out
-                assert isinstance(c_kv, TensorType) and isinstance(k_pe, TensorType)
-                layers += spec.count
-                latent = int(c_kv.shape[-1]) + int(k_pe.shape[-1])
-    return layers, latent
-
-
-def draft_kv_layers(program: Program) -> dict[str, int]:
-    """Attention layers per named forward (a draft head such as MTP): their KV caches are part of the pool."""
-    out: dict[str, int] = {}
-    for name in program.forward_graphs()[1:]:
-        n = 0
-        for _, node in program.graphs[name].items():
-            if node.op in ("attention", "mla_attention"):
-                n += 1
-            elif node.op == "block":
-                spec = program.blocks[node.attrs["block"]]
-                n += spec.count * sum(program.graphs[spec.graph].count(op) for op in ("attention", "mla_attention"))
-        out[name] = n
-    return out
 
 
 def expert_param_bytes(program: Program) -> tuple[int, int]:
@@ -132,26 +85,41 @@ def expert_param_bytes(program: Program) -> tuple[int, int]:
     return total, active
 
 
-def capacity(program: Program, target: Target, *, memory_fraction: float = 0.9, kv_dtype: str | None = None,
+def kv_pool_plan(program: Program, target: Target, *, memory_fraction: float | None = None,
+                 weight_bytes: int | None = None) -> KVPoolPlan:
+    """The KV pool the runtime will allocate for this program on `target` (the manifest records the same
+    decision: codegen/artifact.py). On a GPU target the device's memory is the datasheet's and the activation
+    peak (measured at load) an estimate from the IR."""
+    options = RecipeOptions.from_meta(program.meta)
+    kv, sched = options.kv_cache, options.scheduler
+    fraction = float(kv.memory_fraction if memory_fraction is None else memory_fraction)
+    tokens = sched.max_batched_tokens
+    size = max(1, min(sched.chunked_prefill or tokens, tokens))
+    rows = min(-(-tokens // size), sched.max_seqs)  # sequences of the runtime's profile prefill
+    plan = program.meta.get(CUDA_GRAPH_PLAN) or {}
+    return plan_kv_pool(kv_layout(program), block_size=kv.block_size, num_blocks=kv.num_blocks,
+                        pool_bytes=target.kv_pool_bytes if kv.num_blocks is None else None, memory_fraction=fraction,
+                        device_memory=target.memory_bytes,
+                        weight_bytes=_param_count(program)[1] if weight_bytes is None else weight_bytes,
+                        activation_peak=step_activation_bytes(program, tokens, rows),
+                        graph_reserve=int(plan.get("estimated_bytes", 0)))
+
+
+def capacity(program: Program, target: Target, *, memory_fraction: float | None = None,
              context: int = 1024) -> Capacity:
     num_params, param_bytes = _param_count(program)
-    layers, kv_heads, head_dim = kv_geometry(program)
-    kv_dtype = kv_dtype or kv_cache_dtype(program)
-    kv_elem = DTYPE_BYTES[kv_dtype or program.dtype]
-    kv_per_token = layers * kv_heads * head_dim * 2 * kv_elem
-    mla_layers, latent_dim = mla_kv_geometry(program)
-    if mla_layers:
-        layers, kv_per_token = layers + mla_layers, kv_per_token + mla_layers * latent_dim * kv_elem
-    pool = max(0, int(target.memory_bytes * memory_fraction) - param_bytes)
+    kv = kv_layout(program)
+    pool = kv_pool_plan(program, target, memory_fraction=memory_fraction, weight_bytes=param_bytes)
     # Embedding rows are gathered, not streamed, in a decode step; the planner still counts all weights,
     # the conservative (and customary) floor.
     tpot = param_bytes / target.bandwidth
-    tpot_ctx = (param_bytes + kv_per_token * context) / target.bandwidth
+    tpot_ctx = (param_bytes + kv.bytes_per_token * context) / target.bandwidth
     peak = target.fp8_flops if program.dtype == "fp8e4m3" else target.bf16_flops
     b_star = peak * param_bytes / (2 * num_params * target.bandwidth)
-    return Capacity(target.name, num_params, param_bytes, kv_per_token, layers, target.memory_bytes,
-                    memory_fraction, pool, pool // kv_per_token if kv_per_token else 0, tpot, tpot_ctx, context,
-                    b_star)
+    fraction = pool.parts.get("memory_fraction", float(RecipeOptions.from_meta(program.meta).kv_cache.memory_fraction
+                                                        if memory_fraction is None else memory_fraction))
+    return Capacity(target.name, num_params, param_bytes, kv.bytes_per_token, kv.num_layers, target.memory_bytes,
+                    fraction, pool.bytes, pool.tokens, tpot, tpot_ctx, context, b_star, pool, kv)
 
 
 def kernel_costs(program: Program, tokens: int = 1) -> list[tuple[str, int, int, int]]:
@@ -201,16 +169,30 @@ def _weight_dtypes(program: Program) -> str:
     return program.dtype + (f" + {', '.join(schemes)} weights with scales" if schemes else "")
 
 
+def _pool_lines(cap: Capacity, target: Target) -> list[str]:
+    """How the runtime will size the KV pool, with the figures (kv_layout.plan_kv_pool)."""
+    pool = cap.kv_pool
+    head = f"  KV pool                {_gib(pool.bytes)} = {pool.blocks:,} blocks of {pool.block_size} tokens"
+    if pool.source == "num_blocks":
+        return [head + " (the recipe's kv_cache.num_blocks)"]
+    if pool.source == "pool_bytes":
+        return [head + f" (the {target.name} target's budget of {_gib(pool.parts['pool_bytes'])}; "
+                       "kv_cache.num_blocks sets another)"]
+    p = pool.parts
+    return [head + ", sized at load:",
+            f"                         {p['memory_fraction']} x {_gb(p['device_memory'])} device memory (datasheet; "
+            f"the runtime reads the device's) - weights {_gb(p['weights'])} - activation peak ~{_gb(p['activation_peak'])} "
+            f"(estimated here, measured at load) - CUDA-graph reserve {_gb(p['graph_reserve'])}"]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
 def format_report(program: Program, target: Target, pass_log: list[dict[str, Any]], *,
-                  memory_fraction: float) -> str:
-    kv_dtype = kv_cache_dtype(program)
-    cap = capacity(program, target, memory_fraction=memory_fraction, kv_dtype=kv_dtype)
-    mla_layers, latent_dim = mla_kv_geometry(program)
-    kv_formula = (f"{cap.kv_layers} layers x kv_heads x head_dim x 2" if not mla_layers else
-                  f"{mla_layers} MLA layers x latent {latent_dim} (kv_lora_rank + rope dim)")
-    drafts = draft_kv_layers(program)
-    if any(drafts.values()):
-        kv_formula += "; of the layers, " + ", ".join(f"{n} for draft head '{d}'" for d, n in drafts.items() if n)
+                  memory_fraction: float | None = None) -> str:
+    cap = capacity(program, target, memory_fraction=memory_fraction)
+    kv = cap.kv
     out = [f"kiln compile report — {program.name} for {target.name} ({target.description})", "", "passes:"]
     for rec in pass_log:
         nb, na = rec["nodes"]
@@ -224,10 +206,8 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
         "capacity plan:",
         f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {_weight_dtypes(program)})",
         *_moe_lines(program, cap.param_bytes),
-        f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {kv_formula}"
-        f" x {DTYPE_BYTES[kv_dtype or program.dtype]} B)",
-        f"  device memory          {_gb(cap.memory_bytes)} x {cap.memory_fraction} = "
-        f"{_gb(cap.memory_bytes * cap.memory_fraction)}; minus weights -> KV pool {_gb(cap.kv_pool_bytes)}",
+        f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {kv.formula()} x {kv.elem_bytes} B)",
+        *_pool_lines(cap, target),
         f"  KV tokens that fit     {cap.kv_tokens:,}",
         f"  TPOT floor, batch 1    {cap.tpot_floor_s * 1e3:.3f} ms  (weights / {target.bandwidth / 1e12:.2f} TB/s);"
         f" {cap.tpot_floor_ctx_s * 1e3:.3f} ms at {cap.context} tokens of context",

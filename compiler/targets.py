@@ -1,31 +1,131 @@
-"""Compile targets and their datasheet figures, used by kernel selection and the capacity planner."""
+"""The target registry: each compile target's datasheet figures, what it can build, its kernel libraries and
+its pass pipeline. The one list of targets: the DSL, the driver, the passes and codegen ask it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kiln.dsl.errors import KilnError, SourceError
+
+if TYPE_CHECKING:
+    from kiln.compiler.options import RecipeOptions
+
+
+class TargetError(KilnError):
+    """A target kiln does not know, or an option the target cannot build (Target.supports)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
+    """A compile target: its datasheet figures (kernel selection's costs, the capacity planner), what it can
+    build (`supports`), its kernel libraries and its pipeline. Adding a target is a `register_target` here plus
+    its kernel table (passes/kernel_selection.py `register_kernels`)."""
+
     name: str
     description: str
     memory_bytes: int  # device memory the KV pool and weights share
     bandwidth: float  # bytes/s, nominal peak memory bandwidth
     bf16_flops: float  # dense tensor-core (or SIMD) peak, FLOP/s
     fp8_flops: float
-    gpu: bool
+    device: str  # what its artifacts load on: "cpu" or "cuda" (the manifest records it for the runtime)
+    kernel_modules: tuple[str, ...]  # codegen kernel libraries the artifact carries; model.py imports the first
+    cuda_graphs: bool = False  # decode batches are captured as CUDA graphs (passes/cuda_graph_plan.py)
+    # The KV pool's byte budget when it is fixed at compile time (the cpu target: host memory is shared with
+    # everything else on the machine); None: the runtime sizes it at load from the device's memory, after the
+    # weights, the activation peak and the CUDA-graph reserve (kv_cache.memory_fraction of the device).
+    kv_pool_bytes: int | None = None
+    pipeline: str = "llm"  # the pass pipeline (registered by `pipeline_module`, imported when first needed)
+    pipeline_module: str = "kiln.passes"
+    dtypes: frozenset[str] = frozenset({"fp32", "bf16", "fp16"})
+    weight_schemes: frozenset[str] = frozenset({"fp8", "awq", "gptq"})  # quantize.weights kinds
+    kv_schemes: frozenset[str] = frozenset({"fp8"})  # quantize.kv_cache
+    draft_methods: Mapping[str, int] = field(default_factory=lambda: {"mtp": 1})  # method -> tokens it proposes
+    max_devices: int = 1  # parallel.tp/dp/ep/pp: devices one artifact spans
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def supports(self, options: RecipeOptions) -> None:
+        """Refuses, at the option's place in the recipe, what this target cannot build (or kiln not yet).
+        `kiln compile` runs it with and without -o: a plan is made only for what could be built."""
+        def refuse(message: str, key: str) -> None:
+            raise TargetError(message) if options.loc(key) is None else SourceError(message, options.loc(key))
+
+        if options.dtype not in self.dtypes:
+            refuse(f"target {self.name} has no {options.dtype} kernels (dtypes: {', '.join(sorted(self.dtypes))})",
+                   "dtype")
+        for section, what in _NOT_YET.items():
+            if section in options.set_sections:
+                refuse(what, section)
+        if options.kv_cache.offload is not None:
+            refuse("KV offload to CPU is not implemented yet", "kv_cache.offload")
+        par = options.parallel
+        for axis in ("tp", "dp", "ep", "pp"):
+            if getattr(par, axis) > self.max_devices:
+                refuse(f"parallel.{axis} > {self.max_devices} is not implemented yet (single device only)",
+                       f"parallel.{axis}")
+        q = options.quantize
+        if q.weights is not None:
+            if q.weights.kind not in self.weight_schemes:
+                refuse(f"quantize.weights: target {self.name} has no {q.weights.kind} kernels", "quantize.weights")
+        if q.kv_cache is not None and "fp8" not in self.kv_schemes:
+            refuse(f"quantize.kv_cache: target {self.name} has no fp8 KV cache", "quantize.kv_cache")
+        spec = options.speculative
+        if spec.draft is not None:
+            refuse("speculative decoding with a separate draft model is not implemented yet; method = mtp uses the "
+                   "model's own MTP head", "speculative.draft")
+        if spec.method is not None:
+            if spec.method not in self.draft_methods:
+                refuse(f"speculative decoding method {spec.method!r} is not implemented yet (kiln builds: "
+                       f"{', '.join(self.draft_methods)}, a draft head compiled into the model)", "speculative.method")
+            if spec.tokens != self.draft_methods[spec.method]:
+                refuse(f"speculative.tokens = {spec.tokens}: an {spec.method.upper()} head proposes "
+                       f"{self.draft_methods[spec.method]} token a step", "speculative.tokens")
+        if "cuda_graphs" in options.set_sections:
+            if not self.cuda_graphs:
+                capture = ", ".join(t.name for t in TARGETS.values() if t.cuda_graphs)
+                refuse(f"cuda_graphs needs a GPU target ({capture}); the {self.name} target runs decode eagerly",
+                       "cuda_graphs")
+            try:
+                options.cuda_graphs.buckets(options.scheduler.max_seqs)
+            except ValueError as e:
+                refuse(f"cuda_graphs.batch_sizes: {e}", "cuda_graphs.batch_sizes")
 
 
-TARGETS: dict[str, Target] = {
-    # Datasheet numbers (dense, no sparsity): NVIDIA H100 SXM5 80GB and H200 SXM 141GB.
-    "h100": Target("h100", "NVIDIA H100 SXM (sm_90)", 80 * 10**9, 3.35e12, 989e12, 1979e12, gpu=True),
-    "h200": Target("h200", "NVIDIA H200 SXM (sm_90)", 141 * 10**9, 4.8e12, 989e12, 1979e12, gpu=True),
-    # A nominal small CPU host (the machines kiln's CI runs on): 2 cores, 24 GiB, ~20 GB/s, ~0.2 TFLOP/s fp32.
-    "cpu": Target("cpu", "CPU (torch eager; nominal 2-core host)", 24 * 2**30, 20e9, 0.2e12, 0.2e12, gpu=False),
+# Recipe sections kiln parses but cannot build on any target yet: an error at the section, never ignored.
+_NOT_YET = {
+    "lora": "LoRA adapters are not implemented yet",
+    "disaggregate": "prefill/decode disaggregation is not implemented yet",
 }
+
+TARGETS: dict[str, Target] = {}
+
+
+def register_target(target: Target) -> Target:
+    if target.name in TARGETS and TARGETS[target.name] != target:
+        raise TargetError(f"target {target.name!r} is registered twice")
+    TARGETS[target.name] = target
+    return target
+
+
+# Datasheet numbers (dense, no sparsity): NVIDIA H100 SXM5 80GB and H200 SXM 141GB. Triton kernels, and the
+# cpu (torch) library for what they have no kernel for.
+register_target(Target("h100", "NVIDIA H100 SXM (sm_90)", 80 * 10**9, 3.35e12, 989e12, 1979e12, device="cuda",
+                       kernel_modules=("triton", "cpu"), cuda_graphs=True))
+register_target(Target("h200", "NVIDIA H200 SXM (sm_90)", 141 * 10**9, 4.8e12, 989e12, 1979e12, device="cuda",
+                       kernel_modules=("triton", "cpu"), cuda_graphs=True))
+# A nominal small CPU host (the machines kiln's CI runs on): 2 cores, 24 GiB, ~20 GB/s, ~0.2 TFLOP/s fp32.
+register_target(Target("cpu", "CPU (apache-tvm kernels + torch; nominal 2-core host)", 24 * 2**30, 20e9, 0.2e12, 0.2e12,
+                       device="cpu", kernel_modules=("tvm", "cpu"), kv_pool_bytes=256 * 2**20))
 
 
 def get_target(name: str) -> Target:
     try:
         return TARGETS[name]
     except KeyError:
-        raise ValueError(f"unknown target {name!r} (known: {', '.join(TARGETS)})") from None
+        close = difflib.get_close_matches(name, list(TARGETS), n=1)
+        raise TargetError(f"unknown target {name!r}" + (f" — did you mean '{close[0]}'?" if close else "")
+                          + f" (known: {', '.join(TARGETS)})") from None

@@ -185,6 +185,7 @@ class PassHook:
     anchor: str
     spec: Str
     loc: Loc
+    anchor_loc: Loc | None = field(default=None, compare=False)  # where the anchor pass's name is written
 
 
 @dataclass(frozen=True, slots=True)

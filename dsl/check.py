@@ -3,25 +3,24 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from kiln.dsl import ast
 from kiln.dsl.errors import Loc, SourceError
 from kiln.dsl.evaluate import BUILTINS, Value, eval_config, eval_expr, has_type, type_name
 
-__all__ = ["check_model", "check_module", "check_recipe", "eval_config", "eval_expr"]
-
-TARGETS = ("cpu", "h100", "h200")
-DTYPES = ("fp32", "bf16", "fp16")
+__all__ = ["check_model", "check_module", "check_recipe", "did_you_mean", "eval_config", "eval_expr", "key_loc",
+           "literal"]
 
 
-def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" — did you mean '{close[0]}'?" if close else ""
 
 
-def _key_loc(setting: ast.Setting) -> Loc:
+def key_loc(setting: ast.Setting) -> Loc:
     return replace(setting.loc, end_col=setting.loc.col + len(setting.key))
 
 
@@ -141,7 +140,7 @@ def _check_config_expr(expr: ast.Expr, config: _Scope, model: ast.ModelDecl, wha
             raise SourceError(f"'{name.id}' is used in {what} before it is declared", name.loc,
                               (f"config parameter '{name.id}' is declared at {later[0].loc}",))
         raise SourceError(f"undefined name '{name.id}' in {what}: only config parameters are visible here"
-                          + _did_you_mean(name.id, [p.name for p in model.config]), name.loc)
+                          + did_you_mean(name.id, [p.name for p in model.config]), name.loc)
 
 
 def _check_param(p: ast.ParamDecl, config: _Scope, model: ast.ModelDecl, in_block: bool) -> None:
@@ -203,7 +202,7 @@ def _check_body_expr(expr: ast.Expr, scope: _Scope, locals_: set[str], blocks: s
         found = scope.lookup(name.id)
         if found is None:
             visible = locals_ | scope.all_names()
-            raise SourceError(f"undefined name '{name.id}'" + _did_you_mean(name.id, visible), name.loc)
+            raise SourceError(f"undefined name '{name.id}'" + did_you_mean(name.id, visible), name.loc)
         if found[0] == "block":
             raise SourceError(f"block '{name.id}' is not a value; call it, e.g. {name.id}(h)", name.loc)
     for call in _calls(expr):
@@ -239,32 +238,15 @@ def _check_ternaries(expr: ast.Expr, config: _Scope) -> None:
 
 
 def check_recipe(recipe: ast.RecipeDecl, models: Mapping[str, ast.ModelDecl]) -> dict[str, Value]:
-    """Checks a recipe against the models visible to it; returns the instantiated model config."""
+    """Checks a recipe's model against the models visible to it; returns the instantiated model config. The
+    recipe's other settings and its sections are the compiler's options (compiler/options.py checks them)."""
     settings: dict[str, ast.Setting] = {}
     for s in recipe.settings:
         if s.key in settings:
-            raise SourceError(f"'{s.key}' is set twice", _key_loc(s), (f"first set at {settings[s.key].loc}",))
-        if s.key not in _TOP_LEVEL:
-            note = f"recipe settings are {', '.join(_TOP_LEVEL)}; sections are {', '.join(_SECTIONS)}"
-            raise SourceError(f"unknown recipe setting '{s.key}'" + _did_you_mean(s.key, _TOP_LEVEL), _key_loc(s),
-                              (note,))
+            raise SourceError(f"'{s.key}' is set twice", key_loc(s), (f"first set at {settings[s.key].loc}",))
         settings[s.key] = s
     if "model" not in settings:
         raise SourceError(f"recipe '{recipe.name}' has no 'model = NAME(...)'", recipe.loc)
-    for key, s in settings.items():
-        if key != "model":
-            _TOP_LEVEL[key](s.value, key)
-
-    sections: dict[str, ast.Section] = {}
-    for sec in recipe.sections:
-        if sec.name in sections:
-            raise SourceError(f"section '{sec.name}' appears twice", sec.loc,
-                              (f"first at {sections[sec.name].loc}",))
-        if sec.name not in _SECTIONS:
-            raise SourceError(f"unknown section '{sec.name}'" + _did_you_mean(sec.name, _SECTIONS), sec.loc,
-                              (f"sections are {', '.join(_SECTIONS)}",))
-        sections[sec.name] = sec
-        _check_section(sec)
     return _check_model_call(settings["model"].value, models)
 
 
@@ -274,7 +256,7 @@ def _check_model_call(value: ast.Expr, models: Mapping[str, ast.ModelDecl]) -> d
                           value.loc)
     model = models.get(value.func)
     if model is None:
-        raise SourceError(f"unknown model '{value.func}'" + _did_you_mean(value.func, models),
+        raise SourceError(f"unknown model '{value.func}'" + did_you_mean(value.func, models),
                           replace(value.loc, end_col=value.loc.col + len(value.func)),
                           (f"known models: {', '.join(sorted(models)) or 'none'}",))
     if value.args:
@@ -285,9 +267,9 @@ def _check_model_call(value: ast.Expr, models: Mapping[str, ast.ModelDecl]) -> d
         key_loc = value.kwarg_locs[i] if i < len(value.kwarg_locs) else expr.loc
         p = params.get(key)
         if p is None:
-            raise SourceError(f"model '{model.name}' has no config parameter '{key}'" + _did_you_mean(key, params),
+            raise SourceError(f"model '{model.name}' has no config parameter '{key}'" + did_you_mean(key, params),
                               key_loc, (f"'{model.name}' is declared at {model.loc}",))
-        v = _literal(expr, f"'{key}'", p.type)
+        v = literal(expr, f"'{key}'", p.type)
         if not has_type(v, p.type):
             raise SourceError(f"'{key}' is {p.type}, got {type_name(v)} {v!r}", expr.loc)
         args[key] = expr
@@ -300,171 +282,9 @@ def _check_model_call(value: ast.Expr, models: Mapping[str, ast.ModelDecl]) -> d
     return eval_config(model, args)
 
 
-def _literal(expr: ast.Expr, what: str, expected: str) -> Value | tuple:
+def literal(expr: ast.Expr, what: str, expected: str) -> Value | tuple:
     """A recipe value: a constant expression. A bare name is reported as a value of the wrong kind."""
     if isinstance(expr, ast.Name):
         raise SourceError(f"{what} must be {expected}, got the name '{expr.id}'"
                           + (f' (a string is written "{expr.id}")' if expected == "str" else ""), expr.loc)
     return eval_expr(expr, {})
-
-
-# -- value validators: each takes (expr, key) and raises at expr.loc
-
-Validator = Callable[[ast.Expr, str], None]
-
-
-def _pos_int(expr: ast.Expr, key: str) -> None:
-    v = _literal(expr, f"'{key}'", "a positive int")
-    if not (type_name(v) == "int" and v > 0):
-        raise SourceError(f"'{key}' must be a positive int, got {v!r}", expr.loc)
-
-
-def _power_of_two(expr: ast.Expr, key: str) -> None:
-    _pos_int(expr, key)
-    v = eval_expr(expr, {})
-    if v & (v - 1):
-        raise SourceError(f"'{key}' must be a power of two, got {v}", expr.loc)
-
-
-def _fraction(expr: ast.Expr, key: str) -> None:
-    v = _literal(expr, f"'{key}'", "a number in (0, 1]")
-    if type_name(v) not in ("int", "float") or not 0 < v <= 1:
-        raise SourceError(f"'{key}' must be a number in (0, 1], got {v!r}", expr.loc)
-
-
-def _port(expr: ast.Expr, key: str) -> None:
-    v = _literal(expr, f"'{key}'", "a port number")
-    if type_name(v) != "int" or not 0 < v < 65536:
-        raise SourceError(f"'{key}' must be a port number in 1..65535, got {v!r}", expr.loc)
-
-
-def _string(expr: ast.Expr, key: str) -> None:
-    if not isinstance(expr, ast.Str) or not expr.value:
-        raise SourceError(f"'{key}' must be a non-empty string", expr.loc)
-
-
-def _choice(*choices: str) -> Validator:
-    def check(expr: ast.Expr, key: str) -> None:
-        name = expr.id if isinstance(expr, ast.Name) else expr.value if isinstance(expr, ast.Str) else None
-        if name not in choices:
-            shown = name if name is not None else "this"
-            raise SourceError(f"'{key}' must be one of {', '.join(choices)}, not '{shown}'"
-                              + (_did_you_mean(name, choices) if name else ""), expr.loc)
-    return check
-
-
-def _flag(expr: ast.Expr, key: str) -> None:
-    if not isinstance(expr, ast.Bool):
-        raise SourceError(f"'{key}' must be true or false", expr.loc)
-
-
-def _symbol(expr: ast.Expr, key: str) -> None:
-    if not isinstance(expr, ast.Name):
-        raise SourceError(f"'{key}' must be a name such as fp8 or auto", expr.loc)
-
-
-def _scheme(expr: ast.Expr, key: str) -> None:
-    """`fp8` or `fp8(block=128)`: the scheme names belong to the compiler's quantization registry."""
-    if not isinstance(expr, (ast.Name, ast.Call)):
-        raise SourceError(f"'{key}' must be a scheme such as fp8 or fp8(block=128)", expr.loc)
-    if isinstance(expr, ast.Call):
-        for _, v in expr.kwargs:
-            if not isinstance(v, ast.Name):  # `fp8(block=128)`, `awq(group=128, zero_point=true)`
-                eval_expr(v, {})
-
-
-def _weights(expr: ast.Expr, key: str) -> None:
-    if isinstance(expr, ast.Str) and expr.value:
-        return
-    if isinstance(expr, ast.Call) and expr.func == "random" and not expr.args:
-        for i, (k, v) in enumerate(expr.kwargs):
-            if k != "seed":
-                loc = expr.kwarg_locs[i] if i < len(expr.kwarg_locs) else v.loc
-                raise SourceError(f"random(...) takes only seed=, not '{k}'", loc)
-            if type_name(_literal(v, "'seed'", "int")) != "int":
-                raise SourceError("'seed' must be an int", v.loc)
-        return
-    raise SourceError('\'weights\' must be a checkpoint such as "hf:./path" or random(seed=0)', expr.loc)
-
-
-def _offload(expr: ast.Expr, key: str) -> None:
-    if isinstance(expr, ast.Name) and expr.id == "none":
-        return
-    if (isinstance(expr, ast.Call) and expr.func == "cpu" and len(expr.args) == 1 and not expr.kwargs
-            and isinstance(expr.args[0], ast.Size) and expr.args[0].value > 0):
-        return
-    raise SourceError("'offload' must be cpu(SIZE), e.g. cpu(16GiB), or none", expr.loc)
-
-
-def _chunked_prefill(expr: ast.Expr, key: str) -> None:
-    if isinstance(expr, ast.Bool):
-        return
-    _pos_int(expr, key)
-
-
-def _batch_sizes(expr: ast.Expr, key: str) -> None:
-    if not isinstance(expr, ast.List) or not expr.items:
-        raise SourceError(f"'{key}' must be a list of positive ints, e.g. [1, 2, 4, 8]", expr.loc)
-    for item in expr.items:
-        _pos_int(item, key)
-
-
-def _draft(expr: ast.Expr, key: str) -> None:
-    if not isinstance(expr, (ast.Str, ast.Call)):
-        raise SourceError("'draft' must be a checkpoint string or a model instantiation", expr.loc)
-
-
-def _size(expr: ast.Expr, key: str) -> None:
-    if not (isinstance(expr, ast.Size) and expr.value > 0):
-        raise SourceError(f"'{key}' must be a byte size such as 4GiB", expr.loc)
-
-
-def _disable(expr: ast.Expr, key: str) -> None:
-    if not isinstance(expr, ast.List) or not all(isinstance(i, (ast.Name, ast.Str)) for i in expr.items):
-        raise SourceError("'disable' must be a list of pass names, e.g. [fuse_qkv]", expr.loc)
-
-
-_TOP_LEVEL: dict[str, Validator] = {
-    "model": lambda e, k: None,  # checked against the visible models by _check_model_call
-    "weights": _weights,
-    "target": _choice(*TARGETS),
-    "dtype": _choice(*DTYPES),
-}
-
-_SECTIONS: dict[str, dict[str, Validator]] = {
-    "quantize": {"weights": _scheme, "kv_cache": _scheme},
-    "parallel": {"tp": _pos_int, "dp": _pos_int, "ep": _pos_int, "pp": _pos_int},
-    "kv_cache": {"block_size": _power_of_two, "memory_fraction": _fraction, "offload": _offload,
-                 "num_blocks": _pos_int},
-    "scheduler": {"max_seqs": _pos_int, "max_batched_tokens": _pos_int, "chunked_prefill": _chunked_prefill,
-                  "policy": _choice("fcfs", "priority"), "prefix_cache": _choice("radix", "none"),
-                  "preemption": _choice("recompute", "swap"), "swap_space": _size, "async_scheduling": _flag},
-    "speculative": {"method": _symbol, "tokens": _pos_int, "draft": _draft},
-    "lora": {"max_loras": _pos_int, "max_rank": _pos_int},
-    "cuda_graphs": {"batch_sizes": _batch_sizes},
-    "disaggregate": {"prefill": _pos_int, "decode": _pos_int, "transport": _symbol},
-    "serve": {"port": _port, "host": _string, "served_name": _string, "max_model_len": _pos_int},
-    "passes": {"disable": _disable},
-}
-
-
-def _check_section(sec: ast.Section) -> None:
-    keys = _SECTIONS[sec.name]
-    seen: dict[str, ast.Setting] = {}
-    for entry in sec.entries:
-        if isinstance(entry, ast.PassHook):
-            if sec.name != "passes":
-                raise SourceError(f"'{entry.position} {entry.anchor}: ...' belongs in the passes section",
-                                  entry.loc)
-            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", entry.spec.value):
-                raise SourceError(f"a pass is named \"package.module:Class\", got \"{entry.spec.value}\"",
-                                  entry.spec.loc)
-            continue
-        if entry.key not in keys:
-            raise SourceError(f"unknown key '{entry.key}' in section '{sec.name}'" + _did_you_mean(entry.key, keys),
-                              _key_loc(entry), (f"'{sec.name}' takes {', '.join(keys)}",))
-        if entry.key in seen:
-            raise SourceError(f"'{entry.key}' is set twice in section '{sec.name}'", _key_loc(entry),
-                              (f"first set at {seen[entry.key].loc}",))
-        seen[entry.key] = entry
-        keys[entry.key](entry.value, entry.key)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.errors import KilnError  # the one root (a leaf module); re-exported here for the compile side
+
 
 @dataclass(frozen=True, slots=True)
 class Loc:
@@ -29,7 +31,7 @@ def source_line(loc: Loc) -> str | None:
     text = _SOURCES.get(loc.file)
     if text is None:
         try:
-            with open(loc.file, encoding="utf-8") as f:
+            with open(loc.file, encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except OSError:
             return None
@@ -37,11 +39,17 @@ def source_line(loc: Loc) -> str | None:
     return lines[loc.line - 1] if 0 < loc.line <= len(lines) else None
 
 
-class KilnError(Exception):
-    """Base of every error kiln reports to a user without a traceback (the CLI exits with status 2)."""
+
+
+class SourceWarning(UserWarning):
+    """Something a user probably did not mean, at a place in a file; the compile goes on."""
+
+    def __init__(self, message: str, loc: Loc | None, notes: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.message, self.loc, self.notes = message, loc, notes
 
     def format(self) -> str:
-        return f"error: {self}"
+        return SourceError(self.message, self.loc, self.notes).format().replace("error:", "warning:", 1)
 
 
 class SourceError(KilnError):

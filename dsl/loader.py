@@ -47,9 +47,16 @@ def load_file(path: str | os.PathLike) -> ast.Module:
     """Parses one file and checks its models. Its recipes are checked by `load_recipe`."""
     file = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = Path(path).read_bytes()
     except OSError as e:
         raise SourceError(f"cannot read {file}: {e.strerror or e}", None) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise SourceError(f"not UTF-8 text: byte 0x{data[e.start]:02x} ({e.reason}); save the file as UTF-8",
+                          Loc(file, line, col, col + 1)) from None
     module = parse(text, file)
     check_module(module)
     return module

@@ -1,6 +1,7 @@
 """Parses DSL text into the located AST of `kiln.dsl.ast`; syntax errors become one-line `SourceError`s."""
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from functools import lru_cache
@@ -301,12 +302,17 @@ class _ToAst(Transformer):
 
     def hook(self, meta, c):
         position, anchor, spec = c
-        return ast.PassHook(str(position), str(anchor), ast.Str(_unquote(spec), self._tok(spec)), self._loc(meta))
+        return ast.PassHook(str(position), str(anchor), ast.Str(_unquote(spec), self._tok(spec)), self._loc(meta),
+                            self._tok(anchor))
 
     # -- expressions
 
     def num(self, meta, c):
-        return ast.Num(_number(c[0]), self._tok(c[0]))
+        value = _number(c[0])
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SourceError(f"number {c[0]} is too large: it is not a finite float (at most ~1.8e308)",
+                              self._tok(c[0]))
+        return ast.Num(value, self._tok(c[0]))
 
     def size(self, meta, c):
         m = re.fullmatch(r"([\d.]+)(\w+)", str(c[0]))

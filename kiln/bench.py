@@ -427,20 +427,26 @@ def _floats(text: str) -> list[float]:
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name (default: the first of /v1/models)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
     p.add_argument("--dataset", choices=["random", "sharegpt-like"], default="random",
-                   help="random: fixed lengths; sharegpt-like: lognormal lengths with medians --input-len/--output-len")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a shared prompt prefix")
-    p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes (round robin)")
+                   help="random: fixed lengths; sharegpt-like: lognormal lengths with medians --input-len/--output-len "
+                   "(default random)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="completion tokens per request (default 128)")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens of a prompt prefix shared between requests, of --input-len (default 0: none)")
+    p.add_argument("--num-prefixes", type=int, default=1,
+                   help="distinct shared prefixes, assigned round robin (default 1)")
     p.add_argument("--vocab-size", type=int, help="draw prompt token ids from [8, V) (default: [8, 256))")
     p.add_argument("--max-model-len", type=int, help="clip sharegpt-like lengths to fit (default: the server's, "
                    "from /v1/models)")
-    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:30 (e2e also)")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--max-concurrency", type=int,
+                   help="at most this many requests in flight (default: no limit, arrivals as --request-rate)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default 0)")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                   help="SLOs a request must meet to count as goodput, e.g. ttft:500 tpot:30 (e2e also; "
+                   "default: none, goodput not reported)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
 
 
 def add_bench_parser(sub: Any) -> None:
@@ -451,24 +457,26 @@ def add_bench_parser(sub: Any) -> None:
     s = bsub.add_parser("serve", help="load a running server with streamed completions; report latencies")
     _add_load_args(s)
     s.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")
-    s.add_argument("--json", help="also write the report as JSON to this file")
+    s.add_argument("--json", help="also write the report as JSON to this file (default: printed only)")
     s.set_defaults(func=cmd_bench_serve)
 
     w = bsub.add_parser("sweep", help="bench serve over a ladder of request rates; plot goodput and throughput")
     _add_load_args(w)
     w.add_argument("--rates", required=True, help="comma-separated request rates, e.g. 1,2,4,8 (inf allowed)")
     w.add_argument("--png", required=True, help="the plot to write")
-    w.add_argument("--json", help="also write every report as JSON to this file")
+    w.add_argument("--json", help="also write every report as JSON to this file (default: printed only)")
     w.set_defaults(func=cmd_bench_sweep)
 
     e = bsub.add_parser("engine", help="engine CPU time per step in steady decode (instant executor)")
-    e.add_argument("artifact")
-    e.add_argument("--batch-sizes", default="1,64,256")
-    e.add_argument("--steps", type=int, default=200)
-    e.add_argument("--prompt-len", type=int, default=32)
-    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("artifact", help="a compiled artifact directory (its model is replaced by an instant one)")
+    e.add_argument("--batch-sizes", default="1,64,256",
+                   help="comma-separated decode batch sizes to measure (default 1,64,256)")
+    e.add_argument("--steps", type=int, default=200, help="timed steps per batch size (default 200)")
+    e.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
+    e.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, 0 = greedy (default 0)")
     e.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's)")
-    e.add_argument("--json", help="also write the results as JSON to this file")
+    e.add_argument("--json", help="also write the results as JSON to this file (default: printed only)")
     e.set_defaults(func=cmd_bench_engine)
 
 

@@ -2,25 +2,44 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from kiln.runtime.entrypoint import USER_ERROR_EXIT
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's input, printed without a traceback (exit 2). Imported only when an
-    error is being handled, so `kiln serve` does not load the compiler."""
-    from kiln.compiler.pass_manager import PassError
-    from kiln.dsl.errors import KilnError
-    from kiln.runtime.errors import KilnRuntimeError
+    """Errors that are the user's input, printed without a traceback (exit 2): one root, kiln.errors.KilnError
+    (a leaf module, so `kiln serve` does not load the compiler)."""
+    from kiln.errors import KilnError
 
-    return (KilnError, KilnRuntimeError, PassError)
+    return (KilnError,)
 
 
 def _format(err: BaseException) -> str:
     fmt = getattr(err, "format", None)
     return fmt() if callable(fmt) else f"error: {err}"
+
+
+@contextlib.contextmanager
+def _source_warnings() -> Iterator[None]:
+    """Prints the compile's located warnings as `file:line:col: warning: ...` with the source line (also when
+    the compile then fails); other warnings are shown as Python shows them."""
+    from kiln.dsl.errors import SourceWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SourceWarning)
+        try:
+            yield
+        finally:
+            for w in caught:
+                if isinstance(w.message, SourceWarning):
+                    print(w.message.format(), file=sys.stderr)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 # ---------------------------------------------------------------- commands
@@ -31,8 +50,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     if args.output is None and not args.report:
         args.report = True  # nothing to write: planning only
-    result = compile_recipe(args.recipe, args.output, target=args.target, recipe_name=args.recipe_name,
-                            dump_ir=args.dump_ir, progress=not args.no_progress)
+    with _source_warnings():
+        result = compile_recipe(args.recipe, args.output, target=args.target, recipe_name=args.recipe_name,
+                                dump_ir=args.dump_ir, progress=not args.no_progress)
     if args.report:
         sys.stdout.write(result.report)
     if result.artifact_dir is not None:
@@ -58,7 +78,8 @@ def cmd_recipe_from_hf(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from kiln.eval import eval_compare, eval_ppl
 
-    kw = {"max_tokens": args.max_tokens, "stride": args.stride, "limit": args.limit}
+    kw = {"max_tokens": args.max_tokens, "stride": args.stride, "limit": args.limit,
+          "progress": False if args.no_progress else None}
     if args.eval_command == "ppl":
         r = eval_ppl(args.artifact, args.text, **kw)
         print(f"{args.artifact}: perplexity {r.ppl:.4f} (nll {r.nll:.5f} nats/token over {r.tokens} tokens)")
@@ -74,7 +95,9 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file to score (tokenized with the artifact's tokenizer)")
     p.add_argument("--max-tokens", type=int, default=512, help="window length in tokens (default 512)")
     p.add_argument("--stride", type=int, help="window start every S tokens (default: max-tokens / 2)")
-    p.add_argument("--limit", type=int, help="score only the first N tokens of the text")
+    p.add_argument("--limit", type=int, help="score only the first N tokens of the text (default: all of it)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar while scoring (default: one on a terminal, for long texts)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -86,21 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compile", help="compile a recipe into a serving artifact")
-    p.add_argument("recipe")
-    p.add_argument("-o", "--output", help="artifact directory to write (omit to plan only)")
-    p.add_argument("--target", help="override the recipe's target (cpu, h100, h200)")
-    p.add_argument("--recipe-name", help="which recipe, when the file declares several")
-    p.add_argument("--dump-ir", help="write the IR after every pass into this directory")
-    p.add_argument("--report", action="store_true", help="print passes, kernel costs and the capacity plan")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("recipe", help="the recipe file (.dsl)")
+    p.add_argument("-o", "--output", help="artifact directory to write (default: none, plan only and print the "
+                   "report)")
+    p.add_argument("--target", help="compile for this target instead of the recipe's: cpu, h100, h200 (default: "
+                   "the recipe's target, else cpu)")
+    p.add_argument("--recipe-name", help="which recipe, when the file declares several (default: its only one)")
+    p.add_argument("--dump-ir", help="write the IR after every pass into this directory (default: not written)")
+    p.add_argument("--report", action="store_true", help="print passes, kernel costs and the capacity plan "
+                   "(on by default without -o)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while weights are converted")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("recipe", help="recipe tools")
     rsub = p.add_subparsers(dest="recipe_command", required=True)
     r = rsub.add_parser("from-hf", help="write a recipe for a Hugging Face checkpoint directory")
-    r.add_argument("checkpoint")
-    r.add_argument("--target", default="cpu")
-    r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    r.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    r.add_argument("--target", default="cpu", help="the recipe's target: cpu, h100, h200 (default cpu)")
+    r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="the recipe's dtype (default: fp32 for cpu, bf16 for GPU targets)")
     r.add_argument("--name", help="recipe name (default: from the directory name)")
     r.add_argument("-o", "--output", help="recipe file to write (default: stdout)")
     r.add_argument("--no-mtp", action="store_true",
@@ -108,17 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_recipe_from_hf)
 
     p = sub.add_parser("generate", help="generate text with a compiled artifact")
-    p.add_argument("artifact")
+    p.add_argument("artifact", help="a compiled artifact directory")
     add_generate_args(p)
 
     p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
-    p.add_argument("artifact")
+    p.add_argument("artifact", help="a compiled artifact directory")
     add_serve_args(p)
 
     p = sub.add_parser("eval", help="quality checks: perplexity, and KL divergence between two artifacts")
     esub = p.add_subparsers(dest="eval_command", required=True)
     e = esub.add_parser("ppl", help="sliding-window perplexity of an artifact on a text")
-    e.add_argument("artifact")
+    e.add_argument("artifact", help="a compiled artifact directory")
     _add_eval_args(e)
     e = esub.add_parser("compare", help="perplexities of A and B and mean KL(A || B) of their next-token distributions")
     e.add_argument("a", help="reference artifact (e.g. unquantized)")

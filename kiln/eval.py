@@ -13,6 +13,7 @@ each window scores only the tokens the previous one did not, with up to `max_tok
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,25 +103,40 @@ def _nll(total: float, count: int) -> Perplexity:
     return Perplexity(ppl=math.exp(nll), nll=nll, tokens=count)
 
 
-def perplexity(scorer: ArtifactScorer, token_ids: list[int], stride: int | None = None) -> Perplexity:
+def _windows(num_tokens: int, max_tokens: int, stride: int, progress: bool | None) -> Iterator[tuple[int, int, int]]:
+    """`windows`, with a progress bar (windows scored, tokens) on stderr: `progress` None shows it on a terminal."""
+    from tqdm import tqdm
+
+    spans = list(windows(num_tokens, max_tokens, stride))
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=sum(end - first for _, end, first in spans), unit="tok", unit_scale=True, desc="scoring",
+              disable=not show, file=sys.stderr) as bar:
+        for begin, end, first in spans:
+            yield begin, end, first
+            bar.update(end - first)
+
+
+def perplexity(scorer: ArtifactScorer, token_ids: list[int], stride: int | None = None, *,
+               progress: bool | None = None) -> Perplexity:
     ids = torch.tensor(token_ids, dtype=torch.int64)
     stride = stride or max(1, scorer.max_tokens // 2)
     total, count = 0.0, 0
-    for begin, end, first in windows(len(token_ids), scorer.max_tokens, stride):
+    for begin, end, first in _windows(len(token_ids), scorer.max_tokens, stride, progress):
         lp = scorer.log_probs(token_ids[begin:end])
         total -= float(_score(lp, ids, begin, first, end).sum())
         count += end - first
     return _nll(total, count)
 
 
-def compare(a: ArtifactScorer, b: ArtifactScorer, token_ids: list[int], stride: int | None = None) -> Comparison:
+def compare(a: ArtifactScorer, b: ArtifactScorer, token_ids: list[int], stride: int | None = None, *,
+            progress: bool | None = None) -> Comparison:
     """Perplexities of both on `token_ids` and KL(a || b) of their next-token distributions (a: reference)."""
     ids = torch.tensor(token_ids, dtype=torch.int64)
     max_tokens = min(a.max_tokens, b.max_tokens)
     stride = stride or max(1, max_tokens // 2)
     nll_a = nll_b = kl_sum = 0.0
     kl_max, agree, count = 0.0, 0, 0
-    for begin, end, first in windows(len(token_ids), max_tokens, stride):
+    for begin, end, first in _windows(len(token_ids), max_tokens, stride, progress):
         la, lb = a.log_probs(token_ids[begin:end]), b.log_probs(token_ids[begin:end])
         nll_a -= float(_score(la, ids, begin, first, end).sum())
         nll_b -= float(_score(lb, ids, begin, first, end).sum())
@@ -142,18 +158,18 @@ def _tokens(scorer: ArtifactScorer, text_file: str | Path, limit: int | None) ->
 
 
 def eval_ppl(artifact: str | Path, text_file: str | Path, *, max_tokens: int = 512, stride: int | None = None,
-             limit: int | None = None) -> Perplexity:
+             limit: int | None = None, progress: bool | None = None) -> Perplexity:
     scorer = ArtifactScorer(artifact, max_tokens)
-    return perplexity(scorer, _tokens(scorer, text_file, limit), stride)
+    return perplexity(scorer, _tokens(scorer, text_file, limit), stride, progress=progress)
 
 
 def eval_compare(a: str | Path, b: str | Path, text_file: str | Path, *, max_tokens: int = 512,
-                 stride: int | None = None, limit: int | None = None) -> Comparison:
+                 stride: int | None = None, limit: int | None = None, progress: bool | None = None) -> Comparison:
     sa, sb = ArtifactScorer(a, max_tokens), ArtifactScorer(b, max_tokens)
     ids = _tokens(sa, text_file, limit)
     if sb.encode("kiln tokenizer check") != sa.encode("kiln tokenizer check"):
         raise RequestError(f"{a} and {b} tokenize differently; KL needs one vocabulary")
-    return compare(sa, sb, ids, stride)
+    return compare(sa, sb, ids, stride, progress=progress)
 
 
 __all__ = ["ArtifactScorer", "Comparison", "Perplexity", "compare", "eval_compare", "eval_ppl", "perplexity",

@@ -9,17 +9,89 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.ops import yarn_get_mscale
-from kiln.dsl.errors import KilnError
+from kiln.dsl.errors import KilnError, Loc, SourceError
 
 
 class UnsupportedCheckpoint(KilnError):
     pass
 
 
+# config.json keys the mappings below read, by the JSON type they must have (null is allowed: "not set")
+_INT_KEYS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "head_dim", "max_position_embeddings", "original_max_position_embeddings", "sliding_window",
+    "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+    "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_nextn_predict_layers"})
+_FLOAT_KEYS = frozenset({"rope_theta", "rms_norm_eps", "routed_scaling_factor"})
+_BOOL_KEYS = frozenset({"tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob",
+                        "rope_interleave"})
+
+
+class _Config(dict):
+    """A checkpoint's config.json: a missing or mistyped key is an error at its place in the file."""
+
+    def __init__(self, data: dict[str, Any], path: Path, text: str):
+        super().__init__(data)
+        self.path, self.text = path, text
+
+    def __missing__(self, key: str) -> Any:
+        raise SourceError(f"config.json has no '{key}', which this architecture needs", Loc(str(self.path), 1, 1))
+
+
+def _config_error(cfg: dict[str, Any], key: str, message: str) -> KilnError:
+    """A SourceError at `"key":` in the config file (when `cfg` is a _Config), else a plain error."""
+    if not isinstance(cfg, _Config):
+        return UnsupportedCheckpoint(f"config.json '{key}' {message}")
+    m = re.search(r'"' + re.escape(key) + r'"\s*:', cfg.text)
+    if m is None:
+        return SourceError(f"'{key}' {message}", Loc(str(cfg.path), 1, 1))
+    line = cfg.text.count("\n", 0, m.start()) + 1
+    col = m.start() - (cfg.text.rfind("\n", 0, m.start()) + 1) + 1
+    return SourceError(f"'{key}' {message}", Loc(str(cfg.path), line, col, col + len(key) + 2))
+
+
+def read_config(path: Path) -> _Config:
+    """config.json parsed and type-checked: invalid JSON and values of the wrong type are located errors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UnsupportedCheckpoint(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SourceError(f"invalid JSON: {e.msg}", Loc(str(path), e.lineno, e.colno, e.colno + 1)) from None
+    if not isinstance(data, dict):
+        raise SourceError(f"config.json must be a JSON object, got {type(data).__name__}", Loc(str(path), 1, 1))
+    cfg = _Config(data, path, text)
+    for key, value in data.items():
+        if value is None:
+            continue
+        if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _config_error(cfg, key, f"must be an integer, got {type(value).__name__} {value!r}")
+        if key in _FLOAT_KEYS and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise _config_error(cfg, key, f"must be a number, got {type(value).__name__} {value!r}")
+        if key in _BOOL_KEYS and not isinstance(value, bool):
+            raise _config_error(cfg, key, f"must be true or false, got {type(value).__name__} {value!r}")
+        if key in ("rope_scaling", "rope_parameters", "quantization_config") and not isinstance(value, dict):
+            raise _config_error(cfg, key, f"must be an object, got {type(value).__name__}")
+        if key == "architectures" and not (isinstance(value, list) and all(isinstance(a, str) for a in value)):
+            raise _config_error(cfg, key, "must be a list of class names")
+    return cfg
+
+
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    # transformers ≥5 nests theta and scaling under `rope_parameters`; 4.x (and most checkpoints on disk) use
-    # `rope_theta` + `rope_scaling`.
-    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    """The rope parameters as transformers ≥5 resolves them (`convert_rope_params_to_dict`): a non-empty legacy
+    `rope_scaling` replaces `rope_parameters` whole, and `rope_theta` falls back to the top-level key. 4.x (and
+    most checkpoints on disk) write `rope_theta` + `rope_scaling`; 5.x writes `rope_parameters`."""
+    chosen = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(chosen, dict):
+        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        raise _config_error(cfg, key, f"must be an object, got {type(chosen).__name__}")
+    out = dict(chosen)
+    if "rope_theta" not in out and cfg.get("rope_theta") is not None:
+        out["rope_theta"] = cfg["rope_theta"]
+    return out
 
 
 def _rope_kind(rp: dict[str, Any]) -> str:
@@ -60,7 +132,7 @@ _DYNAMIC_NTK = ("'dynamic' (NTK) rope scaling is not supported: transformers rec
 
 def _rope(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
     rp = _rope_parameters(cfg)
-    theta = rp.get("rope_theta", cfg.get("rope_theta", default_theta))
+    theta = rp.get("rope_theta", default_theta)
     out: dict[str, Any] = {"rope_theta": float(theta)}
     kind = _rope_kind(rp)
     if kind in ("llama3",):
@@ -81,6 +153,8 @@ def _rope(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
 
 
 def _common(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """The args every dense family shares; `default_theta` is the transformers config class's `default_theta`
+    (used when config.json gives no rope_theta)."""
     heads = cfg["num_attention_heads"]
     args: dict[str, Any] = {
         "vocab": cfg["vocab_size"], "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
@@ -122,13 +196,13 @@ def _qwen3_attention(cfg: dict[str, Any], args: dict[str, Any], family: str) -> 
 
 
 def _qwen2(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    args = _common(cfg, 1000000.0)
+    args = _common(cfg, 10000.0)
     _refuse_sliding_window(cfg, "Qwen2")
     return "qwen2", args
 
 
 def _qwen3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    args = _common(cfg, 1000000.0)
+    args = _common(cfg, 10000.0)
     _qwen3_attention(cfg, args, "Qwen3")
     return "qwen3", args
 
@@ -151,7 +225,7 @@ def _mixtral(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _qwen3_moe(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    args = _common(cfg, 1000000.0)
+    args = _common(cfg, 10000.0)
     del args["ffn"]  # dense-MLP width; every layer of a supported config is sparse
     moe = _experts(cfg)
     step, mlp_only = int(cfg.get("decoder_sparse_step", 1) or 1), set(cfg.get("mlp_only_layers") or [])
@@ -182,7 +256,7 @@ def _deepseek(cfg: dict[str, Any], *, v2: bool) -> tuple[str, dict[str, Any]]:
         "q_lora_rank": int(cfg.get("q_lora_rank") or 0), "kv_lora_rank": int(cfg["kv_lora_rank"]),
         "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]), "qk_rope_head_dim": int(cfg["qk_rope_head_dim"]),
         "v_head_dim": int(cfg["v_head_dim"]),
-        "rope_theta": float(rp.get("rope_theta", cfg.get("rope_theta") or 10000.0)),
+        "rope_theta": float(rp.get("rope_theta") or 10000.0),
         # V2 rotates interleaved pairs (complex multiply); V3 does so unless rope_interleave is false
         "rope_interleave": True if v2 else bool(cfg.get("rope_interleave", True)),
         "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
@@ -262,16 +336,9 @@ def _literal(v: Any) -> str:
 
 def _tensor_names(ckpt: Path) -> set[str]:
     """The tensor names of a safetensors checkpoint (from its index, else from the file headers)."""
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text()).get("weight_map", {}))
-    from safetensors import safe_open
+    from kiln.codegen.weights import Checkpoint
 
-    names: set[str] = set()
-    for file in sorted(ckpt.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names.update(f.keys())
-    return names
+    return set(Checkpoint(ckpt).file_of)
 
 
 def _weight_quantization(cfg: dict[str, Any]) -> str | None:
@@ -318,24 +385,39 @@ def _weight_quantization(cfg: dict[str, Any]) -> str | None:
     return schemes.pop() if schemes else None
 
 
-def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str | Path | None = None,
-                   dtype: str | None = None, name: str | None = None, mtp: bool = True) -> str:
-    """The recipe of a Hugging Face checkpoint. `mtp=False` leaves out a DeepSeek-V3 multi-token-prediction
-    head (its weights are then neither converted nor given KV cache)."""
-    ckpt = Path(ckpt_dir)
+def checkpoint_model_args(ckpt_dir: str | Path, *, mtp: bool = True) -> tuple[str, dict[str, Any]]:
+    """(bundled model name, its config arguments) for a checkpoint directory, from its config.json."""
+    return _map_checkpoint(Path(ckpt_dir), mtp)[2:]
+
+
+def _map_checkpoint(ckpt: Path, mtp: bool) -> tuple[_Config, str, str, dict[str, Any]]:
+    """(config.json, architecture, bundled model name, its config arguments)."""
     cfg_path = ckpt / "config.json"
     if not cfg_path.is_file():
         raise UnsupportedCheckpoint(f"{ckpt} has no config.json (is it a Hugging Face checkpoint directory?)")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_config(cfg_path)
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedCheckpoint(f"unsupported architecture {', '.join(archs) or '(none given)'} in {cfg_path}; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
-    model, args = ARCHITECTURES[arch](cfg)
+    try:
+        model, args = ARCHITECTURES[arch](cfg)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a nested value (rope_scaling, ...) of a wrong type
+        raise UnsupportedCheckpoint(f"{cfg_path}: a value the {arch} mapping reads has the wrong type or form "
+                                    f"({type(e).__name__}: {e})") from None
     # many converted checkpoints keep num_nextn_predict_layers but drop the MTP layer's weights
     if "nextn" in args and not (mtp and f"model.layers.{args['layers']}.eh_proj.weight" in _tensor_names(ckpt)):
         del args["nextn"]
+    return cfg, arch, model, args
+
+
+def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str | Path | None = None,
+                   dtype: str | None = None, name: str | None = None, mtp: bool = True) -> str:
+    """The recipe of a Hugging Face checkpoint. `mtp=False` leaves out a DeepSeek-V3 multi-token-prediction
+    head (its weights are then neither converted nor given KV cache)."""
+    ckpt = Path(ckpt_dir)
+    cfg, arch, model, args = _map_checkpoint(ckpt, mtp)
     if dtype is None:
         dtype = "fp32" if target == "cpu" else "bf16"
     if out_file is not None:
@@ -351,7 +433,7 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
     quantize = f"  quantize  {{ weights = {scheme} }}\n" if scheme else ""
     arg_text = ",\n      ".join(f"{k}={_literal(v)}" for k, v in args.items())
     return (
-        f"# Generated by `kiln recipe from-hf` from {cfg_path.name} ({arch}).\n"
+        f"# Generated by `kiln recipe from-hf` from config.json ({arch}).\n"
         f"recipe {rname} {{\n"
         f"  model   = {model}(\n      {arg_text})\n"
         f"  weights = \"hf:{weights}\"\n"

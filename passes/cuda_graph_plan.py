@@ -2,61 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from kiln.compiler import Pass, PassContext, PassError, Program, TensorType, register_pass
-from kiln.compiler.ir import DTYPE_BYTES
-
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DEFAULT_MAX_SEQS = 256  # codegen.artifact.DEFAULT_SCHEDULER's, when the recipe sets no scheduler.max_seqs
-DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_BLOCK_SIZE = 16
-
-
-def parse_batch_sizes(value: Any, max_seqs: int) -> tuple[int, ...]:
-    """The capture buckets, ascending: the recipe's `batch_sizes` (ValueError when one is not a positive int,
-    is repeated, or exceeds `max_seqs`, so its graph could never be filled), else the defaults up to max_seqs."""
-    if value is None:
-        return tuple(b for b in DEFAULT_BATCH_SIZES if b <= max_seqs)
-    if not isinstance(value, list | tuple) or not value:
-        raise ValueError("batch_sizes must be a non-empty list of positive ints, e.g. [1, 2, 4, 8]")
-    seen: set[int] = set()
-    for b in value:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"batch size {b!r} is not a positive int")
-        if b in seen:
-            raise ValueError(f"batch size {b} is listed twice")
-        if b > max_seqs:
-            raise ValueError(f"batch size {b} exceeds scheduler.max_seqs = {max_seqs}: a decode batch never "
-                             "holds that many sequences (raise max_seqs or drop the bucket)")
-        seen.add(b)
-    return tuple(sorted(seen))
-
-
-def _section(meta: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    v = meta.get(key)
-    return v if isinstance(v, Mapping) else {}
-
-
-def _per_token_bytes(program: Program, graph: str) -> int:
-    """Bytes of every token-sized (symbolic-dim) value `graph` computes, per token: an upper bound on what is
-    live at once inside it."""
-    total = 0
-    for _, node in program.graphs[graph].items():
-        t = node.out
-        if isinstance(t, TensorType) and any(isinstance(d, str) for d in t.shape) and node.op != "input":
-            total += t.numel() * DTYPE_BYTES.get(t.dtype, 4)
-    return total
+from kiln.compiler.kv_layout import step_activation_bytes
+from kiln.compiler.options import CUDA_GRAPH_PLAN as PLAN
+from kiln.compiler.options import DEFAULT_MAX_MODEL_LEN, RecipeOptions
 
 
 def plan_cuda_graphs(program: Program, batch_sizes: tuple[int, ...]) -> dict[str, Any]:
     """The manifest's `cuda_graphs` section for `batch_sizes` (see CUDAGraphPlan)."""
-    meta = program.meta
-    kv = _section(meta, "kv_cache")
-    block_size = int(kv.get("block_size", DEFAULT_BLOCK_SIZE))
-    max_len = int(_section(meta, "serve").get("max_model_len")
-                  or program.config.get("max_position") or DEFAULT_MAX_MODEL_LEN)
+    options = RecipeOptions.from_meta(program.meta)
+    block_size = options.kv_cache.block_size
+    max_len = int(options.serve.max_model_len or program.config.get("max_position") or DEFAULT_MAX_MODEL_LEN)
     max_bs = batch_sizes[-1]
     max_blocks = -(-max_len // block_size)
     out = program.entry.node(program.entry.outputs[0]).out
@@ -72,8 +30,6 @@ def plan_cuda_graphs(program: Program, batch_sizes: tuple[int, ...]) -> dict[str
     static_bytes = sum(elem[dt] * _numel(shape) for shape, dt in buffers.values())
     # The graphs share one memory pool, captured largest first: it holds the largest bucket's activations.
     # Within a layer everything may be live at once; across layers the allocator reuses the same blocks.
-    blocks = {spec.graph for spec in program.blocks.values()}
-    per_token = _per_token_bytes(program, "entry") + max((_per_token_bytes(program, g) for g in blocks), default=0)
     return {
         "batch_sizes": list(batch_sizes),
         "max_batch_size": max_bs,
@@ -81,7 +37,7 @@ def plan_cuda_graphs(program: Program, batch_sizes: tuple[int, ...]) -> dict[str
         "block_size": block_size,
         "max_blocks_per_seq": max_blocks,
         "static_buffers": {name: {"shape": shape, "dtype": dt} for name, (shape, dt) in buffers.items()},
-        "estimated_bytes": static_bytes + max_bs * per_token,
+        "estimated_bytes": static_bytes + step_activation_bytes(program, max_bs),
     }
 
 
@@ -92,23 +48,24 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-@register_pass("cuda_graph_plan", requires=("shape_inference",))
+# after every rewrite: its graph-memory estimate reads the final IR
+@register_pass("cuda_graph_plan", requires=("shape_inference",), after=("kernel_selection", "dead_code_elimination"))
 class CUDAGraphPlan(Pass):
     """Requires: typed IR; GPU targets only (pipeline.py adds it to h100/h200). Guarantees: the graphs are
-    unchanged; `program.meta["cuda_graphs"]` is the capture plan the runtime follows — `batch_sizes` (the
+    unchanged; `program.meta["cuda_graph_plan"]` is the capture plan the runtime follows — `batch_sizes` (the
     recipe's `cuda_graphs { batch_sizes = [...] }`, else 1, 2, 4, ..., 256 up to scheduler.max_seqs), the
     static buffer shapes (block_tables [max_batch_size, max_blocks_per_seq], max_blocks_per_seq =
     ceil(max_model_len / block_size)) and `estimated_bytes` of graph memory (static buffers + the largest
     bucket's activations). Bad buckets are a PassError (the driver reports them at the recipe's location)."""
 
     def run(self, program: Program, ctx: PassContext) -> Program:
-        max_seqs = int(_section(program.meta, "scheduler").get("max_seqs", DEFAULT_MAX_SEQS))
+        options = RecipeOptions.from_meta(program.meta)
         try:
-            sizes = parse_batch_sizes(_section(program.meta, "cuda_graphs").get("batch_sizes"), max_seqs)
+            sizes = options.cuda_graphs.buckets(options.scheduler.max_seqs)
         except ValueError as e:
             raise PassError(f"cuda_graphs.batch_sizes: {e}") from None
         plan = plan_cuda_graphs(program, sizes)
         ctx.stats["buckets"] = len(sizes)
-        if program.meta.get("cuda_graphs") == plan:
+        if program.meta.get(PLAN) == plan:
             return program
-        return dataclasses.replace(program, meta={**program.meta, "cuda_graphs": plan})
+        return dataclasses.replace(program, meta={**program.meta, PLAN: plan})

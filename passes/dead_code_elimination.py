@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import networkx as nx
 from kiln.compiler import Graph, Pass, PassContext, Program, register_pass
-from kiln.passes.rewrite import params_read
+from kiln.compiler.rewrite import params_read
 
 
 def _live(graph: Graph) -> set[str]:
@@ -13,7 +13,7 @@ def _live(graph: Graph) -> set[str]:
     return live
 
 
-@register_pass("dead_code_elimination")
+@register_pass("dead_code_elimination", before=("kernel_selection",))
 class DeadCodeElimination(Pass):
     """Requires: nothing. Guarantees: every node of every graph is a graph input or an ancestor of (or
     is) a graph output; every param in `program.params` is read by some graph's `param` node."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
 from kiln.compiler.ops import OPS
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 
 def _residual_used_elsewhere(m: Match) -> bool:
@@ -24,7 +24,7 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_add_rms_norm", requires=("shape_inference",))
+@register_pass("fuse_add_rms_norm", requires=("shape_inference",), before=("kernel_selection",))
 class FuseAddRMSNorm(Pass):
     """Requires: typed IR. Guarantees: every `rms_norm(add(a, b), w)` whose sum is also read elsewhere (the
     residual stream) is one `add_rms_norm(a, b, w)`; its element 0 replaces the norm, element 1 the sum."""

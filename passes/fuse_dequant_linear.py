@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 _FUSED = {"dequant_fp8": "linear_fp8", "dequant_int4": "linear_w4a16"}
 
@@ -33,7 +33,9 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_dequant_linear", requires=("shape_inference",))
+# after the fusions that merge quantized siblings (fuse_qkv, fuse_gate_up): one GEMM per merged weight
+@register_pass("fuse_dequant_linear", requires=("shape_inference",), after=("fuse_qkv", "fuse_gate_up"),
+               before=("kernel_selection",))
 class FuseDequantLinear(Pass):
     """Requires: typed IR. Guarantees: no `linear` reads a `dequant_fp8`/`dequant_int4` of its activation
     dtype: each is one `linear_fp8(x, w, scale[, b])` / `linear_w4a16(x, <packed params>[, b])` with the

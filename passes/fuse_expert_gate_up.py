@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 from kiln.passes.linear_fusion import concatenable
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 
 def _stackable(m: Match) -> bool:
@@ -34,7 +34,7 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_expert_gate_up", requires=("shape_inference",))
+@register_pass("fuse_expert_gate_up", requires=("shape_inference",), before=("kernel_selection",))
 class FuseExpertGateUp(Pass):
     """Requires: typed IR. Guarantees: every `moe_experts` whose gate and up stacks are plain, same-shape,
     unquantized, unsharded `param`s reads one `{block}.wgate_up` [E, 2F, H] instead (`source` = gate's then up's,

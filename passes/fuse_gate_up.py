@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
+from kiln.compiler.rewrite import P, Pat, Rewrite, V, apply_rewrites
 from kiln.passes.linear_fusion import (
     QUANT_WEIGHT_OPS,
     fuse_linears,
@@ -10,7 +11,6 @@ from kiln.passes.linear_fusion import (
     fusible_quantized,
     quantized_projection,
 )
-from kiln.passes.rewrite import P, Pat, Rewrite, V, apply_rewrites
 
 ROLES = ("gate", "up")
 
@@ -47,7 +47,7 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_gate_up", requires=("shape_inference",))
+@register_pass("fuse_gate_up", requires=("shape_inference",), before=("kernel_selection",))
 class FuseGateUp(Pass):
     """Requires: typed IR. Guarantees: every `silu(gate) * up` whose gate and up are projections of one
     input by plain `param` weights (both with bias or neither) reads them from a single linear over

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
+from kiln.compiler.rewrite import P, Pat, Rewrite, V, apply_rewrites
 from kiln.passes.linear_fusion import (
     QUANT_WEIGHT_OPS,
     fuse_linears,
@@ -10,7 +11,6 @@ from kiln.passes.linear_fusion import (
     fusible_quantized,
     quantized_projection,
 )
-from kiln.passes.rewrite import P, Pat, Rewrite, V, apply_rewrites
 
 ROLES = ("q", "k", "v")
 # Between a projection and its attention operand: the head split, qk-norm (Qwen3, Gemma) and rotary embedding.
@@ -51,7 +51,7 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_qkv", requires=("shape_inference",))
+@register_pass("fuse_qkv", requires=("shape_inference",), before=("kernel_selection",))
 class FuseQKV(Pass):
     """Requires: typed IR. Guarantees: each attention whose q, k and v are projections of one input by
     plain `param` weights (all with bias or none) reads them from a single linear over `{block}.wqkv`

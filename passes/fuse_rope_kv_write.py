@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 
 def _fusable(m: Match) -> bool:
@@ -29,7 +29,9 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_rope_kv_write", requires=("shape_inference",))
+# after quantize_kv_cache: fp8 KV calibration observes the attention's roped k
+@register_pass("fuse_rope_kv_write", requires=("shape_inference",), after=("quantize_kv_cache",),
+               before=("kernel_selection",))
 class FuseRopeKVWrite(Pass):
     """Requires: typed IR; run after quantize_kv_cache. Guarantees: every three-input `attention` whose q and k
     are `rope`s with equal attributes reads the un-roped q and k and carries `rope` = that rope's attribute dict

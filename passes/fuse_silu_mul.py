@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, TensorType, register_pass
-from kiln.passes.rewrite import Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Match, P, Rewrite, V, apply_rewrites
 
 
 def _halves_of_y(m: Match) -> bool:
@@ -24,7 +24,8 @@ REWRITES = (
 )
 
 
-@register_pass("fuse_silu_mul", requires=("shape_inference",))
+# after fuse_gate_up: silu_mul matches the slices of the merged gate/up GEMM it leaves
+@register_pass("fuse_silu_mul", requires=("shape_inference",), after=("fuse_gate_up",), before=("kernel_selection",))
 class FuseSiLUMul(Pass):
     """Requires: typed IR. Guarantees: no `mul(silu(y[..., :F]), y[..., F:2F])` remains where y's last dim
     is 2F; each became `silu_mul(y)` (slices still read elsewhere are kept)."""

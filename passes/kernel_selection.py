@@ -2,24 +2,67 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from kiln.compiler import Graph, Pass, PassContext, PassError, Program, register_pass
+from kiln.compiler import Graph, Node, Pass, PassContext, PassError, Program, register_pass
+from kiln.compiler.ir import TensorType, TupleType
 
 INLINE = "inline"  # structural ops the generated executor emits inline: no kernel launch
 _STRUCTURAL = ("input", "param", "block", "getitem", "view", "slice")
 
-# target -> op -> kernel id. A target is added by registering its table; kernel source lives in codegen.
-KERNEL_TABLES: dict[str, Mapping[str, str]] = {}
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """A kernel that runs an op only on the nodes `when` accepts (dtype, attributes); a table lists choices
+    before the kernel that runs every other node of the op."""
+
+    kernel: str
+    when: Callable[[Node], bool]
 
 
-def register_kernels(target: str, table: Mapping[str, str]) -> None:
-    """Declares the kernel id of every op on `target` (structural ops are added as `inline`)."""
+# An op's entry: one kernel id, or candidates in order of preference, the last one unconditional.
+Entry = str | tuple[KernelChoice | str, ...]
+
+# target -> op -> kernel entry. A target is added by registering its table; kernel source lives in codegen.
+KERNEL_TABLES: dict[str, Mapping[str, Entry]] = {}
+
+
+def register_kernels(target: str, table: Mapping[str, Entry]) -> None:
+    """Declares the kernel of every op on `target` (structural ops are added as `inline`)."""
     assert target not in KERNEL_TABLES, f"kernels for target {target!r} registered twice"
+    for op, entry in table.items():
+        assert isinstance(entry, str) or isinstance(entry[-1], str), f"{target}/{op}: the last choice must be a kernel id"
     KERNEL_TABLES[target] = {**dict.fromkeys(_STRUCTURAL, INLINE), **table}
 
 
-register_kernels("cpu", {
+def select(entry: Entry, node: Node) -> str:
+    """The kernel id `entry` gives `node`: the first choice whose condition holds."""
+    if isinstance(entry, str):
+        return entry
+    for choice in entry:
+        if isinstance(choice, str):
+            return choice
+        if choice.when(node):
+            return choice.kernel
+    raise AssertionError("unreachable: the last choice is unconditional")
+
+
+def _dtype_in(*dtypes: str) -> Callable[[Node], bool]:
+    """The node's output (all of a tuple's) is a tensor of one of `dtypes`."""
+    def check(node: Node) -> bool:
+        outs = node.out.items if isinstance(node.out, TupleType) else (node.out,)
+        return all(isinstance(t, TensorType) and t.dtype in dtypes for t in outs)
+    return check
+
+
+def _tvm_attention(node: Node) -> bool:
+    """tvm.paged_attention: fp32 or bf16 K/V in the activation dtype (an fp8 cache stays on torch)."""
+    return not node.attrs.get("kv_dtype") and _dtype_in("f32", "bf16")(node)
+
+
+# The cpu target's torch kernels (kernels/cpu.py); the GPU tables below derive from it.
+_CPU_TORCH: dict[str, str] = {
     "embedding": "cpu.embedding",
     "rms_norm": "cpu.rms_norm",
     "add_rms_norm": "cpu.add_rms_norm",
@@ -41,6 +84,14 @@ register_kernels("cpu", {
     "moe_topk_softmax": "cpu.moe_topk_softmax",
     "moe_topk_grouped": "cpu.moe_topk_grouped",
     "moe_experts": "cpu.moe_experts",
+}
+# Kernels built with apache-tvm (kernels/tvm.py + tvm_cpu/cpu.so) where benchmarks/cpu_kernels.py measured them
+# faster than the torch kernel (figures in docs/performance.md); every other op stays on torch.
+register_kernels("cpu", {
+    **_CPU_TORCH,
+    "attention": (KernelChoice("tvm.paged_attention", _tvm_attention), "cpu.paged_attention"),
+    "add_rms_norm": (KernelChoice("tvm.add_rms_norm", _dtype_in("f32", "bf16")), "cpu.add_rms_norm"),
+    "silu_mul": (KernelChoice("tvm.silu_mul", _dtype_in("f32", "bf16")), "cpu.silu_mul"),
 })
 
 # GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op
@@ -59,8 +110,7 @@ _TRITON_KERNELS = {
     "linear": "torch.linear",
     "logits": "torch.logits",
 }
-_GPU_TABLE = {op: _TRITON_KERNELS.get(op, "torch." + kernel.split(".", 1)[1])
-              for op, kernel in KERNEL_TABLES["cpu"].items() if kernel != INLINE}
+_GPU_TABLE = {op: _TRITON_KERNELS.get(op, "torch." + kernel.split(".", 1)[1]) for op, kernel in _CPU_TORCH.items()}
 register_kernels("h100", _GPU_TABLE)
 register_kernels("h200", _GPU_TABLE)
 
@@ -69,7 +119,7 @@ class KernelSelectionError(PassError):
     """An op has no kernel on the target, or the target has no kernels at all."""
 
 
-def kernel_table(target: str) -> Mapping[str, str]:
+def kernel_table(target: str) -> Mapping[str, Entry]:
     try:
         return KERNEL_TABLES[target]
     except KeyError:
@@ -81,7 +131,7 @@ def kernel_table(target: str) -> Mapping[str, str]:
 class KernelSelection(Pass):
     """Requires: typed IR whose ops all have a kernel on the target (run after fusion). Guarantees: every
     node of every graph has `attrs["kernel"]`, the target table's id for its op (`inline` for structural
-    ops). The target is the constructor's, else `ctx.target`. Attributes only: the IR's meaning is unchanged."""
+    ops; for an op with choices, the first whose condition the node meets). The target is the constructor's, else `ctx.target`. Attributes only: the IR's meaning is unchanged."""
 
     def __init__(self, target: str | None = None):
         self.target = target
@@ -94,10 +144,11 @@ class KernelSelection(Pass):
         for name, graph in program.graphs.items():
             g: Graph | None = None
             for vid, node in graph.items():
-                kernel = table.get(node.op)
-                if kernel is None:
+                entry = table.get(node.op)
+                if entry is None:
                     raise KernelSelectionError(f"graph {name!r}: %{vid} = {node.op}: no {target!r} kernel for "
                                                f"op {node.op!r}" + (f" (at {node.loc})" if node.loc else ""))
+                kernel = select(entry, node)
                 used[kernel] += 1
                 if node.attrs.get("kernel") != kernel:
                     g = g or graph.copy()

@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kiln.compiler import Attrs, ParamSpec
-from kiln.passes.rewrite import Builder, Match, P, Pat, V
+from kiln.compiler.rewrite import Builder, Match, P, Pat, V
 
 
 def fusible_linears(m: Match, roles: Sequence[str], bias: bool) -> bool:

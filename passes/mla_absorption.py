@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kiln.compiler import Pass, PassContext, Program, register_pass
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
 
 
 def _absorbable(m: Match) -> bool:
@@ -25,7 +25,7 @@ REWRITES = (
 )
 
 
-@register_pass("mla_absorption", requires=("shape_inference",))
+@register_pass("mla_absorption", requires=("shape_inference",), before=("kernel_selection",))
 class MLAAbsorption(Pass):
     """Requires: typed IR. Guarantees: every `mla_attention` whose `w_kv_b` is a plain (unquantized,
     unsharded) param has `absorb="decode"`: its kernel runs decode tokens in latent space — q_lat = q_nope·W_UK

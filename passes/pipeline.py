@@ -1,9 +1,10 @@
 """The one ordered pass list per target."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from kiln.compiler import Pass, PassError
+from kiln.compiler import Pass, PassManager, register_pipeline
+from kiln.compiler.targets import Target
 from kiln.passes.cuda_graph_plan import CUDAGraphPlan
 from kiln.passes.dead_code_elimination import DeadCodeElimination
 from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
@@ -19,10 +20,10 @@ from kiln.passes.quantize_kv_cache import QuantizeKVCache
 from kiln.passes.quantize_weights import QuantizeWeights
 from kiln.passes.shape_inference import ShapeInference
 
-_GPU_TARGETS = ("h100", "h200")
 
-
-def _llm(target: str) -> list[Pass]:
+def _llm(target: Target) -> list[Pass]:
+    """The LLM pipeline, every target's. Ordering constraints are declared by the passes themselves
+    (register_pass after=/before=/requires=) and checked by the PassManager; the comments say why."""
     return [
         # Phase 1: analysis
         ShapeInference(),
@@ -41,24 +42,19 @@ def _llm(target: str) -> list[Pass]:
         FuseRopeKVWrite(),  # after quantize_kv_cache: fp8 KV calibration observes the attention's roped k
         # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
-        # Phase 4: lowering, on targets with a kernel table (cpu, h100, h200)
-        *([KernelSelection(target)] if target in KERNEL_TABLES else []),
-        # Phase 5: runtime planning (GPU targets: CUDA-graph buckets and static buffers for decode)
-        *([CUDAGraphPlan()] if target in _GPU_TARGETS else []),
+        # Phase 4: lowering, on targets with a kernel table
+        *([KernelSelection(target.name)] if target.name in KERNEL_TABLES else []),
+        # Phase 5: runtime planning (targets that capture CUDA graphs: buckets and static buffers for decode)
+        *([CUDAGraphPlan()] if target.cuda_graphs else []),
     ]
 
 
-PIPELINES: dict[str, Callable[[str], list[Pass]]] = {"cpu": _llm, "h100": _llm, "h200": _llm}
+register_pipeline("llm", _llm)
 
 
 def build_pipeline(target: str, disable: Iterable[str] = ()) -> list[Pass]:
-    """The passes `target` runs, in order, without those named in `disable`."""
-    if target not in PIPELINES:
-        raise PassError(f"target {target!r} has no pass pipeline yet (known: {', '.join(sorted(PIPELINES))})")
-    passes = PIPELINES[target](target)
-    disable = set(disable)
-    unknown = disable - {p.name for p in passes}
-    if unknown:
-        raise PassError(f"cannot disable {sorted(unknown)}: not in the {target!r} pipeline "
-                        f"({', '.join(p.name for p in passes)})")
-    return [p for p in passes if p.name not in disable]
+    """The passes `target` runs, in order, without those named in `disable` (checked like PassManager.remove)."""
+    pm = PassManager.for_target(target)
+    for name in disable:
+        pm.remove(name)
+    return pm.passes

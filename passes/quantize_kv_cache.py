@@ -2,35 +2,13 @@
 per-layer scale (`quantize { kv_cache = fp8 }`)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, Program, register_pass
-from kiln.passes.quantize_weights import quantize_option
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.passes.quantize_weights import recipe_quantize
 
 KV_DTYPE = "fp8e4m3"
-# Where the scales come from: the checkpoint's k_scale/v_scale (compressed-tensors / llm-compressor), else a
-# calibration run at compile time ("auto"); only the checkpoint ("checkpoint"); only calibration ("calibrate").
-SCALE_SOURCES = ("auto", "checkpoint", "calibrate")
 # Between a K/V projection and the attention: head split, qk-norm, rotary embedding, the fused-qkv slice.
 _TO_PROJECTION = ("view", "rms_norm", "rope", "slice", "deinterleave")
-
-
-def parse_kv_scheme(value: Any) -> str:
-    """The scale source of `kv_cache = fp8` / `fp8(scales=auto|checkpoint|calibrate)`; ValueError otherwise."""
-    if value == "fp8":
-        return "auto"
-    if isinstance(value, Mapping) and value.get("kind") == "fp8" and not value.get("args"):
-        opts = {k: v for k, v in value.items() if k not in ("kind", "args")}
-        if set(opts) - {"scales"}:
-            raise ValueError(f"fp8(...) for the KV cache takes only scales=, not '{sorted(set(opts) - {'scales'})[0]}'")
-        scales = opts.get("scales", "auto")
-        if scales not in SCALE_SOURCES:
-            raise ValueError(f"kv_cache fp8(scales=...) is one of {', '.join(SCALE_SOURCES)}, got {scales!r}")
-        return scales
-    kind = value.get("kind") if isinstance(value, Mapping) else value
-    raise ValueError(f"KV cache quantization '{kind}' is not supported (supported: fp8)")
 
 
 def _checkpoint_prefix(m: Match, value: str) -> str | None:
@@ -105,7 +83,8 @@ def kv_rewrites(scales: str) -> tuple[Rewrite, ...]:
     )
 
 
-@register_pass("quantize_kv_cache", requires=("shape_inference",))
+# after fuse_qkv, which matches the plain three-input attention
+@register_pass("quantize_kv_cache", requires=("shape_inference",), after=("fuse_qkv",), before=("kernel_selection",))
 class QuantizeKVCache(Pass):
     """Requires: typed IR; `quantize { kv_cache = fp8 }` in ctx.options (else program.meta; absent: nothing
     changes). Run after fuse_qkv (which matches the plain three-input attention). Guarantees: every
@@ -120,8 +99,7 @@ class QuantizeKVCache(Pass):
         self.scales = scales
 
     def run(self, program: Program, ctx: PassContext) -> Program:
-        scales = self.scales if self.scales is not None else quantize_option(program, ctx, "kv_cache",
-                                                                             parse_kv_scheme)
+        scales = self.scales if self.scales is not None else recipe_quantize(program, ctx).kv_cache
         if scales is None:
             return program
         return apply_rewrites(program, kv_rewrites(scales), ctx)

@@ -1,128 +1,23 @@
 """Quantizes the weight of every `linear` over a plain param: fp8 e4m3 (tensor/channel/block) or int4 AWQ/GPTQ."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 from kiln.compiler import Attrs, ParamSpec, Pass, PassContext, PassError, Program, register_pass
-from kiln.passes.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.compiler.options import QuantizeOptions, RecipeOptions, WeightScheme
+from kiln.compiler.rewrite import Builder, Match, P, Rewrite, V, apply_rewrites
+from kiln.dsl.errors import KilnError
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
-# fp8(act=...) -> linear_fp8's `act` attribute
-FP8_ACT_OPTIONS = {"none": "none", "dynamic": "dynamic_per_token", "static": "static_per_tensor"}
-T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class WeightScheme:
-    """A parsed `quantize { weights = ... }`.
-
-    fp8:  `fp8` (per-tensor scale), `fp8(per_channel=true)` (one scale per output row), `fp8(block=128)`
-          (one per 128x128 tile, DeepSeek-V3); `act=dynamic` also quantizes activations per token (w8a8);
-          `act=static` quantizes them with one calibrated scale per linear input (compressed-tensors
-          `input_scale`; computed at compile time for a float checkpoint).
-    awq:  `awq(group=128)` — AutoAWQ GEMM checkpoints, loaded as published.
-    gptq: `gptq(group=128, sym=true, format=v1)` — AutoGPTQ/GPTQModel checkpoints; format v1 (zeros stored
-          minus one: what both libraries write) or v2 (GPTQModel's internal gptq_v2).
-    """
-
-    kind: str
-    granularity: str = "tensor"
-    block: int = 0
-    act: str = "none"
-    group: int = 128
-    zero_offset: int = 1
-    sym: bool = True
-
-    def to_attrs(self) -> dict[str, Any]:
-        if self.kind == "fp8":
-            return {"granularity": self.granularity, "block": self.block, "act": self.act}
-        return {"format": self.kind, "group": self.group, "zero_offset": self.zero_offset}
-
-
-def _options(value: Any) -> tuple[str, dict[str, Any]]:
-    if isinstance(value, str):
-        return value, {}
-    if isinstance(value, Mapping) and "kind" in value:
-        if value.get("args"):
-            raise ValueError(f"{value['kind']}(...) takes keyword options only, e.g. {value['kind']}(group=128)")
-        return value["kind"], {k: v for k, v in value.items() if k not in ("kind", "args")}
-    raise ValueError(f"not a quantization scheme: {value!r}")
-
-
-def _check_keys(kind: str, opts: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(opts) - set(allowed))
-    if unknown:
-        raise ValueError(f"{kind}(...) has no option '{unknown[0]}' (options: {', '.join(allowed)})")
-
-
-def _fp8(opts: Mapping[str, Any]) -> WeightScheme:
-    _check_keys("fp8", opts, ("per_channel", "block", "act"))
-    block, per_channel = opts.get("block"), opts.get("per_channel", False)
-    if not isinstance(per_channel, bool):
-        raise ValueError("fp8(per_channel=...) must be true or false")
-    if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block <= 0):
-        raise ValueError(f"fp8(block=...) must be a positive int, got {block!r}")
-    if block is not None and per_channel:
-        raise ValueError("fp8 takes per_channel=true or block=N, not both")
-    act = opts.get("act", "none")
-    if act not in FP8_ACT_OPTIONS:
-        raise ValueError(f"fp8(act=...) is none (weight-only), dynamic (per-token fp8 activations) or static "
-                         f"(one calibrated per-tensor activation scale), got {act!r}")
-    if act == "static" and block is not None:
-        raise ValueError("fp8(block=N) takes act=dynamic (1x128 activation tiles), not act=static")
-    granularity = "block" if block else "channel" if per_channel else "tensor"
-    return WeightScheme("fp8", granularity, block or 0, FP8_ACT_OPTIONS[act])
-
-
-def _group(kind: str, opts: Mapping[str, Any]) -> int:
-    group = opts.get("group", 128)
-    if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or group % 8:
-        raise ValueError(f"{kind}(group=...) must be a positive multiple of 8, got {group!r}")
-    return group
-
-
-def _awq(opts: Mapping[str, Any]) -> WeightScheme:
-    _check_keys("awq", opts, ("group", "zero_point"))
-    if opts.get("zero_point", True) is not True:
-        raise ValueError("awq(zero_point=false) is not supported: AutoAWQ GEMM checkpoints carry zero points")
-    return WeightScheme("awq", group=_group("awq", opts), zero_offset=0)
-
-
-def _gptq(opts: Mapping[str, Any]) -> WeightScheme:
-    _check_keys("gptq", opts, ("group", "sym", "format"))
-    fmt = opts.get("format", "v1")
-    if fmt not in ("v1", "v2"):
-        raise ValueError(f"gptq(format=...) is v1 (zeros stored minus one, as AutoGPTQ/GPTQModel save) or v2, "
-                         f"got {fmt!r}")
-    sym = opts.get("sym", True)
-    if not isinstance(sym, bool):
-        raise ValueError("gptq(sym=...) must be true or false")
-    return WeightScheme("gptq", group=_group("gptq", opts), zero_offset=1 if fmt == "v1" else 0, sym=sym)
-
-
-SCHEMES: dict[str, Callable[[Mapping[str, Any]], WeightScheme]] = {"fp8": _fp8, "awq": _awq, "gptq": _gptq}
-
-
-def parse_weight_scheme(value: Any) -> WeightScheme:
-    """The scheme of a recipe's `quantize.weights` value; ValueError says what is wrong with it."""
-    kind, opts = _options(value)
-    if kind not in SCHEMES:
-        raise ValueError(f"unknown weight quantization '{kind}' (known: {', '.join(SCHEMES)})")
-    return SCHEMES[kind](opts)
-
-
-def quantize_option(program: Program, ctx: PassContext, key: str, parse: Callable[[Any], T]) -> T | None:
-    """`quantize.{key}` of the recipe (ctx.options, else program.meta) parsed by `parse`; None when absent.
-    A ValueError from `parse` becomes a PassError naming the setting."""
-    value = (ctx.options.get("quantize") or program.meta.get("quantize") or {}).get(key)
-    if value is None:
-        return None
+def recipe_quantize(program: Program, ctx: PassContext) -> QuantizeOptions:
+    """The recipe's `quantize` options (ctx.options, else program.meta; compiler/options.py parses them). A
+    value that does not parse (a hand-made meta) is a PassError naming the setting."""
     try:
-        return parse(value)
-    except ValueError as e:
-        raise PassError(f"quantize.{key}: {e}") from None
+        return RecipeOptions.from_meta(ctx.options or program.meta).quantize
+    except KilnError as e:
+        raise PassError(str(e)) from None
 
 
 # ---------------------------------------------------------------- the rewrite
@@ -212,7 +107,8 @@ def weight_rewrites(scheme: WeightScheme) -> tuple[Rewrite, ...]:
     )
 
 
-@register_pass("quantize_weights", requires=("shape_inference",))
+@register_pass("quantize_weights", requires=("shape_inference",),
+               before=("fuse_qkv", "fuse_gate_up", "fuse_dequant_linear", "kernel_selection"))
 class QuantizeWeights(Pass):
     """Requires: typed IR; the scheme from the recipe's `quantize { weights = ... }` (ctx.options, else
     program.meta; absent: nothing changes). Guarantees: every `linear` whose weight is a plain 2-D float param
@@ -228,8 +124,7 @@ class QuantizeWeights(Pass):
         self.scheme = scheme
 
     def run(self, program: Program, ctx: PassContext) -> Program:
-        scheme = self.scheme if self.scheme is not None else quantize_option(program, ctx, "weights",
-                                                                             parse_weight_scheme)
+        scheme = self.scheme if self.scheme is not None else recipe_quantize(program, ctx).weights
         if scheme is None:
             return program
         ctx.stats["scheme"] = scheme.kind + ("" if scheme.kind != "fp8" else f"/{scheme.granularity}")

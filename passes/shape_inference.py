@@ -1,12 +1,12 @@
 """Infers and checks the type of every value, graph by graph, block inputs from their call sites."""
 from __future__ import annotations
 
-from kiln.compiler import Graph, Pass, PassContext, Program, register_pass
+from kiln.compiler import Graph, Pass, PassContext, PassError, Program, register_pass
 from kiln.compiler.ops import OPS, ShapeError
 
 
-class ShapeInferenceError(Exception):
-    pass
+class ShapeInferenceError(PassError):
+    """A value's type does not follow from its inputs (a pass, or hand-written IR, broke the program)."""
 
 
 def infer_graph(graph: Graph) -> tuple[Graph, bool]:
@@ -26,7 +26,7 @@ def infer_graph(graph: Graph) -> tuple[Graph, bool]:
     return out, changed
 
 
-@register_pass("shape_inference")
+@register_pass("shape_inference", guarantees=("typed",))
 class ShapeInference(Pass):
     """Requires: every `input`/`param` node carries its type. Guarantees: every node's `out` is its op's
     shape rule applied to its inputs (symbolic dims such as T kept); block graphs typed too."""

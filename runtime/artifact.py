@@ -1,6 +1,7 @@
 """Loading a compiled artifact directory: manifest, generated model package, weights, tokenizer."""
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import itertools
@@ -24,11 +25,10 @@ from .config import (
     scheduler_config_from_manifest,
 )
 from .errors import ArtifactError
+from .manifest import validate_manifest
 
-SCHEMA_VERSION = 1
-_REQUIRED_SECTIONS = ("runtime", "kv_cache", "weights", "entry")
 _package_ids = itertools.count()
-_CUDA_TARGETS = ("h100", "h200")  # artifacts whose kernels are Triton, for NVIDIA GPUs
+_HASH_CHUNK = 16 * 2**20
 
 
 @dataclass
@@ -45,30 +45,25 @@ class LoadedArtifact:
 
 
 def read_manifest(path: str | Path) -> dict:
-    """Reads and checks `ART/manifest.json`; raises `ArtifactError` on anything a runtime cannot serve."""
+    """Reads `ART/manifest.json` and checks it against the schema (runtime/manifest.py); raises `ArtifactError`
+    on anything a runtime cannot serve."""
     art = Path(path)
     file = art / "manifest.json"
     if not file.is_file():
         raise ArtifactError(f"{art}: not a kiln artifact (no manifest.json); build one with `kiln compile`")
     try:
-        manifest = json.loads(file.read_text())
+        manifest = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{file}: invalid JSON ({e})") from None
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{file}: expected a JSON object")
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ArtifactError(
-            f"{file}: artifact schema version {version!r} (kiln {manifest.get('kiln_version', '?')}) is not "
-            f"supported; this runtime reads schema version {SCHEMA_VERSION}. Recompile the recipe with this kiln.")
-    missing = [s for s in _REQUIRED_SECTIONS if not isinstance(manifest.get(s), dict)]
-    if missing:
-        raise ArtifactError(f"{file}: missing section(s) {', '.join(missing)}")
+    validate_manifest(manifest, str(file))
     return manifest
 
 
 def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
                   load_tokenizer: bool = True) -> LoadedArtifact:
+    """Loads an artifact, refusing (ArtifactError) what would fail later: a manifest outside the schema, a
+    generated model that disagrees with it, weight files that are not the ones compiled (sha256 per file) or
+    whose tensors differ from the manifest's names, dtypes and shapes, a tokenizer that does not load."""
     art = Path(path).resolve()
     manifest = read_manifest(art)
     device = torch.device(device)
@@ -80,10 +75,9 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
     except Exception as e:  # generated code failing on its own weights is an artifact problem
         raise ArtifactError(f"{art}: Model(weights) failed: {type(e).__name__}: {e}") from e
     tokenizer = None
-    tok_dir = art / manifest.get("tokenizer", {}).get("dir", "tokenizer")
-    if load_tokenizer and (tok_dir / "tokenizer.json").is_file():
-        from .tokenizer import Tokenizer
-        tokenizer = Tokenizer.from_dir(tok_dir)
+    tok = manifest.get("tokenizer")  # null: an artifact without one (random weights) serves token ids only
+    if load_tokenizer and tok is not None:
+        tokenizer = open_tokenizer(art / tok["dir"], manifest["runtime"]["vocab_size"])
     return LoadedArtifact(path=art, manifest=manifest, model=model, tokenizer=tokenizer, device=device,
                           model_config=model_config_from_manifest(manifest),
                           kv_cache_config=kv_cache_config_from_manifest(manifest),
@@ -91,13 +85,31 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
                           cuda_graph_config=cuda_graph_config_from_manifest(manifest))
 
 
+def open_tokenizer(tok_dir: str | Path, vocab_size: int) -> Any:
+    """The artifact's tokenizer in `tok_dir`, checked against the model's vocabulary (`ArtifactError` if unusable)."""
+    tok_dir = Path(tok_dir)
+    from .tokenizer import Tokenizer
+
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise ArtifactError(f"{tok_dir}: manifest.json names a tokenizer, but there is no tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_dir(tok_dir)
+    except Exception as e:  # tokenizers raises bare Exceptions; json, UnicodeDecodeError
+        raise ArtifactError(f"{tok_dir}: the tokenizer does not load ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ArtifactError(f"{tok_dir}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                            f"vocabulary of {vocab_size}")
+    return tokenizer
+
+
 def _check_device(art: Path, manifest: dict, device: torch.device) -> None:
     """A GPU artifact loads on a CUDA device (or on CPU under Triton's interpreter, TRITON_INTERPRET=1, which
     is how kiln tests its kernels without a GPU); anything else is refused here, before weights load."""
-    target = manifest.get("target", "cpu")
+    target = manifest["target"]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ArtifactError(f"{art}: asked to load on {device}, but this machine has no CUDA device")
-    if target in _CUDA_TARGETS and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if manifest["device"] == "cuda" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         why = ("this machine has no CUDA device" if not torch.cuda.is_available()
                else f"it was asked to load on {device}")
         raise ArtifactError(f"{art}: compiled for target {target!r} (Triton kernels for NVIDIA GPUs), but {why}; "
@@ -106,9 +118,10 @@ def _check_device(art: Path, manifest: dict, device: torch.device) -> None:
 
 def _import_entry(art: Path, manifest: dict) -> type:
     """Imports ART as a package under a fresh name, so relative imports (`from .kernels import cpu`) work and
-    two artifacts loaded in one process never share modules."""
+    two artifacts loaded in one process never share modules. The generated module's constants must agree with
+    the manifest: its rotary tables hold MAX_MODEL_LEN positions and its logits VOCAB_SIZE rows."""
     entry = manifest["entry"]
-    module_name, class_name = entry.get("module", "model"), entry.get("class", "Model")
+    module_name, class_name = entry["module"], entry["class"]
     if not (art / "__init__.py").is_file():
         raise ArtifactError(f"{art}: missing __init__.py (the artifact must be importable as a package)")
     package = f"_kiln_artifact_{next(_package_ids)}"
@@ -124,29 +137,79 @@ def _import_entry(art: Path, manifest: dict) -> type:
     cls = getattr(module, class_name, None)
     if cls is None:
         raise ArtifactError(f"{art}/{module_name}.py defines no class {class_name}")
+    rt = manifest["runtime"]
+    built = getattr(module, "MAX_MODEL_LEN", None)
+    if isinstance(built, int) and rt["max_model_len"] > built:
+        raise ArtifactError(f"{art}: manifest.json runtime.max_model_len = {rt['max_model_len']}, but {module_name}.py "
+                            f"was generated for at most {built} positions (its rotary tables); recompile with "
+                            "serve { max_model_len = ... } instead of editing the manifest")
+    vocab = getattr(module, "VOCAB_SIZE", None)
+    if isinstance(vocab, int) and rt["vocab_size"] != vocab:
+        raise ArtifactError(f"{art}: manifest.json runtime.vocab_size = {rt['vocab_size']}, but the model's logits "
+                            f"have {vocab} rows ({module_name}.py VOCAB_SIZE)")
     return cls
 
 
 def _load_weights(art: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     wcfg = manifest["weights"]
-    wdir = art / wcfg.get("dir", "weights/rank0")
-    files = wcfg.get("files") or sorted(p.name for p in wdir.glob("*.safetensors"))
-    if not files:
-        raise ArtifactError(f"{wdir}: no .safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = wdir / name
+    wdir = art / wcfg["dir"]
+    expected: dict[str, dict[str, dict]] = {name: {} for name in wcfg["files"]}
+    for tensor, meta in wcfg["tensors"].items():
+        expected[meta["file"]][tensor] = meta
+    files = [wdir / name for name in wcfg["files"]]
+    for file in files:
         if not file.is_file():
             raise ArtifactError(f"{file}: weight file listed in manifest.json is missing")
-        shard = load_file(str(file), device=str(device))
-        dup = weights.keys() & shard.keys()
-        if dup:
-            raise ArtifactError(f"{file}: tensor(s) {sorted(dup)[:3]} also appear in another weight file")
+    for file, digest in zip(files, _digests(files), strict=True):
+        if digest != wcfg["sha256"][file.name]:
+            raise ArtifactError(f"{file}: the file is not the one compiled (sha256 {digest[:16]}..., manifest.json "
+                                f"records {wcfg['sha256'][file.name][:16]}...): truncated, corrupted or replaced; "
+                                "recompile the recipe")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        want = expected[file.name]
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                header = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+            _check_header(file, header, want)
+            shard = load_file(str(file), device=str(device))
+        except SafetensorError as e:
+            raise ArtifactError(f"{file}: not a readable safetensors file ({e})") from None
         weights.update(shard)
-    for alias, stored in (wcfg.get("aliases") or {}).items():  # a tensor the converter stored once
-        if stored not in weights:
-            raise ArtifactError(f"manifest.json: weight alias {alias!r} names missing tensor {stored!r}")
+    for alias, stored in wcfg.get("aliases", {}).items():  # a tensor the converter stored once
         weights[alias] = weights[stored]
     return weights
+
+
+def _check_header(file: Path, header: dict[str, tuple[str, list[int]]], want: dict[str, dict]) -> None:
+    """The file's tensors are exactly the manifest's, with its dtypes and shapes."""
+    missing, extra = sorted(want.keys() - header.keys()), sorted(header.keys() - want.keys())
+    if missing or extra:
+        what = "; ".join(part for part in (f"missing {missing[:3]}" if missing else "",
+                                           f"unexpected {extra[:3]}" if extra else "") if part)
+        raise ArtifactError(f"{file}: tensors differ from manifest.json ({what})")
+    for name, (dtype, shape) in sorted(header.items()):
+        meta = want[name]
+        if dtype != meta["dtype"] or list(shape) != meta["shape"]:
+            raise ArtifactError(f"{file}: tensor {name!r} is {dtype} {list(shape)}, manifest.json (and the generated "
+                                f"model) expect {meta['dtype']} {meta['shape']}")
+
+
+def _digests(files: list[Path]) -> list[str]:
+    """sha256 of each file, hashed in parallel threads (hashlib releases the GIL on large reads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+        return h.hexdigest()
+
+    if len(files) == 1:
+        return [digest(files[0])]
+    with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+        return list(pool.map(digest, files))

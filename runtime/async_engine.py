@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .artifact import open_tokenizer
 from .core_client import AsyncCoreClient, CoreProcess, EngineDeadError
 from .core_protocol import (
     Abort,
@@ -143,7 +144,7 @@ class AsyncLLMEngine:
     def from_process(cls, process: CoreProcess, **kwargs: Any) -> AsyncLLMEngine:
         """The engine over a core this server started; its tokenizer is read from the artifact."""
         info = process.info
-        tokenizer = Tokenizer.from_dir(info.tokenizer_dir) if info.tokenizer_dir else None
+        tokenizer = open_tokenizer(info.tokenizer_dir, info.limits.vocab_size) if info.tokenizer_dir else None
         return cls(info, tokenizer, process=process, **kwargs)
 
     # Lifecycle (event loop) -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .errors import ArtifactError
+from .manifest import MLA_LAYOUT
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -43,6 +44,7 @@ class KVCacheConfig:
     dtype: torch.dtype
     num_blocks: int | None  # None: sized from a memory budget at load time
     latent_dim: int = 0  # MLA: > 0, and each tensor is [num_blocks, block_size, latent_dim] (kv_lora_rank + rope dim)
+    pool_bytes: int | None = None  # the compile's byte budget for the pool (cpu); None: from device memory
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,14 +61,17 @@ class KVCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_seqs: int = 256
-    max_batched_tokens: int = 8192
-    chunked_prefill: int | None = 512  # max prompt tokens of one sequence per step; None = only the budget
-    policy: str = "fcfs"
-    prefix_cache: str | None = "radix"  # None / "none" disables
-    preemption: str = "recompute"  # recompute | swap: a preempted sequence's KV is copied to CPU memory
-    swap_space: int = 4 * 2**30  # bytes of CPU memory for swapped-out KV blocks (preemption = swap)
-    async_scheduling: bool | None = None  # overlap host work with the device (LLMEngine); None: on for CUDA
+    """The manifest's `scheduler` section (every field explicit: the compiler fills the recipe's defaults), with
+    per-launch overrides."""
+
+    max_seqs: int
+    max_batched_tokens: int
+    chunked_prefill: int | None  # max prompt tokens of one sequence per step; None = only the budget
+    policy: str  # fcfs | priority
+    prefix_cache: str | None  # "radix"; None disables
+    preemption: str  # recompute | swap: a preempted sequence's KV is copied to CPU memory
+    swap_space: int  # bytes of CPU memory for swapped-out KV blocks (preemption = swap)
+    async_scheduling: bool | None  # overlap host work with the device (LLMEngine); None: on for CUDA
 
     def with_overrides(self, **overrides: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -87,54 +92,25 @@ def model_config_from_manifest(manifest: dict) -> ModelConfig:
                        bos_token_id=rt.get("bos_token_id"), eos_token_ids=tuple(eos))
 
 
-MHA_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
-MLA_LAYOUT = ["num_blocks", "block_size", "latent_dim"]
-
-
 def kv_cache_config_from_manifest(manifest: dict) -> KVCacheConfig:
+    """The KV geometry of a manifest that `validate_manifest` accepted (layout and its fields present)."""
     kv = manifest["kv_cache"]
-    layout = kv.get("layout", MHA_LAYOUT)
-    num_blocks = kv.get("num_blocks")
-    if list(layout) == MLA_LAYOUT:
-        return KVCacheConfig(num_layers=int(_get(kv, "num_layers", "kv_cache")), kv_heads=1,
-                             head_dim=int(_get(kv, "latent_dim", "kv_cache")),
-                             block_size=int(_get(kv, "block_size", "kv_cache")),
-                             dtype=torch_dtype(kv.get("dtype", manifest.get("dtype", "float32"))),
-                             num_blocks=None if num_blocks is None else int(num_blocks),
-                             latent_dim=int(_get(kv, "latent_dim", "kv_cache")))
-    if list(layout) != MHA_LAYOUT:
-        raise ArtifactError(f"manifest.json: kv_cache.layout {layout} is not supported by this runtime "
-                            f"(supported: {MHA_LAYOUT}, {MLA_LAYOUT})")
-    return KVCacheConfig(num_layers=int(_get(kv, "num_layers", "kv_cache")),
-                         kv_heads=int(_get(kv, "kv_heads", "kv_cache")),
-                         head_dim=int(_get(kv, "head_dim", "kv_cache")),
-                         block_size=int(_get(kv, "block_size", "kv_cache")),
-                         dtype=torch_dtype(kv.get("dtype", manifest.get("dtype", "float32"))),
-                         num_blocks=None if num_blocks is None else int(num_blocks))
+    num_blocks, pool = kv.get("num_blocks"), kv.get("pool_bytes")
+    common = {"num_layers": int(kv["num_layers"]), "block_size": int(kv["block_size"]),
+              "dtype": torch_dtype(kv["dtype"]), "num_blocks": None if num_blocks is None else int(num_blocks),
+              "pool_bytes": None if pool is None else int(pool)}
+    if list(kv["layout"]) == MLA_LAYOUT:
+        return KVCacheConfig(kv_heads=1, head_dim=int(kv["latent_dim"]), latent_dim=int(kv["latent_dim"]), **common)
+    return KVCacheConfig(kv_heads=int(kv["kv_heads"]), head_dim=int(kv["head_dim"]), **common)
 
 
 def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
-    s = manifest.get("scheduler", {})
-    default = SchedulerConfig()
-    chunk = s.get("chunked_prefill", default.chunked_prefill)
-    prefix = s.get("prefix_cache", default.prefix_cache)
-    return SchedulerConfig(max_seqs=int(s.get("max_seqs", default.max_seqs)),
-                           max_batched_tokens=int(s.get("max_batched_tokens", default.max_batched_tokens)),
-                           chunked_prefill=int(chunk) if chunk else None,
-                           policy=str(s.get("policy", default.policy)),
-                           prefix_cache=None if prefix in (None, False, "none") else str(prefix),
-                           preemption=str(s.get("preemption", default.preemption)),
-                           swap_space=int(s.get("swap_space", default.swap_space)),
-                           async_scheduling=_flag(s.get("async_scheduling"), "scheduler.async_scheduling"))
-
-
-def _flag(value: Any, where: str) -> bool | None:
-    """A manifest switch: a JSON bool, or a recipe's `true` / `false` (kept as text by the compiler)."""
-    if value is None or isinstance(value, bool):
-        return value
-    if str(value) in ("true", "false"):
-        return str(value) == "true"
-    raise ArtifactError(f"manifest.json: {where} must be true or false, not {value!r}")
+    s = manifest["scheduler"]
+    return SchedulerConfig(max_seqs=int(s["max_seqs"]), max_batched_tokens=int(s["max_batched_tokens"]),
+                           chunked_prefill=None if s["chunked_prefill"] is None else int(s["chunked_prefill"]),
+                           policy=str(s["policy"]), prefix_cache=None if s["prefix_cache"] == "none" else "radix",
+                           preemption=str(s["preemption"]), swap_space=int(s["swap_space"]),
+                           async_scheduling=s["async_scheduling"])
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,14 +85,14 @@ class EngineCoreProc:
         self.latest = (0, CoreStats())  # (version, stats): one tuple, read by the heartbeat thread
         art = engine.artifact
         manifest = art.manifest
-        tok_dir = art.path / manifest.get("tokenizer", {}).get("dir", "tokenizer")
+        tok = manifest.get("tokenizer")  # null: an artifact without one (random weights) serves token ids only
         from kiln import __version__
         self.info = CoreInfo(
             protocol_version=PROTOCOL_VERSION, kiln_version=__version__, pid=os.getpid(), artifact=str(art.path),
             input_address=config.input_address, limits=engine.limits, max_waiting=config.max_waiting,
             device=str(art.device), target=manifest.get("target"), arch=(manifest.get("model") or {}).get("name"),
             served_name=(manifest.get("serve") or {}).get("served_name"),
-            tokenizer_dir=str(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None,
+            tokenizer_dir=str(art.path / tok["dir"]) if tok is not None else None,
             kv_bytes=int(engine.runner.memory_plan["kv_bytes"]), async_scheduling=engine.async_scheduling,
             speculative=engine.speculative.method if engine.speculative else None, num_threads=num_threads)
 

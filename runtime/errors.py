@@ -1,9 +1,11 @@
 """User-facing runtime errors: raised with a message meant for the person who ran kiln, not a traceback."""
 from __future__ import annotations
 
+from kiln.errors import KilnError
 
-class KilnRuntimeError(Exception):
-    """Base class of the errors the CLI and server print without a traceback."""
+
+class KilnRuntimeError(KilnError):
+    """Base class of the runtime's errors the CLI and server print without a traceback."""
 
 
 class ArtifactError(KilnRuntimeError):

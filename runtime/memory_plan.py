@@ -95,16 +95,20 @@ def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int |
                 prefill_lengths: list[int] | None = None, graph_reserve: int = 0,
                 vocab_size: int = 1) -> dict[str, Any]:
     """The KV pool's size and how it was reached (`kv_blocks`, `kv_bytes`, `source`). An explicit block count
-    wins; then the manifest's; then a byte budget (CPU: 256 MiB by default). On CUDA with neither, the pool is
-    what `plan_kv_cache` leaves after the weights, the activation peak of a dummy prefill of `prefill_lengths`
-    through `model` (no model: not profiled, 0) and `graph_reserve`."""
+    wins; then a byte budget; then the manifest's decision (`kiln compile --report` predicts from the same):
+    its `num_blocks`, else its `pool_bytes` (the cpu target's budget). Else, on CUDA, the pool is what
+    `plan_kv_cache` leaves after the weights, the activation peak of a dummy prefill of `prefill_lengths`
+    through `model` (no model: not profiled, 0) and `graph_reserve`; off CUDA (a GPU artifact under the
+    Triton interpreter) DEFAULT_CPU_KV_BYTES."""
     if num_kv_blocks is not None:
         source, n = "num_kv_blocks", num_kv_blocks
     elif kv.num_blocks is not None and kv_cache_bytes is None:
         source, n = "manifest", kv.num_blocks
-    elif kv_cache_bytes is not None or device.type != "cuda":
-        source = "kv_cache_bytes" if kv_cache_bytes is not None else "cpu default"
-        n = (DEFAULT_CPU_KV_BYTES if kv_cache_bytes is None else kv_cache_bytes) // kv.bytes_per_block
+    elif kv_cache_bytes is not None or kv.pool_bytes is not None or device.type != "cuda":
+        source, budget = (("kv_cache_bytes", kv_cache_bytes) if kv_cache_bytes is not None else
+                          ("manifest pool_bytes", kv.pool_bytes) if kv.pool_bytes is not None else
+                          ("interpreter default", DEFAULT_CPU_KV_BYTES))
+        n = budget // kv.bytes_per_block
     else:
         torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses is free for KV
         weights = torch.cuda.memory_allocated(device)

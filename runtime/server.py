@@ -358,7 +358,7 @@ class _Formatter:
             async for delta in self.group:
                 for index, c in self.choices_of(delta):
                     self.completion_tokens += len(c.token_ids)
-                    if c.text or c.finish_reason is not None or c.logprobs:
+                    if c.text or c.finish_reason is not None or c.logprobs or self.server.tokenizer is None:
                         yield self.chunk([self.choice_delta(index, c)])
             if self.include_usage:
                 yield self.chunk([], self.usage())
@@ -423,12 +423,16 @@ class _CompletionFormatter(_Formatter):
 
     def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
         return {"index": index, "text": c.text, "logprobs": self.logprobs(index, c.token_ids, c.logprobs or []),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **self.token_ids(c.token_ids)}
 
     def full_choice(self, index: int, a: dict[str, Any]) -> dict[str, Any]:
         return {"index": index, "text": "".join(a["text"]),
                 "logprobs": self.logprobs(index, a["token_ids"], a["logprobs"]),
-                "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"]}
+                "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"], **self.token_ids(a["token_ids"])}
+
+    def token_ids(self, ids: list[int]) -> dict[str, list[int]]:
+        """A model without a tokenizer (random weights) has no text to send: its choices carry the token ids."""
+        return {"token_ids": list(ids)} if self.server.tokenizer is None else {}
 
 
 class _ChatFormatter(_Formatter):

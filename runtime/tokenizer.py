@@ -49,10 +49,12 @@ class Tokenizer:
 
         def read(name: str) -> dict:
             f = path / name
-            return json.loads(f.read_text()) if f.is_file() else {}
+            return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
 
-        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), read("tokenizer_config.json"),
-                   read("generation_config.json"))
+        config = read("tokenizer_config.json")
+        if (path / "chat_template.jinja").is_file():  # transformers' own file wins over tokenizer_config's
+            config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), config, read("generation_config.json"))
 
     @property
     def vocab_size(self) -> int:

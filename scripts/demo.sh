@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Sets up kiln and runs the main job on the embedded default model (examples/embedded, a small Llama
 # trained on Debian's fortune cookies): compile its recipe for the cpu target, generate, then serve it
-# behind the OpenAI-compatible API and ask it something.
+# behind the OpenAI-compatible API and ask it something. Everything runs in the project venv (.venv/, set up
+# by scripts/venv.sh); nothing is installed into the system's python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --disable-pip-version-check -r requirements-cpu.txt
-python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+source scripts/venv.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # small models on few cores: one torch thread is fastest
 
 echo "== kiln compile examples/embedded.dsl -o build/embedded --report"

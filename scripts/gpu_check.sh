@@ -3,9 +3,11 @@
 # decode/prefill vs hardware limits (gpu_decode.py, with 8B fp8/int4 variants), the real engine in steady
 # decode with its memory plan (gpu_engine.py), one DeepSeek-V3-shaped layer vs its bytes limit
 # (gpu_deepseek_layer.py). Each step runs under its own `timeout` (tests 190 s, decode 220 s, engine 70 s,
-# deepseek 60 s: 540 s + ~25 s of setup; autotuning's first-call timing included), writes its log and JSON
-# under $OUT (default ./out) as it goes, so a step that runs out of time still leaves what it measured; a
-# summary table is printed last. A session has
+# deepseek 60 s: 540 s + ~25 s of setup; autotuning's first-call timing included), writes its JSON under $OUT
+# (default ./out) and its log into $OUT/logs.tar.gz as it goes, so a step that runs out of time still leaves
+# what it measured; a summary table is printed last. $OUT holds at most 6 files (the GPU runner brings back
+# 8): gpu_check.log, logs.tar.gz (tests.log, decode.log, engine.log, deepseek.log), tests_gpu.xml,
+# gpu_decode.json, gpu_engine.json, gpu_deepseek_layer.json. A session has
 # ~15 min of device time including start-up: this is meant to be ONE call; rerun a failed step with STEPS=.
 #
 # Before the call, on the CPU machine:  bash /work/shared/wheels/stage.sh     (lark wheel -> .whl/)
@@ -38,16 +40,20 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 unset TRITON_INTERPRET
 
 declare -A RC SECS
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
 # step NAME LIMIT_S COMMAND...: runs COMMAND under `timeout LIMIT_S` with SIGINT (pytest then still prints its
-# summary and writes the junit XML of what ran; SIGKILL 10 s later), log in $OUT/NAME.log
+# summary and writes the junit XML of what ran; SIGKILL 10 s later); its log NAME.log goes into
+# $OUT/logs.tar.gz, rewritten after every step
 step() {
     local name=$1 limit=$2; shift 2
     case " $STEPS " in *" $name "*) ;; *) RC[$name]=skipped; SECS[$name]=0; return ;; esac
     echo "== $name ($*; limit ${limit}s)"
     local t0=$SECONDS
-    timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40
+    timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | tail -40
     RC[$name]=${PIPESTATUS[0]}
     SECS[$name]=$((SECONDS - t0))
+    tar -czf "$OUT/logs.tar.gz.tmp" -C "$LOGS" . && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
 }
 
 step tests 190 python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=15 --junitxml="$OUT/tests_gpu.xml"
@@ -57,7 +63,7 @@ step deepseek 60 python3 benchmarks/gpu_deepseek_layer.py --out "$OUT" --budget-
 
 # Summary: each step's outcome, then the headline figures from the JSON the benchmarks wrote.
 echo
-echo "gpu_check summary (rc 124/137 = hit its timeout; ${SECONDS}s in all; logs and JSON in $OUT)"
+echo "gpu_check summary (rc 124/137 = hit its timeout; ${SECONDS}s in all; JSON and logs.tar.gz in $OUT)"
 printf '  %-9s %8s %6s\n' step rc seconds
 for s in tests decode engine deepseek; do printf '  %-9s %8s %6s\n' "$s" "${RC[$s]}" "${SECS[$s]}"; done
 OUT="$OUT" python3 - <<'EOF' || true

@@ -144,3 +144,32 @@ def test_random_weights_are_deterministic_and_shaped_like_an_init(tmp_path):
     one_layer = load_file(str(tmp_path / "d/weights/rank0" /
                               convert_weights(make_program(layers=1), None, tmp_path / "d", progress=False)[0]))
     assert torch.equal(one_layer["decoder.0.wo"], w["decoder.0.wo"])
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00garbage" * 16, "half", "header"])
+def test_truncated_empty_or_garbage_checkpoint_files_are_checkpoint_errors(ckpt_factory, tmp_path, content):
+    """A broken safetensors file is a CheckpointError naming it, not safetensors' raw SafetensorError."""
+    ckpt = ckpt_factory("broken_file")
+    file = ckpt / "model.safetensors"
+    data = file.read_bytes()
+    cut = {"half": data[: len(data) // 2], "header": data[:100]}
+    file.write_bytes(cut.get(content, content) if isinstance(content, str) else content)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: not a readable safetensors file"):
+        convert_weights(make_program(), ckpt, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/etc/hostname", "sub/../../outside.safetensors"])
+def test_a_shard_index_cannot_name_files_outside_its_checkpoint(ckpt_factory, tmp_path, target):
+    ckpt = ckpt_factory("escape")
+    outside = ckpt.parent / "outside.safetensors"
+    outside.write_bytes((ckpt / "model.safetensors").read_bytes())
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": target}}))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        convert_weights(make_program(), ckpt, tmp_path / "out", progress=False)
+
+
+def test_a_shard_index_of_the_wrong_shape_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck/model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a", "b"]}))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to file names"):
+        convert_weights(make_program(), tmp_path / "ck", tmp_path / "out", progress=False)

@@ -166,3 +166,218 @@ def test_from_hf_unsupported_architecture(tmp_path):
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     assert "GPT2LMHeadModel" in res.stderr and "LlamaForCausalLM" in res.stderr
+
+
+def test_truncated_checkpoint_is_exit_2_without_traceback(tmp_path, llama_ckpt, capsys):
+    ck = _copy_ckpt(llama_ckpt, tmp_path / "ck")
+    data = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(data[: len(data) // 3])
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ck), "-o", str(recipe)]) == 0
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors: not a readable safetensors file" in err and not (tmp_path / "o").exists()
+
+
+def test_truncated_artifact_weights_are_exit_2_without_traceback(tmp_path, capsys):
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+        }}
+        """)
+    assert main(["compile", str(p), "-o", str(tmp_path / "art"), "--no-progress"]) == 0
+    (shard,) = (tmp_path / "art" / "weights" / "rank0").iterdir()
+    shard.write_bytes(shard.read_bytes()[:1000])
+    for argv in (["generate", str(tmp_path / "art"), "1 2", "--token-ids"], ["serve", str(tmp_path / "art")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "is not the one compiled" in err and "recompile" in err, err
+
+
+def test_non_utf8_recipe_is_located_not_a_traceback(tmp_path, capsys):
+    p = tmp_path / "latin1.dsl"
+    p.write_bytes(f"recipe r {{\n  model = {GOOD_MODEL}  # caf\xe9\n  weights = random(seed=0)\n}}\n".encode("latin-1"))
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    col = len(f"  model = {GOOD_MODEL}  # caf") + 1
+    assert err.startswith(f"{p}:2:{col}: error: not UTF-8 text: byte 0xe9"), err
+
+
+@pytest.mark.parametrize("value, message", [
+    ("rope_theta=1e999999", "number 1e999999 is too large: it is not a finite float"),
+    ("rope_theta=1e300 * 1e300", "'rope_theta' = inf: a model config value must be a finite number"),
+    ("rope_theta=0.0", "'rope_theta' must be > 0, got 0"),
+    ("norm_eps=-1", "'norm_eps' must be > 0 and < 1, got -1"),
+    ("max_position=0", "'max_position' must be >= 1 and <= 16,777,216, got 0"),
+    ("max_position=1000000000", "'max_position' must be >= 1 and <= 16,777,216, got 1,000,000,000"),
+])
+def test_config_values_out_of_range_are_located(tmp_path, capsys, value, message):
+    """Values that type-check but would compile to a broken artifact (inf theta, NaN norms, a 64 GB rotary table)."""
+    key = value.split("=")[0]
+    model = GOOD_MODEL[:-1] + f", {value})"
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {model}
+          weights = random(seed=0)
+        }}
+        """)
+    assert main(["compile", str(p), "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    col = f"  model = {model}".index(value[len(key) + 1:]) + 1
+    assert err.startswith(f"{p}:2:{col}: error: {message}"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_serve_max_model_len_out_of_range_is_located(tmp_path, capsys):
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          serve {{ max_model_len = 100000000 }}
+        }}
+        """)
+    assert main(["compile", str(p)]) == 2
+    assert capsys.readouterr().err.startswith(f"{p}:4:27: error: 'serve.max_model_len' must be >= 1 and <= 16,777,216")
+
+
+@pytest.mark.parametrize("text, where, message", [
+    ("{,}", "1:2", "invalid JSON: Expecting property name"),
+    ("[]", "1:1", "config.json must be a JSON object, got list"),
+    ('{"architectures": ["LlamaForCausalLM"],\n "hidden_size": "64"}', "2:2",
+     "'hidden_size' must be an integer, got str '64'"),
+    ('{"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": "yes"}', "1:41", "'tie_word_embeddings' must be true or false"),
+    ('{"architectures": ["LlamaForCausalLM"], "rope_scaling": "linear"}', "1:41", "'rope_scaling' must be an object"),
+    ('{"architectures": ["LlamaForCausalLM"], "vocab_size": 8}', "1:1", "config.json has no 'num_attention_heads'"),
+])
+def test_recipe_from_hf_bad_config_is_located(tmp_path, capsys, text, where, message):
+    (tmp_path / "config.json").write_text(text)
+    assert main(["recipe", "from-hf", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{tmp_path / 'config.json'}:{where}: error: {message}"), err
+
+
+@pytest.mark.parametrize("port, message", [("99999", "99999 is out of range: a port is an integer in 1..65535"),
+                                           ("0", "out of range"), ("http", "'http' is not a port number")])
+def test_serve_port_out_of_range_is_a_flag_error(tmp_path, capsys, port, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", str(tmp_path), "--port", port])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --port" in err and message in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def served_recipe_artifact(tmp_path_factory):
+    import kiln
+
+    work = tmp_path_factory.mktemp("serve_defaults")
+    (work / "r.dsl").write_text(f'recipe r {{\n  model = {GOOD_MODEL}\n  weights = random(seed=0)\n'
+                                f'  serve {{ port = 8765; host = "0.0.0.0"; served_name = "tiny-r" }}\n}}\n')
+    kiln.compile(work / "r.dsl", work / "art", progress=False)
+    return work / "art"
+
+
+@pytest.mark.parametrize("flags, host, port", [
+    ([], "0.0.0.0", 8765),  # the recipe's serve section
+    (["--port", "9000"], "0.0.0.0", 9000),  # a flag overrides it
+    (["--host", "127.0.0.1", "--port", "9001"], "127.0.0.1", 9001),
+])
+def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifact, monkeypatch, flags, host, port):
+    import kiln.runtime.server as server
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
+    assert main(["serve", str(served_recipe_artifact), *flags]) == 0
+    assert (seen["host"], seen["port"]) == (host, port)
+    assert seen["metrics_public"] is False and seen["served_model_name"] is None  # the server reads served_name
+
+
+def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
+    import kiln.runtime.server as server
+
+    import kiln
+
+    (tmp_path / "r.dsl").write_text(f"recipe r {{\n  model = {GOOD_MODEL}\n  weights = random(seed=0)\n}}\n")
+    kiln.compile(tmp_path / "r.dsl", tmp_path / "art", progress=False)
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
+    assert main(["serve", str(tmp_path / "art"), "--metrics-public"]) == 0
+    assert (seen["host"], seen["port"], seen["metrics_public"]) == ("127.0.0.1", 8000, True)
+
+
+def test_recipe_values_contradicting_the_checkpoint_config_warn(tmp_path, llama_ckpt, capsys):
+    import json
+
+    import kiln
+
+    cfg = json.loads((llama_ckpt / "config.json").read_text())
+    ck = _copy_ckpt(llama_ckpt, tmp_path / "ck")
+    model = (f"llama(vocab={cfg['vocab_size']}, hidden={cfg['hidden_size']}, layers={cfg['num_hidden_layers']}, "
+             f"heads={cfg['num_attention_heads']}, kv_heads={cfg['num_key_value_heads']}, "
+             f"ffn={cfg['intermediate_size']}, norm_eps=0.001)")
+    p = write(tmp_path, f"""
+        recipe hand {{
+          model = {model}
+          weights = "hf:./ck"
+        }}
+        """)
+    assert cfg["rms_norm_eps"] != 0.001 and cfg["max_position_embeddings"] != 4096  # llama's default max_position
+    assert main(["compile", str(p)]) == 0
+    err = capsys.readouterr().err
+    col = f"  model = {model}".index("0.001") + 1
+    assert f"{p}:2:{col}: warning: norm_eps = 0.001 (the recipe's value), but {ck / 'config.json'} implies " \
+           f"norm_eps = {float(cfg['rms_norm_eps'])!r} (rms_norm_eps)" in err, err
+    assert f"{p}:2:11: warning: max_position = 4096 (llama's default), but {ck / 'config.json'} implies " \
+           f"max_position = {cfg['max_position_embeddings']} (max_position_embeddings)" in err, err
+    with pytest.warns(kiln.driver.SourceWarning) as caught:  # the Python API warns too
+        res = kiln.compile(p)
+    assert sorted(str(w.message).split(" = ")[0] for w in caught) == ["max_position", "norm_eps"]
+    assert {w.message.split(" = ")[0] for w in res.warnings} == {"norm_eps", "max_position"}
+    recipe = tmp_path / "from_hf.dsl"
+    assert main(["recipe", "from-hf", str(ck), "-o", str(recipe)]) == 0
+    capsys.readouterr()
+    assert main(["compile", str(recipe)]) == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_one_error_root_for_everything_a_user_can_get_wrong(tmp_path, capsys):
+    """kiln.errors.KilnError is the base of the compile side's and the runtime's errors; the CLI catches it."""
+    from kiln.codegen.errors import CheckpointError, CodegenError, TokenizerError, WeightError
+    from kiln.compiler import PassError
+    from kiln.dsl.errors import SourceError
+    from kiln.passes.kernel_selection import KernelSelectionError
+    from kiln.passes.shape_inference import ShapeInferenceError
+    from kiln.runtime.errors import ArtifactError, KilnRuntimeError, RequestError
+
+    from kiln.errors import KilnError
+
+    for cls in (SourceError, PassError, KernelSelectionError, ShapeInferenceError, CodegenError, WeightError,
+                CheckpointError, TokenizerError, KilnRuntimeError, ArtifactError, RequestError):
+        assert issubclass(cls, KilnError), cls
+    (tmp_path / "bad_pass_mod.py").write_text(
+        "from kiln.compiler import Pass, PassError, register_pass\n\n"
+        "@register_pass('refusing_pass')\nclass Refusing(Pass):\n"
+        "    def run(self, program, ctx):\n        raise PassError('this pass refuses the program')\n")
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          passes {{ after fuse_qkv: "bad_pass_mod:Refusing" }}
+        }}
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this pass refuses the program") and "Traceback" not in err
+
+
+def test_unknown_target_in_the_recipe_is_located_with_the_registry(tmp_path, capsys):
+    """The target registry (compiler/targets.py) is the one list of targets: the DSL keeps none."""
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          target = h20
+        }}
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{p}:4:12: error: unknown target 'h20' — did you mean 'h200'? (known: h100, h200, cpu)"), err

@@ -52,7 +52,7 @@ def test_dump_ir_writes_ir_after_every_pass(recipe, tmp_path):
 def test_report_lists_fusions(recipe, capsys):
     assert main(["compile", str(recipe), "--report"]) == 0
     out = capsys.readouterr().out
-    assert "fuse_qkv" in out and "cpu.paged_attention" in out and "KV bytes per token" in out
+    assert "fuse_qkv" in out and "tvm.paged_attention" in out and "KV bytes per token" in out
 
 
 def test_custom_pass_from_python_and_from_recipe(recipe, tmp_path, monkeypatch):
@@ -121,3 +121,68 @@ def test_python_artifact_generate_subprocess(recipe, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("Hello there")
+
+
+def _with_passes(recipe: Path, tmp_path: Path, body: str, name: str = "p.dsl") -> Path:
+    p = tmp_path / name
+    p.write_text(recipe.read_text().replace("  serve ", f"  passes {{ {body} }}\n  serve "))
+    return p
+
+
+def _located(err: str, p: Path, needle: str) -> tuple[int, int]:
+    """(line, col) of the error, which must be at the `needle` text of the passes section."""
+    line = next(i for i, ln in enumerate(p.read_text().splitlines(), 1) if ln.strip().startswith("passes"))
+    col = p.read_text().splitlines()[line - 1].index(needle) + 1
+    assert err.startswith(f"{p}:{line}:{col}: error:"), err
+    return line, col
+
+
+def test_unknown_anchor_is_located_and_checked_before_the_module_is_imported(recipe, tmp_path, capsys):
+    (tmp_path / "loud_pass.py").write_text("import pathlib\npathlib.Path(__file__).with_suffix('.ran').touch()\n")
+    p = _with_passes(recipe, tmp_path, 'after fuse_qvk: "loud_pass:Anything"')
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    _located(err, p, "fuse_qvk")
+    assert "no pass named 'fuse_qvk'" in err and "did you mean 'fuse_qkv'" in err
+    assert not (tmp_path / "loud_pass.ran").exists()  # the module was never imported
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module_kiln:Pass", "cannot import module 'no_such_module_kiln'"),
+    ("custom_pass_here:Missing", "has no 'Missing'"),
+    ("custom_pass_here:NotAPass", "is not a kiln Pass subclass"),
+    ("broken_pass_here:P", "importing 'broken_pass_here' failed: ZeroDivisionError"),
+])
+def test_pass_module_errors_are_located_at_the_spec(recipe, tmp_path, capsys, spec, message):
+    (tmp_path / "custom_pass_here.py").write_text("class NotAPass:\n    pass\n")
+    (tmp_path / "broken_pass_here.py").write_text("1 / 0\n")
+    p = _with_passes(recipe, tmp_path, f'after fuse_qkv: "{spec}"')
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    _located(err, p, f'"{spec}"')
+    assert message in err, err
+
+
+def test_pass_module_resolves_next_to_the_recipe(recipe, tmp_path):
+    """No PYTHONPATH: a recipe's pass module is found in the recipe's own directory."""
+    example = (REPO / "examples" / "custom_pass.py").read_text()
+    (tmp_path / "my_passes.py").write_text(example.replace('"gemm_shapes"', '"gemm_shapes_here"'))
+    p = _with_passes(recipe, tmp_path, 'after fuse_gate_up: "my_passes:GemmShapes"')
+    res = kiln.compile(p)
+    names = [r["name"] for r in res.pass_log]
+    assert names[names.index("fuse_gate_up") + 1] == "gemm_shapes_here"
+
+
+def test_disabling_an_unknown_pass_is_located(recipe, tmp_path, capsys):
+    p = _with_passes(recipe, tmp_path, 'disable = [fuse_qkv, fuse_silly]')
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    _located(err, p, "fuse_silly")
+    assert "no pass named 'fuse_silly' in the cpu pipeline" in err
+
+
+def test_a_bad_target_flag_is_a_flag_error(recipe, capsys):
+    assert main(["compile", str(recipe), "--target", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --target: unknown target 'tpu'") and "(known: h100, h200, cpu)" in err, err
+    assert str(recipe) not in err

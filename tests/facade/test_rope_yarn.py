@@ -107,3 +107,32 @@ def test_deepseek_yarn_matches_hf(compile_hf, check_hf_parity, arch, absorb):
                if n.op == "mla_attention"}
     assert absorbs == {"decode" if absorb else "none"}
     check_hf_parity(art, ckpt, vocab=512, **PARITY)
+
+
+@pytest.mark.parametrize("top_theta", [55.0, None])
+def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path, top_theta):
+    """Both keys present: transformers 5 takes the non-empty legacy `rope_scaling` whole (`rope_parameters` and its
+    theta dropped), theta from the top level (else the config class's default). from-hf follows it."""
+    from transformers import AutoConfig
+
+    cfg = {**QWEN3_BASE, "model_type": "qwen3", "rope_theta": top_theta,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 123.0},
+           "rope_scaling": {"rope_type": "linear", "factor": 3.0}}
+    if top_theta is None:
+        del cfg["rope_theta"]
+    args = _args(_recipe(tmp_path, cfg))
+    hf = AutoConfig.from_pretrained(tmp_path).rope_parameters
+    assert hf["rope_type"] == "linear"  # what transformers resolves, not a value copied from kiln
+    assert args["rope_scaling"] == '"linear"' and float(args["rope_factor"]) == hf["factor"]
+    assert float(args["rope_theta"]) == hf["rope_theta"]
+
+
+def test_empty_legacy_rope_scaling_leaves_rope_parameters(tmp_path):
+    from transformers import AutoConfig
+
+    cfg = {**QWEN3_BASE, "model_type": "qwen3", "rope_scaling": {},
+           "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 123.0}}
+    args = _args(_recipe(tmp_path, cfg))
+    hf = AutoConfig.from_pretrained(tmp_path).rope_parameters
+    assert (args["rope_scaling"], float(args["rope_factor"]), float(args["rope_theta"])) == (
+        f'"{hf["rope_type"]}"', hf["factor"], hf["rope_theta"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kiln.compiler.report import mla_kv_geometry
+from kiln.compiler.kv_layout import kv_layout
 
 import kiln
 
@@ -39,7 +39,8 @@ def test_manifest_runtime_and_report_use_the_latent_layout(compiled):
     assert (kv["num_layers"], kv["kv_lora_rank"], kv["qk_rope_head_dim"], kv["latent_dim"]) == (
         layers, lora, rope, lora + rope)
     assert kv["bytes_per_token"] == layers * (lora + rope) * 4  # fp32
-    assert mla_kv_geometry(result.program) == (layers, lora + rope)
+    kv = kv_layout(result.program)
+    assert (kv.kind, kv.num_layers, kv.latent_dim) == ("mla", layers, lora + rope)
     assert f"KV bytes per token     {layers * (lora + rope) * 4} B" in result.report
     assert "MLA layers x latent 40" in result.report
 

@@ -150,12 +150,15 @@ def test_speculative_refused_without_a_draft_head(mtp_artifact):
 def test_acceptance_in_metrics_endpoint(mtp_artifact):
     """/metrics reports verified and accepted draft tokens and their ratio (server over the real engine)."""
     from fastapi.testclient import TestClient
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.async_engine import AsyncLLMEngine
+    from kiln.runtime.core_client import CoreProcess
+    from kiln.runtime.core_protocol import CoreConfig
     from kiln.runtime.server import build_app
 
     _, art, _ = mtp_artifact(True, repeat_head=True)
-    app = build_app(LLMEngine(art, speculative="mtp", num_kv_blocks=64), served_model_name="m")
-    with TestClient(app) as client:
+    config = CoreConfig(artifact=str(art), engine={"speculative": "mtp", "num_kv_blocks": 64}, num_threads=1)
+    with CoreProcess.start(config, timeout=60) as core, \
+            TestClient(build_app(AsyncLLMEngine.from_process(core), served_model_name="m")) as client:
         for prompt in _prompts():
             r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 16,
                                                      "temperature": 0, "ignore_eos": True})

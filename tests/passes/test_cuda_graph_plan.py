@@ -1,9 +1,11 @@
-"""cuda_graph_plan: the decode capture plan lands in program.meta (and the manifest); the graphs never change."""
+"""cuda_graph_plan: the decode capture plan lands in program.meta["cuda_graph_plan"] (and the manifest's
+`cuda_graphs`); the graphs never change."""
 import dataclasses
 
 import pytest
 from kiln.compiler import PassError
-from kiln.passes.cuda_graph_plan import CUDAGraphPlan, parse_batch_sizes
+from kiln.compiler.options import CUDA_GRAPH_PLAN, CudaGraphsOptions
+from kiln.passes.cuda_graph_plan import CUDAGraphPlan
 from pass_testlib import assert_programs_equal, run_pass, typed
 
 BEFORE = """
@@ -31,7 +33,7 @@ def test_plan_recorded_in_meta_graphs_unchanged():
     out, ctx = run_pass(CUDAGraphPlan(), before)
     assert_programs_equal(out, typed(BEFORE))  # expected = before: only the meta changes
     assert "cuda_graphs" in before.meta and "static_buffers" not in before.meta["cuda_graphs"]
-    plan = out.meta["cuda_graphs"]
+    plan = out.meta[CUDA_GRAPH_PLAN]
     assert plan["batch_sizes"] == [1, 4, 8] and plan["max_batch_size"] == 8
     assert plan["max_model_len"] == 100 and plan["max_blocks_per_seq"] == 7  # ceil(100 / 16)
     buffers = plan["static_buffers"]
@@ -47,10 +49,10 @@ def test_plan_recorded_in_meta_graphs_unchanged():
 
 def test_default_buckets_capped_by_max_seqs():
     out, _ = run_pass(CUDAGraphPlan(), _with_meta(scheduler={"max_seqs": 48}))
-    assert out.meta["cuda_graphs"]["batch_sizes"] == [1, 2, 4, 8, 16, 32]
+    assert out.meta[CUDA_GRAPH_PLAN]["batch_sizes"] == [1, 2, 4, 8, 16, 32]
     out, _ = run_pass(CUDAGraphPlan(), _with_meta())
-    assert out.meta["cuda_graphs"]["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert out.meta["cuda_graphs"]["max_blocks_per_seq"] == 4096 // 16
+    assert out.meta[CUDA_GRAPH_PLAN]["batch_sizes"] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert out.meta[CUDA_GRAPH_PLAN]["max_blocks_per_seq"] == 4096 // 16
 
 
 @pytest.mark.parametrize("sizes, message", [
@@ -61,6 +63,6 @@ def test_default_buckets_capped_by_max_seqs():
 ])
 def test_bad_buckets_refused(sizes, message):
     with pytest.raises(ValueError, match=message):
-        parse_batch_sizes(sizes, 256)
+        CudaGraphsOptions(tuple(sizes)).buckets(256)
     with pytest.raises(PassError, match=f"cuda_graphs.batch_sizes: .*{message}"):
         CUDAGraphPlan().run(_with_meta(cuda_graphs={"batch_sizes": sizes}), None)

@@ -152,7 +152,7 @@ def test_full_pipeline_fuses_after_quantize_kv_cache():
     ctx = PassContext(target="cpu")
     after = PassManager.for_target("cpu").run(typed(tiny_llama_ir()), ctx)
     (node,) = [n for _, n in after.graphs["decoder"].items() if n.op == "attention"]
-    assert node.attrs["rope"] == {"theta": 10000.0} and node.attrs["kernel"] == "cpu.paged_attention"
+    assert node.attrs["rope"] == {"theta": 10000.0} and node.attrs["kernel"] == "tvm.paged_attention"
     assert after.graphs["decoder"].count("rope") == 0
 
 

@@ -42,11 +42,11 @@ program p dtype=f32 {
     %x = input "x" {kernel="inline"} : f32[T, 8]
     %r = input "r" {kernel="inline"} : f32[T, 8]
     %g = param "g" {kernel="inline"} : f32[8]
-    %t = add_rms_norm(%x, %r, %g) {kernel="cpu.add_rms_norm"}
+    %t = add_rms_norm(%x, %r, %g) {kernel="tvm.add_rms_norm"}
     %n = getitem(%t) {index=0, kernel="inline"}
     %w = param "w" {kernel="inline"} : f32[16, 8]
     %y = linear(%n, %w) {kernel="cpu.linear"}
-    %m = silu_mul(%y) {kernel="cpu.silu_mul"}
+    %m = silu_mul(%y) {kernel="tvm.silu_mul"}
     return %m
   }
 }
@@ -56,7 +56,7 @@ program p dtype=f32 {
 def test_sets_cpu_kernel_ids():
     out, ctx = run_pass(KernelSelection("cpu"), typed(BEFORE))
     assert_programs_equal(out, typed(EXPECTED))
-    assert ctx.stats["kernels"] == {"cpu.add_rms_norm": 1, "cpu.linear": 1, "cpu.silu_mul": 1, "inline": 5}
+    assert ctx.stats["kernels"] == {"tvm.add_rms_norm": 1, "cpu.linear": 1, "tvm.silu_mul": 1, "inline": 5}
 
 
 def test_already_selected_returns_the_same_program():
@@ -85,3 +85,42 @@ def test_interpreter_ignores_the_kernel_attribute():
     before, after, _ = run_pass_on_text(KernelSelection("cpu"), tiny_llama_ir())
     ref, got = logits_before_after(before, after)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+ATTENTION = """
+program p dtype={dtype} {{
+  config {{}}
+  param ks: f32[2] from ["ks"]
+  graph entry {{
+    %q = input "q" : {dtype}[T, 4, 16]
+    %k = input "k" : {dtype}[T, 2, 16]
+    %v = input "v" : {dtype}[T, 2, 16]
+    %ks = param "ks" : f32[2]
+    %a = attention(%q, %k, %v{scales}){attrs}
+    return %a
+  }}
+}}
+"""
+
+
+@pytest.mark.parametrize("dtype,fp8,kernel", [
+    ("f32", False, "tvm.paged_attention"),
+    ("bf16", False, "tvm.paged_attention"),
+    ("f16", False, "cpu.paged_attention"),  # no f16 TVM kernel: the torch one
+    ("f32", True, "cpu.paged_attention"),  # an fp8 KV cache stays on torch
+])
+def test_cpu_attention_choice_follows_dtype_and_kv_cache(dtype, fp8, kernel):
+    """The cpu table's first choice for attention is the TVM kernel, where its condition holds."""
+    scales = ", %ks, %ks" if fp8 else ""
+    before = ATTENTION.format(dtype=dtype, scales=scales, attrs=' {kv_dtype="fp8e4m3"}' if fp8 else "")
+    expected = ATTENTION.format(dtype=dtype, scales=scales, attrs=" {" + ('kernel="%s", kv_dtype="fp8e4m3"' if fp8
+                                                                          else 'kernel="%s"') % kernel + "}")
+    expected = expected.replace('" : ', '" {kernel="inline"} : ')
+    out, ctx = run_pass(KernelSelection("cpu"), typed(before))
+    assert_programs_equal(out, typed(expected))
+    assert ctx.stats["kernels"][kernel] == 1
+
+
+def test_gpu_tables_keep_their_own_attention_kernel():
+    assert kernel_selection.kernel_table("h200")["attention"] == "triton.paged_attention"
+    assert kernel_selection.kernel_table("h200")["rms_norm"] == "triton.rms_norm"

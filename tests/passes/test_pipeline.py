@@ -21,10 +21,77 @@ def test_disabled_passes_are_left_out():
 
 
 def test_unknown_target_or_pass_is_an_error():
-    with pytest.raises(PassError, match="target 'tpu' has no pass pipeline yet"):
+    from kiln.compiler.targets import TargetError
+
+    with pytest.raises(TargetError, match="unknown target 'tpu'"):
         build_pipeline("tpu")
-    with pytest.raises(PassError, match="cannot disable"):
+    with pytest.raises(PassError, match="no pass named 'fuse_qvk'"):
         build_pipeline("cpu", disable=["fuse_qvk"])
+
+
+# ---------------------------------------------------------------- declared ordering constraints (issue 18)
+
+@pytest.mark.parametrize("edit, message", [
+    # fuse_silu_mul matches the slices fuse_gate_up leaves
+    (lambda pm: pm.insert_before("fuse_gate_up", _pass("fuse_silu_mul")),
+     "pass 'fuse_silu_mul' must run after 'fuse_gate_up' .declared by 'fuse_silu_mul'., but 'fuse_gate_up' comes after it"),
+    # quantized siblings are merged by the fusions
+    (lambda pm: pm.insert_after("fuse_qkv", _pass("quantize_weights")),
+     "pass 'quantize_weights' must run before 'fuse_qkv' .declared by 'quantize_weights'., but 'fuse_qkv' comes before it"),
+    (lambda pm: pm.insert_before("fuse_qkv", _pass("quantize_kv_cache")),
+     "pass 'quantize_kv_cache' must run after 'fuse_qkv'"),
+    (lambda pm: pm.insert_before("quantize_kv_cache", _pass("fuse_rope_kv_write")),
+     "pass 'fuse_rope_kv_write' must run after 'quantize_kv_cache'"),
+    (lambda pm: pm.insert_after("kernel_selection", _pass("fuse_qkv")), "pass 'fuse_qkv' must run before 'kernel_selection'"),
+    (lambda pm: pm.remove("shape_inference"), "cannot disable 'shape_inference': 'quantize_weights', 'fuse_qkv', .* require it"),
+    (lambda pm: pm.insert_before("shape_inference", _pass("fuse_qkv")),
+     "pass 'fuse_qkv' requires 'shape_inference' to run before it"),
+])
+def test_editing_the_pipeline_against_a_declared_constraint_is_refused(edit, message):
+    """The orderings the pipeline's comments explain are declared by the passes (after=/before=/requires=): an
+    edit that breaks one is refused with the passes' names, and the pipeline is left as it was."""
+    pm = PassManager.for_target("cpu")
+    with pytest.raises(PassError, match=message):
+        edit(pm)
+    assert pm.names == CPU
+
+
+def test_a_constraint_of_an_absent_pass_does_not_bind():
+    """after=/before= order passes that are both present: disabling fuse_gate_up leaves fuse_silu_mul free."""
+    pm = PassManager.for_target("cpu")
+    pm.remove("fuse_gate_up")
+    pm.remove("fuse_silu_mul")
+    pm.insert_after("shape_inference", _pass("fuse_silu_mul"))
+    assert pm.names[:2] == ["shape_inference", "fuse_silu_mul"]
+
+
+def test_shape_inference_types_the_ir_by_a_declared_property():
+    """The verifier requires types after a pass that guarantees "typed", whatever its name."""
+    from kiln.compiler import Pass, register_pass
+    from kiln.passes.shape_inference import ShapeInference
+
+    @register_pass("my_typer", guarantees=("typed",))
+    class MyTyper(Pass):
+        def run(self, program, ctx):
+            return ShapeInference().run(program, ctx)
+
+    @register_pass("untype_one_node")
+    class Untype(Pass):
+        def run(self, program, ctx):
+            g = program.graphs["decoder"].copy()
+            vid = next(v for v, n in g.items() if n.op == "silu")
+            g.replace(vid, g.node(vid).with_(out=None))
+            return program.with_graphs({"decoder": g})
+
+    with pytest.raises(PassError, match="IR is invalid after pass 'untype_one_node'"):
+        PassManager([MyTyper(), Untype()]).run(parse_program(tiny_llama_ir(False)), PassContext())
+    PassManager([Untype()]).run(parse_program(tiny_llama_ir(False)), PassContext())  # untyped IR is fine before typing
+
+
+def _pass(name: str):
+    from kiln.compiler.pass_manager import registered_passes
+
+    return registered_passes()[name]()
 
 
 def test_gpu_targets_lower_with_their_kernel_tables():

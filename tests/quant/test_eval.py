@@ -31,3 +31,15 @@ def test_eval_cli_and_self_compare(tiny_checkpoint, tmp_path, capsys):
     ids = s.encode(text.read_text())[:100]
     c = compare(s, s, ids, stride=32)
     assert c.kl == 0.0 and c.top1_agreement == 1.0 and c.a.ppl == perplexity(s, ids, stride=32).ppl
+
+
+def test_eval_shows_progress_over_the_windows(tiny_checkpoint, tmp_path, capsys):
+    """A long text takes many windows: a progress bar on stderr (a terminal by default, forced here)."""
+    art = build(tiny_checkpoint("llama"), tmp_path / "art")
+    s = ArtifactScorer(art, 16)
+    ids = s.encode("the quick brown fox jumps over the lazy dog. " * 8)[:80]
+    quiet = perplexity(s, ids, stride=8, progress=False)
+    assert capsys.readouterr().err == ""
+    shown = perplexity(s, ids, stride=8, progress=True)
+    err = capsys.readouterr().err
+    assert "scoring" in err and "100%" in err and shown == quiet

@@ -8,10 +8,11 @@ import pytest
 import torch
 from kiln.compiler import PassContext, PassError, PassManager, verify_program
 from kiln.compiler.interpret import interpret
+from kiln.compiler.options import parse_weight_scheme
 from kiln.compiler.quant import fp8_quantize
 from kiln.passes.fuse_dequant_linear import FuseDequantLinear
 from kiln.passes.quantize_kv_cache import QuantizeKVCache
-from kiln.passes.quantize_weights import QuantizeWeights, parse_weight_scheme
+from kiln.passes.quantize_weights import QuantizeWeights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
 from pass_testlib import (  # noqa: E402

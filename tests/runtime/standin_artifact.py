@@ -147,21 +147,40 @@ def write_artifact(path: Path) -> Path:
     (path / "kernels" / "cpu.py").write_text(KERNELS_PY)
     (path / "weights" / "rank0").mkdir(parents=True)
     save_file(make_weights(vocab), str(path / "weights" / "rank0" / "model.safetensors"))
+    from kiln.codegen.artifact import weights_index  # what kiln compile records: a sha256 and header per file
+
     manifest = {
-        "schema_version": 1, "kiln_version": "0.1.0", "target": "cpu", "dtype": "float32",
+        "schema_version": 2, "kiln_version": "0.1.0", "target": "cpu", "device": "cpu", "dtype": "float32",
         "model": {"name": "standin", "config": {"hidden": HIDDEN, "layers": LAYERS}},
         "runtime": {"vocab_size": vocab, "max_model_len": MAX_MODEL_LEN, "bos_token_id": 1, "eos_token_ids": [2]},
         "kv_cache": {"num_layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
                      "dtype": "float32", "layout": ["num_blocks", 2, "block_size", "kv_heads", "head_dim"],
-                     "memory_fraction": 0.9, "num_blocks": None},
+                     "memory_fraction": 0.9, "num_blocks": None, "pool_bytes": 256 * 2**20,
+                     "bytes_per_token": LAYERS * 2 * KV_HEADS * HEAD_DIM * 4},
         "scheduler": {"max_seqs": 256, "max_batched_tokens": 8192, "chunked_prefill": 512, "policy": "fcfs",
-                      "prefix_cache": "radix"},
-        "weights": {"dir": "weights/rank0", "files": ["model.safetensors"]},
+                      "prefix_cache": "radix", "preemption": "recompute", "swap_space": 4 * 2**30,
+                      "async_scheduling": None},
+        "serve": {"host": "127.0.0.1", "port": 8000, "served_name": None},
+        "speculative": {"method": None, "num_tokens": 1},
+        "weights": {"dir": "weights/rank0", "files": ["model.safetensors"], "total_bytes": 0,
+                    **weights_index(path / "weights" / "rank0", ["model.safetensors"])},
         "tokenizer": {"dir": "tokenizer"},
         "entry": {"module": "model", "class": "Model"},
     }
     (path / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return path
+
+
+def resave_weights(art: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Rewrites a one-file artifact's weights and re-records them in its manifest, as if they had been compiled
+    so (a test poisoning a weight wants the load's digest check to pass, and the forward to see the poison)."""
+    from kiln.codegen.artifact import weights_index
+
+    wdir = art / "weights" / "rank0"
+    save_file(weights, str(wdir / "model.safetensors"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["weights"].update(weights_index(wdir, ["model.safetensors"]))
+    (art / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

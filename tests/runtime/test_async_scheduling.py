@@ -231,6 +231,8 @@ def test_recipe_option(tmp_path):
                         f"  scheduler {{ max_seqs = 8; async_scheduling = {value} }}\n}}\n")
         return path
 
-    load_recipe(str(recipe("false")))
+    from kiln.compiler.options import recipe_options  # the recipe's sections are the compiler's options
+
+    assert recipe_options(load_recipe(str(recipe("false"))).recipe).scheduler.async_scheduling is False
     with pytest.raises(SourceError, match="'async_scheduling' must be true or false"):
-        load_recipe(str(recipe("3")))
+        recipe_options(load_recipe(str(recipe("3"))).recipe)

@@ -19,8 +19,9 @@ def make_seq(n_tokens: int) -> Sequence:
 
 
 def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
-    config = SchedulerConfig(**{"max_seqs": 8, "max_batched_tokens": 16, "chunked_prefill": 512,
-                                "prefix_cache": None, **cfg})
+    config = SchedulerConfig(**{"max_seqs": 8, "max_batched_tokens": 16, "chunked_prefill": 512, "policy": "fcfs",
+                                "prefix_cache": None, "preemption": "recompute", "swap_space": 0,
+                                "async_scheduling": None, **cfg})
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
 

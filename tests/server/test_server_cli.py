@@ -64,6 +64,7 @@ def test_serve_parser():
     from kiln.cli import build_parser
 
     args = build_parser().parse_args(["serve", "art"])
+    # host and port: None = the recipe's serve section, else 127.0.0.1:8000 (kiln.cli.serve_address)
     assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks, args.metrics_public) == (
-        "127.0.0.1", 8000, None, 1024, None, False)
+        None, None, None, 1024, None, False)
     assert build_parser().parse_args(["serve", "art", "--metrics-public"]).metrics_public

@@ -1,7 +1,13 @@
-"""The rewrite-as-data helper: pattern matching, guards, and the driver's bookkeeping."""
+"""The rewrite-as-data helper (compiler/rewrite.py): pattern matching, guards, the driver's bookkeeping and its
+index of rules by root op."""
+import sys
+from pathlib import Path
+
 from kiln.compiler import ParamSpec, Pass, PassContext
-from kiln.passes.rewrite import P, Rewrite, V, apply_rewrites, match
-from pass_testlib import assert_programs_equal, run_pass, typed
+from kiln.compiler.rewrite import P, Rewrite, V, apply_rewrites, match
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
+from pass_testlib import assert_programs_equal, run_pass, typed  # noqa: E402
 
 TEXT = """
 program p dtype=f32 {
@@ -89,3 +95,35 @@ program p dtype=f32 {
     out = apply_rewrites(typed(text), [rw], PassContext())
     assert list(out.params) == ["w2_1", "w2"] and out.params["w2_1"].source == ("fresh",)
     assert out.entry.node("y").inputs == ("x", "w2_1")
+
+
+def test_rules_are_indexed_by_the_op_at_their_root():
+    """A node is tried only against the rules whose pattern can be rooted at its op, in table order."""
+    from kiln.compiler.rewrite import RuleIndex, root_ops
+
+    mul = Rewrite("mul_rule", P("mul", V("a"), V("b")), replace=lambda m, b: None)
+    either = Rewrite("either", P(("add", "mul"), V("a"), V("b")), replace=lambda m, b: None)
+    through = Rewrite("through", P("attention", name="att", through=("view", "rope")), replace=lambda m, b: None)
+    anything = Rewrite("anything", V("x"), replace=lambda m, b: None)
+    assert root_ops(mul.pattern) == {"mul"} and root_ops(anything.pattern) is None
+    assert root_ops(through.pattern) == {"attention", "view", "rope"}
+    index = RuleIndex([mul, either, through, anything])
+    assert [r.name for r in index.for_op("mul")] == ["mul_rule", "either", "anything"]
+    assert [r.name for r in index.for_op("add")] == ["either", "anything"]
+    assert [r.name for r in index.for_op("rope")] == ["through", "anything"]
+    assert [r.name for r in index.for_op("linear")] == ["anything"]
+
+
+def test_the_driver_matches_only_the_indexed_rules(monkeypatch):
+    """apply_rewrites calls the matcher for (node, rule) pairs of the index only: not every rule at every node."""
+    import kiln.compiler.rewrite as rw
+
+    program = typed(TEXT)
+    calls = []
+    real = rw.match
+    monkeypatch.setattr(rw, "match", lambda p, g, prog, vid, params=None: calls.append((g.node(vid).op, p.op))
+                        or real(p, g, prog, vid, params))
+    rules = [Rewrite("on_mul", P("mul", V("a"), V("b")), replace=lambda m, b: None),
+             Rewrite("on_relu", P("relu", V("a")), replace=lambda m, b: None)]
+    apply_rewrites(program, rules, PassContext())
+    assert calls and all(op == pat for op, pat in calls)

@@ -1,4 +1,5 @@
-"""Rewrites as data: structural patterns, replacement functions, and the driver that applies a table.
+"""Rewrites as data: structural patterns, replacement functions, and the driver that applies a table (the
+compiler's infrastructure, used by the fusion and quantization passes).
 
 A fusion pass is a table of `Rewrite`s, each with a `# before -> after` comment:
 
@@ -14,7 +15,9 @@ A fusion pass is a table of `Rewrite`s, each with a `# before -> after` comment:
 
 `P(op, *inputs)` matches a node by op and inputs; `V(name)` matches any value. A name binds the value id it
 matched; a name used twice must bind the same value (that is how "reads the same input" is said). The pattern
-is purely structural; `extra_check(match)` is the semantic guard (sizes, dtypes, use counts). `replace(match,
+is purely structural; `extra_check(match)` is the semantic guard (sizes, dtypes, use counts). The driver indexes
+a table's rules by the op their pattern's root can be (`root_ops`), so a node is tried only against the rules
+that can match it, in table order. `replace(match,
 builder)` adds the new nodes and returns the value replacing the root, or `{bound name: new value}` for
 rewrites that replace inner values (fusing the q/k/v linears under an attention). Every use of a replaced
 value is redirected; matched nodes left without users are removed; new nodes are typed by the op table.
@@ -28,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
-from kiln.compiler import Attrs, Graph, Node, ParamSpec, PassContext, Program, TensorType
+from kiln.compiler.ir import Attrs, Graph, Node, ParamSpec, Program, TensorType
 from kiln.compiler.ops import OPS
+from kiln.compiler.pass_manager import PassContext
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,31 @@ class Rewrite:
     pattern: Pat
     replace: Callable[[Match, Builder], Replacement]
     extra_check: Callable[[Match], bool] | None = None
+
+
+def root_ops(pattern: Pat) -> frozenset[str] | None:
+    """The ops a node must have for `pattern` to match rooted at it (its op, or one it walks `through`);
+    None when any node can (a variable at the root)."""
+    if pattern.op is None:
+        return None
+    ops = {pattern.op} if isinstance(pattern.op, str) else set(pattern.op)
+    return frozenset(ops | set(pattern.through))
+
+
+class RuleIndex:
+    """A table's rules by root op: `for_op(op)` lists, in table order, the rules that can match a node of `op`."""
+
+    def __init__(self, rewrites: Sequence[Rewrite]):
+        self.rewrites = tuple(rewrites)
+        self._roots = [root_ops(rw.pattern) for rw in self.rewrites]
+        self._by_op: dict[str, tuple[Rewrite, ...]] = {}
+
+    def for_op(self, op: str) -> tuple[Rewrite, ...]:
+        rules = self._by_op.get(op)
+        if rules is None:
+            rules = self._by_op[op] = tuple(rw for rw, ops in zip(self.rewrites, self._roots, strict=True)
+                                            if ops is None or op in ops)
+        return rules
 
 
 # ---------------------------------------------------------------- matching
@@ -218,8 +247,9 @@ def apply_rewrites(program: Program, rewrites: Sequence[Rewrite], ctx: PassConte
     counts = {r.name: 0 for r in rewrites}
     new_params: dict[str, tuple[ParamSpec, str | None]] = {}
     new_graphs: dict[str, Graph] = {}
+    index = RuleIndex(rewrites)
     for gname, original in program.graphs.items():
-        g = _rewrite_graph(original, program, rewrites, counts, new_params, max_sweeps)
+        g = _rewrite_graph(original, program, index, counts, new_params, max_sweeps)
         if g is not None:
             new_graphs[gname] = g
     total = sum(counts.values())
@@ -249,7 +279,7 @@ def _merge_params(old: Mapping[str, ParamSpec], new: Mapping[str, tuple[ParamSpe
     return merged
 
 
-def _rewrite_graph(original: Graph, program: Program, rewrites: Sequence[Rewrite], counts: dict[str, int],
+def _rewrite_graph(original: Graph, program: Program, index: RuleIndex, counts: dict[str, int],
                    new_params: dict, max_sweeps: int) -> Graph | None:
     g: Graph | None = None  # copied on the first match
     sort_key: dict[str, tuple[int, ...]] = {vid: (k,) for k, vid in enumerate(original.order())}
@@ -262,7 +292,7 @@ def _rewrite_graph(original: Graph, program: Program, rewrites: Sequence[Rewrite
             if vid not in current:
                 continue
             params = ChainMap({name: spec for name, (spec, _) in new_params.items()}, program.params)
-            for rw in rewrites:
+            for rw in index.for_op(current.node(vid).op):
                 m = match(rw.pattern, current, program, vid, params)
                 if m is None or (rw.extra_check is not None and not rw.extra_check(m)):
                     continue

@@ -1,0 +1,260 @@
+"""The schema of an artifact's `manifest.json`: what a runtime may rely on, checked once at load.
+
+`kiln compile` (codegen/artifact.py) writes the manifest; `validate_manifest` is the one place that decides
+whether a runtime can serve it. Every field the runtime reads is declared here with its range, so a hand edit
+(`block_size = 0`, `max_seqs = 0`, a dtype the runtime has no tensor type for, a weights directory outside
+the artifact) is refused with the field's path and the reason before anything is allocated or run.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import PurePosixPath
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .errors import ArtifactError
+
+SCHEMA_VERSION = 2
+MHA_LAYOUT = ["num_blocks", 2, "block_size", "kv_heads", "head_dim"]
+MLA_LAYOUT = ["num_blocks", "block_size", "latent_dim"]  # per token [c_kv (kv_lora_rank) | k_pe (rope dim)]
+TENSOR_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")  # activation and KV-cache dtypes
+# safetensors header dtypes of the weights a kiln artifact stores
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3", "I32")
+
+PosInt = Annotated[int, Field(strict=True, ge=1)]
+NonNegInt = Annotated[int, Field(strict=True, ge=0)]
+
+
+def _relative_path(value: str) -> str:
+    """A path inside the artifact: relative, no `..`, so a manifest cannot point a load outside its directory."""
+    p = PurePosixPath(value)
+    if not value or p.is_absolute() or ".." in p.parts or "\\" in value:
+        raise ValueError(f"must be a relative path inside the artifact, not {value!r}")
+    return value
+
+
+def _file_name(value: str) -> str:
+    if not value or "/" in value or "\\" in value or value in (".", ".."):
+        raise ValueError(f"must be a plain file name, not {value!r}")
+    return value
+
+
+def _identifier(value: str) -> str:
+    if not value.isidentifier():
+        raise ValueError(f"must be a Python identifier, not {value!r}")
+    return value
+
+
+RelPath = Annotated[str, AfterValidator(_relative_path)]
+FileName = Annotated[str, AfterValidator(_file_name)]
+Identifier = Annotated[str, AfterValidator(_identifier)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class RuntimeSection(_Section):
+    vocab_size: PosInt
+    max_model_len: PosInt
+    bos_token_id: NonNegInt | None = None
+    eos_token_ids: list[NonNegInt]
+
+    @model_validator(mode="after")
+    def _ids_in_vocab(self) -> RuntimeSection:
+        for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
+                          ("eos_token_ids", self.eos_token_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} {bad} outside the vocabulary of {self.vocab_size}")
+        return self
+
+
+class KVCacheSection(_Section):
+    num_layers: PosInt
+    block_size: PosInt
+    dtype: Literal[TENSOR_DTYPES]
+    layout: list[str | int]
+    kv_heads: PosInt | None = None
+    head_dim: PosInt | None = None
+    latent_dim: PosInt | None = None
+    bytes_per_token: PosInt
+    memory_fraction: Annotated[float, Field(gt=0, le=1)]
+    num_blocks: PosInt | None = None
+    # the KV pool's byte budget the compile chose for the target (cpu); None: sized from device memory at load
+    pool_bytes: PosInt | None = None
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, not {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _layout(self) -> KVCacheSection:
+        if self.layout == MHA_LAYOUT:
+            missing = [k for k in ("kv_heads", "head_dim") if getattr(self, k) is None]
+        elif self.layout == MLA_LAYOUT:
+            missing = [k for k in ("latent_dim",) if getattr(self, k) is None]
+        else:
+            raise ValueError(f"layout {self.layout} is not one this runtime allocates ({MHA_LAYOUT} or {MLA_LAYOUT})")
+        if missing:
+            raise ValueError(f"layout {self.layout} needs {', '.join(missing)}")
+        return self
+
+
+class SchedulerSection(_Section):
+    """Every field explicit (the compiler fills the recipe's defaults): the runtime has none of its own."""
+
+    max_seqs: PosInt
+    max_batched_tokens: PosInt
+    chunked_prefill: PosInt | None  # None: no chunking, only the token budget
+    policy: Literal["fcfs", "priority"]
+    prefix_cache: Literal["radix", "none"]
+    preemption: Literal["recompute", "swap"]
+    swap_space: NonNegInt
+    async_scheduling: bool | None  # None: on for a CUDA device, off for CPU
+
+
+class WeightTensor(_Section):
+    file: FileName
+    dtype: Literal[WEIGHT_DTYPES]
+    shape: list[NonNegInt]
+
+
+class WeightsSection(_Section):
+    dir: RelPath
+    files: Annotated[list[FileName], Field(min_length=1)]
+    sha256: dict[FileName, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
+    # every stored tensor: {name: {"file", "dtype" (safetensors), "shape"}}; what the loader checks each file's
+    # header against before reading a byte of data
+    tensors: dict[str, WeightTensor]
+    aliases: dict[str, str] = Field(default_factory=dict)
+    total_bytes: NonNegInt
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WeightsSection:
+        if set(self.sha256) != set(self.files):
+            raise ValueError(f"sha256 lists {sorted(self.sha256)}, files are {sorted(self.files)}")
+        stray = sorted({t.file for t in self.tensors.values()} - set(self.files))
+        if stray:
+            raise ValueError(f"tensors are stored in {stray}, which files does not list")
+        dangling = sorted(k for k, v in self.aliases.items() if v not in self.tensors)
+        if dangling:
+            raise ValueError(f"aliases {dangling} name tensors that are not stored")
+        return self
+
+
+class TokenizerSection(_Section):
+    dir: RelPath
+
+
+class EntrySection(_Section):
+    module: Identifier
+    class_: Identifier = Field(alias="class")
+
+
+class CUDAGraphsSection(_Section):
+    batch_sizes: Annotated[list[PosInt], Field(min_length=1)]
+    max_blocks_per_seq: PosInt
+    estimated_bytes: NonNegInt = 0
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _distinct(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"must be distinct, not {v}")
+        return v
+
+
+class DraftSection(_Section):
+    method: Identifier
+    first_kv_layer: NonNegInt
+    num_kv_layers: NonNegInt
+    num_hidden: NonNegInt
+
+
+class SpeculativeSection(_Section):
+    method: str | None  # None: off
+    num_tokens: PosInt
+
+
+class ServeSection(_Section):
+    host: Annotated[str, Field(min_length=1)]
+    port: Annotated[int, Field(strict=True, ge=1, le=65535)]
+    served_name: str | None  # None: the artifact directory's name
+
+
+class Manifest(_Section):
+    schema_version: int
+    kiln_version: str
+    target: str  # the compile target's name (informational: `device` says where it loads)
+    device: Literal["cpu", "cuda"]
+    dtype: Literal[TENSOR_DTYPES]
+    model: dict[str, Any] = Field(default_factory=dict)
+    runtime: RuntimeSection
+    kv_cache: KVCacheSection
+    scheduler: SchedulerSection
+    weights: WeightsSection
+    tokenizer: TokenizerSection | None = None
+    entry: EntrySection
+    serve: ServeSection
+    cuda_graphs: CUDAGraphsSection | None = None  # targets that capture CUDA graphs
+    drafts: dict[str, DraftSection] = Field(default_factory=dict)
+    speculative: SpeculativeSection
+
+    @model_validator(mode="after")
+    def _drafts_fit(self) -> Manifest:
+        for name, d in self.drafts.items():
+            if d.first_kv_layer + d.num_kv_layers > self.kv_cache.num_layers:
+                raise ValueError(f"draft {name!r} uses KV layers {d.first_kv_layer}..{d.first_kv_layer + d.num_kv_layers - 1}"
+                                 f" of {self.kv_cache.num_layers}")
+        if self.speculative.method is not None and self.speculative.method not in self.drafts:
+            raise ValueError(f"speculative.method {self.speculative.method!r} is not one of the drafts "
+                             f"({', '.join(self.drafts) or 'none'})")
+        return self
+
+
+def _where(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if p not in ("function-after",)) or "(top level)"
+
+
+def validate_manifest(data: Any, file: str = "manifest.json") -> Manifest:
+    """The checked manifest; raises ArtifactError naming the first wrong fields (`kv_cache.block_size: ...`)."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{file}: expected a JSON object")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{file}: artifact schema version {version!r} (kiln {data.get('kiln_version', '?')}) is not supported; "
+            f"this runtime reads schema version {SCHEMA_VERSION}. Recompile the recipe with this kiln.")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors()[:4]:
+            msg = re.sub(r"^(Value error|Assertion failed), ", "", err["msg"])
+            got = err.get("input")
+            shown = "" if err["type"] == "missing" or isinstance(got, dict) else f" (got {_short(got)})"
+            problems.append(f"{_where(err['loc'])}: {msg}{shown}")
+        more = f"; and {e.error_count() - 4} more" if e.error_count() > 4 else ""
+        raise ArtifactError(f"{file}: " + "; ".join(problems) + more + " — recompile the recipe, or undo the "
+                            "edit") from None
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."

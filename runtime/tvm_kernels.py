@@ -1,0 +1,144 @@
+"""Loads an artifact's TVM kernel library (`kernels/tvm_cpu/cpu.so`) without the TVM compiler.
+
+The library is loaded through tvm-ffi (`apache-tvm-ffi`) after TVM's runtime library (`libtvm_runtime.so`, 3 MB,
+found in the installed apache-tvm package without importing it: the compiler and its 260 MB library are never
+mapped at serve time). The runtime library supplies the thread pool the kernels' parallel loops launch on.
+
+`load_library` returns None, after one log line saying why, when the library cannot serve on this host: not
+built at compile time, a CPU lacking the flags it was compiled for, no apache-tvm / tvm-ffi installed, or a
+failed load. The artifact's tvm kernel module then runs the torch kernels.
+
+Threads: TVM keeps its own pthread pool (one per calling thread), sized when the first parallel kernel runs
+from `TVM_NUM_THREADS`. Unless that is set, it is set here to torch's intra-op thread count, so both pools use
+the same cores. `TVM_THREAD_POOL_SPIN_COUNT` defaults to 0 here (TVM's default spins 300k iterations after every
+call): idle TVM workers spinning while torch's OpenMP threads run a GEMM on the same cores made alternating
+torch and TVM calls 1.4-7.5x slower than either alone (docs/performance.md).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RECORD_FILE = "build.json"
+_loaded: dict[tuple[Path, str], Library | None] = {}  # (folder, library digest) -> what loading it gave
+_mapped: dict[str, str] = {}  # library file path -> digest of the library the dynamic loader mapped from it
+
+
+@dataclass
+class Library:
+    """A loaded kernel library: its functions by name (tvm-ffi callables taking torch tensors zero-copy, through
+    DLPack) and the parameters it was rendered for (build.json's `params`)."""
+
+    path: Path
+    params: dict[str, Any]
+    functions: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.functions[name]
+        except KeyError:
+            raise AttributeError(f"{self.path}: no kernel {name!r}") from None
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _runtime_library() -> Path:
+    """libtvm_runtime.so of the installed apache-tvm, located without importing the `tvm` package."""
+    spec = importlib.util.find_spec("tvm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("apache-tvm is not installed")
+    for folder in spec.submodule_search_locations:
+        lib = Path(folder) / "lib" / "libtvm_runtime.so"
+        if lib.is_file():
+            return lib
+    raise ImportError("the installed apache-tvm has no lib/libtvm_runtime.so")
+
+
+def configure_threads() -> None:
+    """Sizes TVM's pool like torch's (unless TVM_NUM_THREADS is set) and stops its workers spinning between calls
+    (unless TVM_THREAD_POOL_SPIN_COUNT is set). Takes effect for pools not yet started."""
+    if "TVM_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+
+
+def _load_module(library: Path, digest: str) -> Any:
+    """Loads the library file through tvm-ffi (or the compiler's runtime when it is imported anyway). The dynamic
+    loader maps a path once per process: a different library recompiled at a path already mapped is loaded from
+    a copy named by its digest instead, so it is never served the earlier one's code."""
+    if _mapped.setdefault(str(library), digest) != digest:
+        copy = Path(tempfile.gettempdir()) / f"kiln-tvm-{digest[:32]}.so"
+        if not copy.is_file():
+            shutil.copyfile(library, copy)
+        library = copy
+    if "tvm" in sys.modules and sys.modules["tvm"] is not None:  # the compiler is already here (compile + serve)
+        return sys.modules["tvm"].runtime.load_module(str(library))
+    import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against
+
+    ctypes.CDLL(str(_runtime_library()), mode=ctypes.RTLD_GLOBAL)  # registers the pool the kernels launch on
+
+    return tvm_ffi.load_module(str(library))
+
+
+def load_library(folder: str | Path) -> Library | None:
+    """The kernel library in `folder` (an artifact's kernels/tvm_cpu), or None (logged once) when it cannot run
+    here, or silently when `folder` does not exist (the artifact selected no tvm kernel). Loaded once per process
+    per folder and library digest."""
+    folder = Path(folder).resolve()
+    if not (folder / RECORD_FILE).is_file():
+        return None
+    try:
+        record = json.loads((folder / RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        logger.warning("kiln: %s unreadable (%s); using torch kernels", folder / RECORD_FILE, e)
+        return None
+    key = (folder, str(record.get("library_sha256")))
+    if key not in _loaded:
+        try:
+            _loaded[key] = _load(folder, record)
+        except Exception as e:
+            logger.warning("kiln: TVM kernels in %s not loaded (%s: %s); using torch kernels", folder,
+                           type(e).__name__, e)
+            _loaded[key] = None
+    return _loaded[key]
+
+
+def _load(folder: Path, record: dict) -> Library | None:
+    if not record.get("library"):
+        logger.warning("kiln: %s has no TVM library (%s); using torch kernels", folder,
+                       record.get("reason", "not built"))
+        return None
+    missing = sorted(set(record.get("requires_cpu_flags", ())) - _cpu_flags())
+    if missing:
+        logger.warning("kiln: TVM kernels in %s were built for %s; this CPU lacks %s; using torch kernels", folder,
+                       record.get("target", {}).get("mcpu", "another CPU"), " ".join(missing))
+        return None
+    configure_threads()
+    module = _load_module(folder / record["library"], str(record.get("library_sha256")))
+    functions = {name: module[name] for name in record["functions"]}
+    return Library(path=folder, params=dict(record.get("params", {})), functions=functions)
+
+
+__all__ = ["Library", "configure_threads", "load_library"]

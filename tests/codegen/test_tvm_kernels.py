@@ -1,0 +1,266 @@
+"""The apache-tvm kernels of the cpu target (codegen/templates/tvm/) against the compiler's op references
+(compiler/ops.py), through the artifact's kernel module (kernels/tvm.py) as model.py calls it."""
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+
+import pytest
+import torch
+from kiln.compiler.ops import OPS, ROPE_ATTRS, RefContext
+from kiln.runtime import tvm_kernels
+from kiln.runtime.forward_batch import ForwardBatch
+from tvm_testlib import build_kernel_package, import_kernel_package
+
+pytest.importorskip("tvm")
+
+# (query heads, KV heads, head_dim, block size): GQA groups 1, 2, 4, 8; head_dim 32, 64, 128; blocks 16, 32
+SHAPES = [(4, 4, 32, 16), (8, 4, 64, 32), (8, 2, 128, 16), (16, 2, 64, 32), (8, 1, 32, 16), (9, 3, 64, 16)]
+# (cached tokens, new tokens), decodes first: contexts crossing block boundaries, a fresh prefill longer than a
+# work item, a chunk continuing a cached prefix, a decode at a block's first slot
+MIXED = [(15, 1), (16, 1), (32, 1), (40, 1), (0, 37), (17, 20), (31, 2)]
+THETA = 10000.0
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    cache: dict[tuple, object] = {}
+
+    def get(heads, kv_heads, head_dim, block_size, dtype="float32"):
+        key = (heads, kv_heads, head_dim, block_size, dtype)
+        if key not in cache:
+            module, record = build_kernel_package(tmp_path_factory.mktemp("tvm"), head_dim=head_dim, num_heads=heads,
+                                                  num_kv_heads=kv_heads, block_size=block_size, dtype=dtype)
+            assert record["library"] == "cpu.so" and module.LIBRARY is not None, record.get("reason")
+            cache[key] = module
+        return cache[key]
+
+    return get
+
+
+def _batch(seqs, heads, kv_heads, head_dim, block_size, dtype, *, rope: bool, seed=0):
+    """A paged batch over shuffled physical blocks, the cached prefixes already in the cache (roped when `rope`),
+    and each sequence's dense q/k/v for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    max_blocks = max(math.ceil((c + n) / block_size) for c, n in seqs)
+    num_blocks = len(seqs) * max_blocks + 2
+    kv_cache = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=g).to(dtype)  # stale contents
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+    dense, q_new, k_new, v_new, slots, positions, starts = [], [], [], [], [], [], [0]
+    for b, (cached, new) in enumerate(seqs):
+        total = cached + new
+        blocks = [free.pop() for _ in range(math.ceil(total / block_size))]
+        tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        q, k, v = (torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+        ctx = RefContext(positions=torch.arange(total))
+        k_cached = OPS["rope"].reference(ctx, k, **{**ROPE_ATTRS, "theta": THETA}) if rope else k
+        for p in range(cached):
+            kv_cache[blocks[p // block_size], 0, p % block_size] = k_cached[p]
+            kv_cache[blocks[p // block_size], 1, p % block_size] = v[p]
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, total)]
+        positions += list(range(cached, total))
+        dense.append((ctx, q, k, v, new))
+        q_new.append(q[cached:])
+        k_new.append(k[cached:])
+        v_new.append(v[cached:])
+        starts.append(starts[-1] + new)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(starts[-1], dtype=torch.int32), positions=torch.tensor(positions, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        logits_indices=torch.tensor([s - 1 for s in starts[1:]], dtype=torch.int32),
+        num_decodes=sum(1 for c, n in seqs if n == 1 and c > 0))
+    return batch, kv_cache, torch.cat(q_new), torch.cat(k_new), torch.cat(v_new), dense
+
+
+def _reference(dense, scale, window, rope):
+    attrs = {"scale": scale, "sliding_window": window, **({"rope": {"theta": THETA}} if rope else {})}
+    return torch.cat([OPS["attention"].reference(ctx, q, k, v, **attrs)[-new:] for ctx, q, k, v, new in dense])
+
+
+def _packed_qkv(q, k, v):
+    """q, k, v as the views model.py passes: slices of one fused qkv projection, unflattened (strided rows)."""
+    t, h, d = q.shape
+    qkv = torch.cat((q.flatten(1), k.flatten(1), v.flatten(1)), dim=1)
+    kvw = k.shape[1] * d
+    return (qkv[:, :h * d].unflatten(-1, (h, d)), qkv[:, h * d:h * d + kvw].unflatten(-1, (-1, d)),
+            qkv[:, h * d + kvw:].unflatten(-1, (-1, d)))
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["kv_write", "rope_kv_write"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}_kv{}_d{}_bs{}".format(*s))
+def test_paged_attention_matches_op_reference(package, shape, rope):
+    heads, kv_heads, head_dim, block_size = shape
+    K = package(*shape)
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, heads, kv_heads, head_dim, block_size, torch.float32, rope=rope)
+    scale = head_dim ** -0.5
+    rope_cache = K.rope_cache(head_dim, 128, THETA) if rope else None
+    # fused: q/k arrive un-roped and the kernel ropes them (the reference too); else they count as roped already
+    k_stored = k
+    if rope:
+        k_stored = OPS["rope"].reference(RefContext(positions=batch.positions.long()), k, **{**ROPE_ATTRS, "theta": THETA})
+    qp, kp, vp = _packed_qkv(q, k, v)
+    out = K.paged_attention(qp, kp, vp, kv_cache, batch, scale, rope_cache=rope_cache)
+    ref = _reference(dense, scale, 0, rope)
+    assert out.shape == (q.shape[0], heads * head_dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
+    slots = batch.slot_mapping
+    blocks, offsets = slots // block_size, slots % block_size
+    torch.testing.assert_close(kv_cache[blocks, 0, offsets], k_stored, rtol=0, atol=1e-6)
+    assert torch.equal(kv_cache[blocks, 1, offsets], v)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 24])
+def test_paged_attention_sliding_window(package, window):
+    shape = (8, 2, 64, 16)
+    K = package(*shape)
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, *shape, torch.float32, rope=False, seed=2)
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125, sliding_window=window)
+    torch.testing.assert_close(out, _reference(dense, 0.125, window, False), rtol=0, atol=2e-5)
+    full = K.paged_attention(q, k, v, kv_cache, batch, 0.125)
+    assert not torch.allclose(out, full)  # the window really cut context
+
+
+def test_paged_attention_decode_only_and_large_batch(package):
+    shape = (9, 3, 64, 16)
+    K = package(*shape)
+    seqs = [(random.Random(b).randrange(1, 90), 1) for b in range(24)]
+    batch, kv_cache, q, k, v, dense = _batch(seqs, *shape, torch.float32, rope=False, seed=3)
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125)
+    torch.testing.assert_close(out, _reference(dense, 0.125, 0, False), rtol=0, atol=2e-5)
+    # work items are cached per step: a second call with other query_start_loc values must not reuse them
+    batch2, kv2, q2, k2, v2, dense2 = _batch([(5, 3), (0, 1), (20, 9)], *shape, torch.float32, rope=False, seed=4)
+    out2 = K.paged_attention(q2, k2, v2, kv2, batch2, 0.125)
+    torch.testing.assert_close(out2, _reference(dense2, 0.125, 0, False), rtol=0, atol=2e-5)
+
+
+def test_paged_attention_bf16(package):
+    shape = (8, 2, 64, 16)
+    K = package(*shape, dtype="bfloat16")
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, *shape, torch.bfloat16, rope=True, seed=5)
+    rope_cache = K.rope_cache(64, 128, THETA)
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125, rope_cache=rope_cache)
+    assert out.dtype == torch.bfloat16
+    ref = _reference([(c, dq.float(), dk.float(), dv.float(), n) for c, dq, dk, dv, n in dense], 0.125, 0, True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    # the torch kernel on the same bf16 inputs lands as close
+    torch_out = K._ref.paged_attention(q, k, v, kv_cache.clone(), batch, 0.125, rope_cache=rope_cache)
+    torch.testing.assert_close(out.float(), torch_out.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_unsupported_calls_run_the_torch_kernel(package, monkeypatch):
+    """fp8 KV scales, or a shape other than the rendered one, go to kernels/cpu.py (same results)."""
+    K = package(8, 2, 64, 16)
+    calls = []
+    real = K._ref.paged_attention
+    monkeypatch.setattr(K._ref, "paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, 4, 2, 64, 16, torch.float32, rope=False)  # 4 heads, not 8
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125)
+    assert calls == [1]
+    torch.testing.assert_close(out, _reference(dense, 0.125, 0, False), rtol=0, atol=2e-5)
+    assert K.rms_norm is K._ref.rms_norm  # kernels the library has none of: the torch ones
+
+
+def _fallback_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kiln.runtime.tvm_kernels"]
+
+
+def test_library_for_another_cpu_falls_back_with_one_log_line(tmp_path, monkeypatch, caplog):
+    build_kernel_package(tmp_path, head_dim=32, num_heads=4, num_kv_heads=2, block_size=16)
+    monkeypatch.setattr(tvm_kernels, "_loaded", {})
+    monkeypatch.setattr(tvm_kernels, "_cpu_flags", lambda: frozenset({"sse2"}))
+    with caplog.at_level(logging.WARNING, logger="kiln.runtime.tvm_kernels"):
+        K = import_kernel_package(tmp_path / "kernels")
+    assert K.LIBRARY is None
+    lines = _fallback_lines(caplog)
+    assert len(lines) == 1 and "this CPU lacks" in lines[0] and "avx2" in lines[0] and "torch kernels" in lines[0]
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, 4, 2, 32, 16, torch.float32, rope=False)
+    torch.testing.assert_close(K.paged_attention(q, k, v, kv_cache, batch, 32 ** -0.5),
+                               _reference(dense, 32 ** -0.5, 0, False), rtol=0, atol=2e-5)
+
+
+def test_without_apache_tvm_the_artifact_runs_torch_kernels(tmp_path, monkeypatch, caplog):
+    """A serving host without apache-tvm (libtvm_runtime.so) loads no library: one log line, torch kernels."""
+    build_kernel_package(tmp_path, head_dim=32, num_heads=4, num_kv_heads=2, block_size=16)
+
+    def missing():
+        raise ImportError("apache-tvm is not installed")
+
+    monkeypatch.setattr(tvm_kernels, "_loaded", {})
+    monkeypatch.setattr(tvm_kernels, "_runtime_library", missing)
+    monkeypatch.delitem(sys.modules, "tvm")  # as on a host that never imported the compiler
+    with caplog.at_level(logging.WARNING, logger="kiln.runtime.tvm_kernels"):
+        K = import_kernel_package(tmp_path / "kernels")
+    assert K.LIBRARY is None
+    lines = _fallback_lines(caplog)
+    assert len(lines) == 1 and "apache-tvm is not installed" in lines[0]
+
+
+def test_no_library_built_is_said_once_at_load(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KILN_TVM_ISA", "none")  # as on a compiling host below x86-64-v3
+    K, record = build_kernel_package(tmp_path, head_dim=32, num_heads=4, num_kv_heads=2, block_size=16)
+    assert record["library"] is None and record["reason"] == "KILN_TVM_ISA=none"
+    assert not (tmp_path / "kernels/tvm_cpu/cpu.so").exists() and K.LIBRARY is None
+    assert any("has no TVM library" in line for line in _fallback_lines(caplog))
+
+
+# (rows, width): widths off the vector length, and steps on both sides of the serial/parallel switch
+ROWS = [(7, 256), (3, 576), (5, 64), (4, 37), (130, 576), (300, 259)]
+
+
+@pytest.mark.parametrize("rows,width", ROWS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_rms_norm_matches_op_reference(package, rows, width, dtype):
+    K = package(8, 2, 64, 16, dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(width)
+    x, r = (torch.randn(rows, width, generator=g).to(torch_dtype) for _ in range(2))
+    w = (torch.randn(width, generator=g) * 0.5 + 1).to(torch_dtype)
+    ctx = RefContext(positions=torch.arange(rows))
+    ref_normed, ref_summed = OPS["add_rms_norm"].reference(ctx, x, r, w, eps=1e-5)
+    normed, summed = K.add_rms_norm(x, r, w, 1e-5)
+    assert K.LIBRARY is not None and normed.dtype == torch_dtype
+    assert torch.equal(summed, ref_summed)
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows,width", ROWS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_silu_mul_matches_op_reference(package, rows, width, dtype):
+    K = package(8, 2, 64, 16, dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)) * 4).to(torch_dtype)
+    ref = OPS["silu_mul"].reference(RefContext(positions=torch.arange(rows)), gate_up)
+    out = K.silu_mul(gate_up)
+    assert K.LIBRARY is not None and out.dtype == torch_dtype and out.shape == (rows, width)
+    tol = 2e-6 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_a_library_recompiled_in_place_is_the_one_loaded(tmp_path):
+    """Another shape compiled into the same folder in one process: the new library runs, not the mapped one."""
+    first, _ = build_kernel_package(tmp_path / "a", head_dim=32, num_heads=4, num_kv_heads=2, block_size=16)
+    import shutil
+
+    shutil.rmtree(tmp_path / "a")
+    K, _ = build_kernel_package(tmp_path / "a", head_dim=64, num_heads=8, num_kv_heads=2, block_size=16)
+    assert K.LIBRARY is not first.LIBRARY and K.LIBRARY.params["head_dim"] == 64
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, 8, 2, 64, 16, torch.float32, rope=False)
+    torch.testing.assert_close(K.paged_attention(q, k, v, kv_cache, batch, 0.125),
+                               _reference(dense, 0.125, 0, False), rtol=0, atol=2e-5)
+
+
+def test_index_tensors_outside_the_contract_run_the_torch_kernel(package):
+    """int64 positions (not the ForwardBatch contract's int32) reach the torch kernel, not a TVM dtype error."""
+    K = package(8, 2, 64, 16)
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, 8, 2, 64, 16, torch.float32, rope=True)
+    batch.positions = batch.positions.long()
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125, rope_cache=K.rope_cache(64, 128, THETA))
+    torch.testing.assert_close(out, _reference(dense, 0.125, 0, True), rtol=0, atol=2e-5)

@@ -1,0 +1,78 @@
+"""The target registry (compiler/targets.py): one list of targets, what each can build (`Target.supports`), its
+kernel libraries and pipeline (issue 18)."""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import pytest
+from kiln.compiler.targets import TARGETS, get_target, register_target
+
+import kiln
+from kiln.cli import main
+
+RECIPE = """
+recipe r {
+  model   = llama(vocab=96, hidden=32, layers=2, heads=2, ffn=64, max_position=128)
+  weights = random(seed=1)
+  target  = TARGET
+EXTRA
+}
+"""
+
+
+def _recipe(tmp_path, target: str = "cpu", extra: str = "", name: str = "r.dsl"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(RECIPE).replace("TARGET", target).replace("EXTRA", extra))
+    return p
+
+
+def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
+    """A cpu-like target whose GEMMs go through another kernel id: `register_target` (compiler/targets.py) and
+    `register_kernels` (its table) are all it takes; the DSL, the pipeline, codegen and the runtime follow."""
+    from kiln.passes import kernel_selection
+
+    cpu = get_target("cpu")
+    table = {op: k for op, k in kernel_selection.kernel_table("cpu").items() if k != kernel_selection.INLINE}
+    register_target(dataclasses.replace(cpu, name="cpu_torch", description="cpu, GEMMs as torch.linear"))
+    kernel_selection.register_kernels("cpu_torch", {**table, "linear": "torch.linear"})
+    try:
+        res = kiln.compile(_recipe(tmp_path, "cpu_torch"), tmp_path / "alt", progress=False)
+        ref = kiln.compile(_recipe(tmp_path, "cpu", name="ref.dsl"), tmp_path / "ref", progress=False)
+        assert res.manifest["target"] == "cpu_torch" and res.manifest["device"] == "cpu"
+        assert "torch.linear" in res.manifest["kernels"] and "cpu.linear" not in res.manifest["kernels"]
+        params = kiln.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        got = kiln.LLM(str(tmp_path / "alt")).generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids
+        want = kiln.LLM(str(tmp_path / "ref")).generate([[1, 2, 3, 4]], params)[0].outputs[0].token_ids
+        assert got == want
+        assert ref.manifest["kernels"] != res.manifest["kernels"]
+    finally:
+        del TARGETS["cpu_torch"], kernel_selection.KERNEL_TABLES["cpu_torch"]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ("  lora { max_loras = 2 }", "LoRA adapters are not implemented yet"),
+    ("  disaggregate { prefill = 1 }", "prefill/decode disaggregation is not implemented yet"),
+    ("  kv_cache { offload = cpu(1GiB) }", "KV offload to CPU is not implemented yet"),
+    ("  parallel { tp = 2 }", "parallel.tp > 1 is not implemented yet"),
+    ("  speculative { method = ngram }", "speculative decoding method 'ngram' is not implemented yet"),
+    ("  cuda_graphs { batch_sizes = [1, 2] }", "cuda_graphs needs a GPU target (h100, h200)"),
+])
+def test_report_only_compiles_refuse_what_artifact_compiles_refuse(tmp_path, capsys, extra, needle):
+    """`kiln compile --report` without -o runs the same Target.supports checks, at the same place."""
+    p = _recipe(tmp_path, extra=extra)
+    line = next(i for i, ln in enumerate(p.read_text().splitlines(), 1) if ln == extra)
+    errors = []
+    for argv in (["compile", str(p), "-o", str(tmp_path / "o")], ["compile", str(p), "--report"], ["compile", str(p)]):
+        assert main(argv) == 2
+        errors.append(capsys.readouterr().err)
+    assert errors[0] == errors[1] == errors[2]
+    assert errors[0].startswith(f"{p}:{line}:") and needle in errors[0], errors[0]
+
+
+def test_targets_declare_what_they_support():
+    cpu, h200 = get_target("cpu"), get_target("h200")
+    assert (cpu.device, cpu.kernel_modules, cpu.cuda_graphs) == ("cpu", ("tvm", "cpu"), False)
+    assert (h200.device, h200.kernel_modules, h200.cuda_graphs) == ("cuda", ("triton", "cpu"), True)
+    assert cpu.kv_pool_bytes == 256 * 2**20 and h200.kv_pool_bytes is None  # sized at load from the device
+    assert all(t.pipeline == "llm" for t in TARGETS.values())
