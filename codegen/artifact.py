@@ -145,7 +145,8 @@ def kernel_params(program: Program) -> dict[str, Any]:
                            f"(known: {', '.join(KERNEL_MODULES)})", None)
     return {"target": target.name, "kernel_modules": target.kernel_modules, "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
             "dtype": TORCH_DTYPE_NAMES[program.dtype],
-            "block_size": _kv_cache_sizing(program)["block_size"]}
+            "block_size": _kv_cache_sizing(program)["block_size"],
+            "lora": any(n.op == "lora" for g in program.graphs.values() for _, n in g.items())}
 
 
 def resolve_max_model_len(program: Program, max_model_len: int | None, hf_config: Mapping[str, Any]) -> int:
@@ -227,10 +228,36 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         # `speculative.method` (the recipe's) turns decoding with one on by default
         **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
         "speculative": {"method": options.speculative.method, "num_tokens": options.speculative.tokens},
+        # multi-LoRA (recipe `lora { }`): the lora_injection pass's adapted linears and the compiled-in adapters
+        **({"lora": _lora_section(program, options)} if "lora" in options.set_sections else {}),
         # the recipe's `quantize` values as written (readers: humans)
         "quantization": {"weights": options.quantize.spelling.get("weights"),
                          "kv_cache": options.quantize.spelling.get("kv_cache")},
     }
+
+
+LORA_DIR = "lora"
+
+
+def lora_targets(program: Program) -> list[dict[str, Any]]:
+    """The linears the lora_injection pass adapted (its `lora` nodes), in graph order: the runtime's adapter
+    slots are shaped by them (runtime/lora.py)."""
+    out: list[dict[str, Any]] = []
+    for block in program.blocks.values():
+        graph = program.graphs[block.graph]
+        for _, node in graph.items():
+            if node.op == "lora":
+                x = graph.node(node.inputs[0]).out
+                out.append({"name": node.attrs["target"], "block": block.name, "num_layers": block.count,
+                            "first_layer": block.first_layer, "in_features": int(x.shape[-1]),
+                            "modules": list(node.attrs["modules"]), "rows": list(node.attrs["rows"])})
+    return out
+
+
+def _lora_section(program: Program, options: RecipeOptions) -> dict[str, Any]:
+    return {"max_loras": options.lora.max_loras, "max_rank": options.lora.max_rank,
+            "targets": lora_targets(program),
+            "adapters": {name: f"{LORA_DIR}/{name}" for name in options.lora.adapters}}
 
 
 def _write(path: Path, text: str) -> None:
@@ -310,7 +337,8 @@ def _chat_template(tokenizer_dir: Path) -> str | None:
 def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str | Path | None, seed: int = 0,
                    recipe_text: str, recipe_file: str, pass_log: list[dict], kiln_version: str,
                    max_model_len: int | None = None, progress: bool = True,
-                   tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
+                   tokenizer_dir: str | Path | None = None,
+                   lora_adapters: dict[str, Path] | None = None) -> dict[str, Any]:
     """Writes the serving artifact of a lowered `program` to `out_dir` and returns its manifest.
 
     `program` is typed and kernel-selected (every compute node has attrs["kernel"]); `program.meta` may carry
@@ -351,6 +379,10 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
         build_library(kernels_used(program), params, tmp / "kernels", env=env, kiln_version=kiln_version)
         _write(tmp / "recipe.dsl", recipe_text)
         _write(tmp / "ir.txt", print_program(program))
+        for name, src in (lora_adapters or {}).items():  # PEFT files as published: the runtime reads them
+            (tmp / LORA_DIR / name).mkdir(parents=True)
+            for file in ("adapter_config.json", "adapter_model.safetensors"):
+                shutil.copyfile(src / file, tmp / LORA_DIR / name / file)
         for name in tok_files:
             (tmp / "tokenizer").mkdir(exist_ok=True)
             shutil.copyfile(tok_dir / name, tmp / "tokenizer" / name)

@@ -42,6 +42,8 @@ EMITTERS: dict[str, str] = {
                              "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
                              "group_score={group_score})"),
     "cpu.moe_experts": "K.moe_experts({args})",
+    # the adapters' rows of each token (batch.lora: slots and token segments, None without adapters)
+    "cpu.lora": "K.lora({0}, {1}, batch.lora, {target}, layer)",
 }
 
 # cpu target, kernels built with apache-tvm (kernels/tvm.py, imported as K): the cpu library's signatures.

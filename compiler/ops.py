@@ -187,6 +187,31 @@ register_op(OpDef("linear", 2, 3, infer=_infer_linear,
                   doc="x @ w.T (+ b)."))
 
 
+def _infer_lora(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, y = ins
+    _check(len(a["modules"]) == len(a["rows"]) > 0, "lora: one row count per adapted module")
+    if isinstance(y.shape[-1], int):
+        _check(sum(a["rows"]) == y.shape[-1], f"lora: module rows {tuple(a['rows'])} do not add up to {y}")
+    _check(x.shape[:-1] == y.shape[:-1], f"lora: input {x} and projection {y} differ in their leading dims")
+    return y
+
+
+def _lora_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    x, y = ins
+    rows = x.numel() // max(1, x.shape[-1]) if isinstance(x.shape[-1], int) else 1
+    rank = a["max_rank"] * len(a["modules"])
+    k, n = x.shape[-1], y.shape[-1]
+    flops = 2 * rows * rank * ((k if isinstance(k, int) else 0) + (n if isinstance(n, int) else 0))
+    return Cost(flops, sum(_nbytes(t) for t in ins) + _nbytes(out))
+
+
+register_op(OpDef("lora", 2, 2, infer=_infer_lora, reference=lambda ctx, x, y, **a: y, cost=_lora_cost,
+                  attrs={"target": REQUIRED, "modules": REQUIRED, "rows": REQUIRED, "max_rank": REQUIRED},
+                  doc="y + the low-rank delta of each token's adapter: for module j (rows[j] of y), "
+                      "(x @ A_j.T) @ B_j.T * scaling_j. Adapter weights are run-time state (the runtime's slots, "
+                      "read through the batch), so the reference is the base model's: y."))
+
+
 def _infer_view(ins: list[TensorType], a: Attrs) -> TensorType:
     (x,) = ins
     shape = tuple(a["shape"])

@@ -366,6 +366,20 @@ def _draft(expr: A.Expr, key: str) -> None:
         raise SourceError("'draft' must be a checkpoint string or a model instantiation", expr.loc)
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _adapters(expr: A.Expr, key: str) -> None:
+    if not isinstance(expr, A.Map):
+        raise SourceError('\'adapters\' must be a map of names to PEFT directories, e.g. { sql: "hf:./sql-lora" }',
+                          expr.loc)
+    for (name, value), loc in zip(expr.items, expr.key_locs or [expr.loc] * len(expr.items), strict=True):
+        if not ADAPTER_NAME.fullmatch(name):
+            raise SourceError(f"adapter name '{name}' must be letters, digits, '.', '_' or '-' (it is the "
+                              "OpenAI `model` a request names)", loc)
+        _hf_dir(value, f"adapters.{name}")
+
+
 def _size(expr: A.Expr, key: str) -> None:
     if not (isinstance(expr, A.Size) and expr.value > 0):
         raise SourceError(f"'{key}' must be a byte size such as 4GiB", expr.loc)
@@ -430,8 +444,12 @@ class SpeculativeOptions:
 
 @dataclass(frozen=True)
 class LoraOptions:
-    max_loras: int | None = opt(None, _pos_int)
-    max_rank: int | None = opt(None, _pos_int)
+    """Multi-LoRA serving: `max_loras` adapter slots on the device (adapters beyond them are paged in by LRU),
+    `max_rank` the largest rank a slot holds, `adapters` name -> "hf:DIR" (a PEFT checkpoint) compiled in."""
+
+    max_loras: int = opt(4, _pos_int)
+    max_rank: int = opt(16, _pos_int)
+    adapters: Mapping[str, str] = field(default_factory=dict, metadata={"check": _adapters})
 
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -540,6 +558,8 @@ def section_values(recipe: A.RecipeDecl) -> dict[str, Any]:
             return e.id
         if isinstance(e, A.List):
             return [value(x) for x in e.items]
+        if isinstance(e, A.Map):
+            return {k: value(v) for k, v in e.items}
         if isinstance(e, A.Call):
             return {"kind": e.func, "args": [value(a) for a in e.args], **{k: value(v) for k, v in e.kwargs}}
         if isinstance(e, A.UnaryOp) and e.op == "-":

@@ -84,6 +84,8 @@ class Target:
             if spec.tokens != self.draft_methods[spec.method]:
                 refuse(f"speculative.tokens = {spec.tokens}: an {spec.method.upper()} head proposes "
                        f"{self.draft_methods[spec.method]} token a step", "speculative.tokens")
+        if "lora" in options.set_sections:
+            _lora_supported(options, refuse)
         if "cuda_graphs" in options.set_sections:
             if not self.cuda_graphs:
                 capture = ", ".join(t.name for t in TARGETS.values() if t.cuda_graphs)
@@ -95,9 +97,25 @@ class Target:
                 refuse(f"cuda_graphs.batch_sizes: {e}", "cuda_graphs.batch_sizes")
 
 
+def _lora_supported(options: RecipeOptions, refuse) -> None:
+    """What LoRA serving composes with: prefix caching does (block keys include the adapter); speculative
+    decoding, quantized base weights and sharded (TP/EP) weights are refused, at the section that asks."""
+    if options.speculative.method is not None or options.speculative.draft is not None:
+        refuse("LoRA with speculative decoding is not supported: the draft head would propose tokens of the base "
+               "model, and its verification step has no adapter rows (drop `speculative` or `lora`)", "speculative")
+    if options.quantize.weights is not None:
+        refuse("LoRA over quantized base weights is not supported yet (the low-rank branch reads the float "
+               "projection input; compile the adapters' base in fp32/bf16)", "quantize.weights")
+    for axis in ("tp", "ep"):
+        if getattr(options.parallel, axis) > 1:
+            refuse(f"LoRA with parallel.{axis} > 1 is not supported yet (adapter slots are not sharded)",
+                   f"parallel.{axis}")
+    if options.lora.max_rank > 256:
+        refuse(f"lora.max_rank = {options.lora.max_rank}: at most 256", "lora.max_rank")
+
+
 # Recipe sections kiln parses but cannot build on any target yet: an error at the section, never ignored.
 _NOT_YET = {
-    "lora": "LoRA adapters are not implemented yet",
     "disaggregate": "prefill/decode disaggregation is not implemented yet",
 }
 

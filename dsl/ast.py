@@ -81,7 +81,16 @@ class List:
     loc: Loc
 
 
-Expr = Num | Str | Bool | Size | Name | BinOp | UnaryOp | Ternary | Call | List
+@dataclass(frozen=True, slots=True)
+class Map:
+    """`{ key: value, ... }` (a recipe value, e.g. lora adapters); keys are unique, in the order written."""
+
+    items: tuple[tuple[str, Expr], ...]
+    loc: Loc
+    key_locs: tuple[Loc, ...] = field(default=(), compare=False)
+
+
+Expr = Num | Str | Bool | Size | Name | BinOp | UnaryOp | Ternary | Call | List | Map
 
 # ---------------------------------------------------------------- forward bodies
 

@@ -333,6 +333,19 @@ class _ToAst(Transformer):
     def list(self, meta, c):
         return ast.List(tuple(i for i in c if _is_node(i)), self._loc(meta))
 
+    def map_item(self, meta, c):
+        key = c[0]
+        return (_unquote(key) if key.type == "STRING" else str(key), c[1], self._tok(key))
+
+    def map(self, meta, c):
+        items = [i for i in c if isinstance(i, tuple)]
+        seen: dict[str, Loc] = {}
+        for key, _, loc in items:
+            if key in seen:
+                raise SourceError(f"key '{key}' appears twice in this map", loc, (f"first at {seen[key]}",))
+            seen[key] = loc
+        return ast.Map(tuple((k, v) for k, v, _ in items), self._loc(meta), tuple(loc for *_, loc in items))
+
     def kwarg(self, meta, c):
         return _Kwarg(str(c[0]), c[1], self._tok(c[0]))
 

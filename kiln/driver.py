@@ -22,6 +22,7 @@ from kiln.compiler.targets import TargetError, get_target
 from kiln.dsl import ast as A
 from kiln.dsl import load_recipe
 from kiln.dsl.errors import KilnError, SourceError, SourceWarning
+from kiln.passes.pipeline import add_recipe_passes
 
 
 @dataclass
@@ -81,6 +82,32 @@ def _check_compiled(options: RecipeOptions, program: Program) -> None:
         raise SourceError(f"speculative method {method} needs a model with that draft head (a "
                           f"`forward {method}(...)`, e.g. deepseek_v3 with nextn >= 1; from-hf sets it "
                           "when the checkpoint has MTP weights)", options.loc("speculative.method"))
+
+
+def check_lora_adapters(recipe: A.RecipeDecl, recipe_file: Path, options: RecipeOptions,
+                        program: Program) -> dict[str, Path]:
+    """The recipe's `lora { adapters = { name: "hf:DIR" } }` as directories, each read as the runtime will
+    serve it (runtime/lora.py: the PEFT config, target modules, ranks) against the compiled targets; an adapter
+    that would be refused at serve time is an error at its place in the recipe now."""
+    import torch
+
+    from kiln.codegen.artifact import lora_targets
+    from kiln.runtime.lora import LoRAError, LoRATarget, read_adapter
+
+    sec = next((s for s in recipe.sections if s.name == "lora"), None)
+    entry = next((e for e in sec.entries if isinstance(e, A.Setting) and e.key == "adapters"), None) if sec else None
+    if entry is None:
+        return {}
+    targets = [LoRATarget.from_manifest(t) for t in lora_targets(program)]
+    out: dict[str, Path] = {}
+    for name, value in entry.value.items:
+        path = _hf_dir(value, recipe_file, f"adapter '{name}'")
+        try:
+            read_adapter(path, targets, options.lora.max_rank, torch.float32, name=name)
+        except LoRAError as e:
+            raise SourceError(f"adapter '{name}': {e}", value.loc) from None
+        out[name] = path
+    return out
 
 
 def _apply_recipe_passes(pm: PassManager, recipe: A.RecipeDecl, recipe_file: Path, target: str) -> None:
@@ -193,6 +220,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
         pywarnings.warn(w, stacklevel=2)
 
     pm = PassManager.for_target(tgt.name)
+    add_recipe_passes(pm, options)
     _apply_recipe_passes(pm, recipe, recipe_file, tgt.name)
     for position, anchor, p in extra_passes or []:
         (pm.insert_after if position == "after" else pm.insert_before)(anchor, p)
@@ -205,8 +233,9 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
     if out_dir is not None:
         _check_compiled(options, program)
         text = recipe_file.read_text(encoding="utf-8")
+        adapters = check_lora_adapters(recipe, recipe_file, options, program)
         manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, tokenizer_dir=tokenizer,
-                                  seed=seed, recipe_text=text,
+                                  seed=seed, recipe_text=text, lora_adapters=adapters,
                                   recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),
                                   progress=progress)
     return CompileResult(program, options, pass_log, Path(out_dir) if out_dir else None, manifest, report, found)

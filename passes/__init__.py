@@ -10,6 +10,7 @@ from kiln.passes import (  # noqa: F401 - imported to register the passes
     fuse_rope_kv_write,
     fuse_silu_mul,
     kernel_selection,
+    lora_injection,
     mla_absorption,
     quantize_kv_cache,
     quantize_weights,

@@ -84,6 +84,7 @@ _CPU_TORCH: dict[str, str] = {
     "moe_topk_softmax": "cpu.moe_topk_softmax",
     "moe_topk_grouped": "cpu.moe_topk_grouped",
     "moe_experts": "cpu.moe_experts",
+    "lora": "cpu.lora",
 }
 # Kernels built with apache-tvm (kernels/tvm.py + tvm_cpu/cpu.so) where benchmarks/cpu_kernels.py measured them
 # faster than the torch kernel (figures in docs/performance.md); every other op stays on torch.

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kiln.compiler import Pass, PassManager, register_pipeline
+from kiln.compiler.options import RecipeOptions
 from kiln.compiler.targets import Target
 from kiln.passes.cuda_graph_plan import CUDAGraphPlan
 from kiln.passes.dead_code_elimination import DeadCodeElimination
@@ -15,6 +16,7 @@ from kiln.passes.fuse_qkv import FuseQKV
 from kiln.passes.fuse_rope_kv_write import FuseRopeKVWrite
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
 from kiln.passes.kernel_selection import KERNEL_TABLES, KernelSelection
+from kiln.passes.lora_injection import LoRAInjection
 from kiln.passes.mla_absorption import MLAAbsorption
 from kiln.passes.quantize_kv_cache import QuantizeKVCache
 from kiln.passes.quantize_weights import QuantizeWeights
@@ -50,6 +52,18 @@ def _llm(target: Target) -> list[Pass]:
 
 
 register_pipeline("llm", _llm)
+
+
+def add_recipe_passes(pm: PassManager, options: RecipeOptions) -> None:
+    """The passes a recipe section switches on, inserted into `pm` (left out of the list otherwise, so a recipe
+    without the section compiles exactly as before): `lora { }` -> lora_injection, after fusion (it adapts a
+    fused q/k/v or gate/up linear as one) and before cleanup and kernel selection."""
+    if "lora" in options.set_sections:
+        anchor = next((a for a in ("dead_code_elimination", "kernel_selection") if a in pm.names), None)
+        if anchor is None:  # a recipe disabled both: last
+            pm.insert_after(pm.names[-1], LoRAInjection())
+        else:
+            pm.insert_before(anchor, LoRAInjection())
 
 
 def build_pipeline(target: str, disable: Iterable[str] = ()) -> list[Pass]:

@@ -15,6 +15,7 @@ from .config import speculative_config
 from .core_protocol import RequestLimits, SeqDelta
 from .errors import RequestError
 from .kv_cache import BlockManager, SwapSpace
+from .lora import load_adapter, lora_manager, lora_request_id, unload_adapter
 from .memory_plan import describe_memory_plan, plan_memory, profile_lengths
 from .model_runner import ModelRunner
 from .outputs import FinishReason
@@ -96,6 +97,10 @@ class EngineCore:
         self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(num_swap_blocks))
         self.runner = ModelRunner(self.artifact.model, kv, num_blocks, device, num_swap_blocks, graphs)
         self.runner.memory_plan = plan  # what the pool was sized from (benchmarks/gpu_engine.py prints it)
+        self.lora = lora_manager(manifest, self.artifact.path, device)  # None: an artifact without `lora { }`
+        if self.lora is not None:
+            self.scheduler.max_loras = self.lora.max_loras
+            self.runner.lora = self.lora
         self.sampler = Sampler(seed, device)
         spec = manifest.get("speculative") or {}
         self.speculative = speculative_config(
@@ -118,12 +123,14 @@ class EngineCore:
 
     # Requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    *, priority: int = 0) -> None:
-        """Queues a request; raises `RequestError` (nothing queued) when it can never be served."""
+                    *, priority: int = 0, lora_name: str | None = None) -> None:
+        """Queues a request (decoded with the LoRA adapter `lora_name`, if given); raises `RequestError`
+        (nothing queued) when it can never be served."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         check_request(prompt_token_ids, params, self.limits)
+        lora_id = lora_request_id(self.lora, lora_name)
         ids = [int(t) for t in prompt_token_ids]
         max_tokens = params.max_tokens or self.model_config.max_model_len - len(ids)
         seqs = []
@@ -133,12 +140,25 @@ class EngineCore:
                            arrival=next(self._arrivals), priority=priority,
                            want_prompt_logprobs=params.prompt_logprobs is not None and i == 0)
             seq.num_prompt_logprobs = int(seq.want_prompt_logprobs)  # position 0 has none
+            seq.lora_id = lora_id
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.artifact.device).manual_seed(params.seed + i)
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    # LoRA adapters (runtime/lora.py) ------------------------------------------------------------------------
+    def list_lora_adapters(self) -> list[str]:
+        return self.lora.names() if self.lora is not None else []
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter at `path` as `name` from the next request on (RequestError: refused)."""
+        load_adapter(self.lora, name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stops serving `name`; refused (RequestError) while a request still decodes with it."""
+        unload_adapter(self.lora, name, (s for r in self.requests.values() for s in r.seqs))
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; nothing more is reported for it."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64 — block_id * block_size + offset for each new token
     logits_indices: torch.Tensor  # [L] int32 — rows of the hidden states that produce logits
     lora_ids: torch.Tensor | None = None  # [B] int32, -1 = base model
+    lora: Any = None  # lora.LoRABatch: the adapter slots and which tokens use which (None: no adapter this step)
     num_decodes: int = 0  # the first num_decodes sequences each have exactly one new token
 
     @property

@@ -53,7 +53,7 @@ class BlockManager:
         if self.prefix_cache is None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id)
         return self.prefix_cache.lookup(hashes[:max_blocks])
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Iterable[int] = ()) -> bool:
@@ -84,7 +84,7 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
-        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)  # extends in place
+        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id)  # extends in place
         for i in range(seq.num_registered_blocks, num_full):
             self.prefix_cache.insert(hashes[i], seq.block_table[i])
         seq.num_registered_blocks = num_full

@@ -34,16 +34,21 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 lora: str | Seq[str | None] | None = None) -> list[RequestOutput]:
+        """`lora`: the LoRA adapter every prompt decodes with, or one per prompt (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise RequestError(f"{len(loras)} LoRA adapters for {len(prompt_list)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise RequestError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
-        requests = [(str(next(self._request_ids)), *self._tokenize(p), sp)
-                    for p, sp in zip(prompt_list, params_list)]
+        requests = [(str(next(self._request_ids)), *self._tokenize(p), sp, name)
+                    for p, sp, name in zip(prompt_list, params_list, loras)]
         return self._run(requests)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -59,12 +64,13 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params)
 
-    def _run(self, requests: list[tuple[str, str | None, list[int], SamplingParams]]) -> list[RequestOutput]:
+    def _run(self, requests: list[tuple[str, str | None, list[int], SamplingParams, str | None]]
+             ) -> list[RequestOutput]:
         engine = self.engine
         added: list[str] = []
         try:
-            for request_id, text, ids, params in requests:
-                engine.add_request(request_id, ids, params, prompt=text)
+            for request_id, text, ids, params, lora in requests:
+                engine.add_request(request_id, ids, params, prompt=text, lora_name=lora)
                 added.append(request_id)
             finished: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():

@@ -32,10 +32,10 @@ class LLMEngine(EngineCore):
         self._aborted: list[RequestOutput] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    *, prompt: str | None = None, priority: int = 0) -> None:
+                    *, prompt: str | None = None, priority: int = 0, lora_name: str | None = None) -> None:
         """Queues a request; raises `RequestError` (nothing queued) when it can never be served."""
         params = params or SamplingParams()
-        super().add_request(request_id, prompt_token_ids, params, priority=priority)
+        super().add_request(request_id, prompt_token_ids, params, priority=priority, lora_name=lora_name)
         self.output_processor.add_request(request_id, list(prompt_token_ids), params, prompt)
 
     def abort_request(self, request_id: str) -> None:

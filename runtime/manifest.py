@@ -190,6 +190,32 @@ class SpeculativeSection(_Section):
     num_tokens: PosInt
 
 
+class LoRATargetSection(_Section):
+    name: str
+    block: str
+    num_layers: PosInt
+    first_layer: NonNegInt
+    in_features: PosInt
+    modules: list[str] = Field(min_length=1)
+    rows: list[PosInt] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_row_count_per_module(self) -> LoRATargetSection:
+        if len(self.rows) != len(self.modules):
+            raise ValueError(f"{len(self.modules)} modules but {len(self.rows)} row counts")
+        return self
+
+
+class LoRASection(_Section):
+    """Multi-LoRA serving (runtime/lora.py): the device slots, the largest rank, the adapted linears, and the
+    adapters compiled into the artifact (name -> their directory in it)."""
+
+    max_loras: PosInt
+    max_rank: PosInt
+    targets: list[LoRATargetSection]
+    adapters: dict[str, RelPath] = Field(default_factory=dict)
+
+
 class ServeSection(_Section):
     host: Annotated[str, Field(min_length=1)]
     port: Annotated[int, Field(strict=True, ge=1, le=65535)]
@@ -213,6 +239,7 @@ class Manifest(_Section):
     cuda_graphs: CUDAGraphsSection | None = None  # targets that capture CUDA graphs
     drafts: dict[str, DraftSection] = Field(default_factory=dict)
     speculative: SpeculativeSection
+    lora: LoRASection | None = None  # recipes with `lora { }`
 
     @model_validator(mode="after")
     def _drafts_fit(self) -> Manifest:

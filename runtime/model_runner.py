@@ -70,6 +70,7 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.cpu_caches = [torch.zeros((num_swap_blocks, *kv.shape), dtype=kv.dtype, pin_memory=pin)
                            for _ in range(kv.num_layers)] if num_swap_blocks else []
+        self.lora = None  # lora.LoRAManager, set by the engine for an artifact with adapter slots
         self.graph_runner = None
         if cuda_graphs is not None:
             self.graph_runner = CUDAGraphRunner(model, self.kv_caches, cuda_graphs.batch_sizes,
@@ -157,6 +158,11 @@ class ModelRunner:
                           query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens), block_tables=i32(tables),
                           slot_mapping=host_to_device(slots, torch.int64, self.device),
                           logits_indices=i32(logits_indices), num_decodes=num_decodes)
+        if self.lora is not None:  # the step's adapters, paged into slots; none: the base model's fast path
+            fb.lora = self.lora.prepare([(seq.lora_id, query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i])
+                                         for i, seq in enumerate(seqs)], len(input_ids))
+            if fb.lora is not None:
+                fb.lora_ids = i32([-1 if s.lora_id is None else self.lora.slot_of(s.lora_id) for s in seqs])
         return fb, LogitsLayout(sample_rows=sample_rows, prompt_rows=prompt_rows)
 
     @torch.inference_mode()

@@ -77,6 +77,9 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        # multi-LoRA: at most this many distinct adapters among the running sequences (the device's adapter
+        # slots, lora.LoRAManager); a waiting sequence of another adapter waits until one of them is done
+        self.max_loras: int | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -117,6 +120,10 @@ class Scheduler:
         # swapped something out: the blocks just freed may be the ones a swap-in would overwrite.
         while self.swapped and budget > 0 and len(self.running) < self.config.max_seqs and not preempted:
             seq = self.swapped[0]
+            adapters = self._running_adapters()
+            if adapters is not None and seq.lora_id is not None and seq.lora_id not in adapters \
+                    and len(adapters) >= self.max_loras:
+                break
             n = self._num_new_tokens(seq, budget)
             if not self.block_manager.allocate_slots(seq, n):
                 break
@@ -130,15 +137,22 @@ class Scheduler:
             budget -= n
 
         # Then admit waiting sequences, unless this step had to evict someone or someone waits swapped out.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs and not preempted \
+        adapters = self._running_adapters()
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_seqs and not preempted \
                 and not self.swapped:
-            seq = self.waiting[0]
+            seq = self.waiting[w]
+            if adapters is not None and seq.lora_id is not None and seq.lora_id not in adapters:
+                if len(adapters) >= self.max_loras:
+                    w += 1  # every adapter slot is taken by running sequences: the next waiting one may fit
+                    continue
+                adapters.add(seq.lora_id)
             hits = [] if seq.needs_prompt_logprobs() else self.block_manager.get_computed_blocks(seq)
             num_cached = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - num_cached, self._chunk, budget)
             if not self.block_manager.allocate_slots(seq, n, hits):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
@@ -197,6 +211,12 @@ class Scheduler:
             seq.cpu_blocks = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _running_adapters(self) -> set[int] | None:
+        """The adapters of the running sequences (None: no cap on them)."""
+        if self.max_loras is None:
+            return None
+        return {s.lora_id for s in self.running if s.lora_id is not None}
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_uncomputed_tokens

@@ -57,6 +57,9 @@ class Sequence:
     # speculative decoding: tokens a draft head proposed after the last one; the next step verifies them with
     # the target model. Not part of token_ids until accepted.
     draft_token_ids: list[int] = field(default_factory=list)
+    # multi-LoRA: the id of the loaded adapter this completion decodes with (lora.LoRAManager; None: the base
+    # model). Unique per load, so it also keys the prefix cache: another adapter's K/V is never reused.
+    lora_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
