@@ -196,7 +196,8 @@ class AsyncLLMEngine:
             raise RequestError(f"the request asks for {num_seqs} sequences ({num_prompts} prompt(s) x n={params.n})"
                                f" but at most {self.max_waiting} can wait at once; send fewer prompts or a lower n")
 
-    async def add_requests(self, inputs: list[PromptInput], params: SamplingParams) -> RequestGroup:
+    async def add_requests(self, inputs: list[PromptInput], params: SamplingParams,
+                           lora_name: str | None = None) -> RequestGroup:
         """Queues all of `inputs` or none: raises `RequestError` (it can never be queued, or the first bad
         prompt; nothing stays queued) or `EngineOverloadedError` (not now)."""
         self.check_admissible(len(inputs), params)
@@ -208,7 +209,8 @@ class AsyncLLMEngine:
             self.processor.add_request(p.request_id, p.prompt_token_ids, params, p.prompt,
                                        _Tracked(group, arrival))
         raw = encode_params(params)
-        msg = AddRequests(next(self._call_ids), [NewRequest(p.request_id, p.prompt_token_ids, raw) for p in inputs])
+        msg = AddRequests(next(self._call_ids), [NewRequest(p.request_id, p.prompt_token_ids, raw, lora_name=lora_name)
+                                                 for p in inputs])
         try:
             result: AddResult = await self._call(msg)
         except BaseException:

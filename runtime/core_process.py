@@ -51,6 +51,7 @@ from .core_protocol import (
     encode,
 )
 from .errors import KilnRuntimeError, RequestError
+from .lora import LORA_UTILITIES
 from .sequence import SequenceStatus
 
 logger = logging.getLogger("kiln.core")
@@ -79,7 +80,7 @@ class EngineCoreProc:
         self.input.bind(config.input_address)
         self.clients: dict[str, _Client] = {}
         self._clients_lock = threading.Lock()
-        self.utilities: dict[str, Callable[..., Any]] = {"stats": lambda e: e.stats()}
+        self.utilities: dict[str, Callable[..., Any]] = {"stats": lambda e: e.stats(), **LORA_UTILITIES}
         self._unscheduled: dict[str, float] = {}  # engine request id -> when it was added
         self.num_step_errors = 0
         self.latest = (0, CoreStats())  # (version, stats): one tuple, read by the heartbeat thread
@@ -244,7 +245,8 @@ class EngineCoreProc:
             now = time.monotonic()
             for r, params in batch:
                 request_id = name + SEP + r.request_id
-                engine.add_request(request_id, r.prompt_token_ids, params, priority=r.priority)
+                engine.add_request(request_id, r.prompt_token_ids, params, priority=r.priority,
+                                   lora_name=r.lora_name)
                 added.append(request_id)
                 self._unscheduled[request_id] = now
         except Exception as e:  # RequestError is the client's; anything else is reported too

@@ -17,7 +17,7 @@ import msgspec
 
 from .sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
@@ -109,6 +109,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     params: msgspec.Raw  # an encoded SamplingParams, decoded (and so checked) per request by the core
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter it decodes with (None: the base model)
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):

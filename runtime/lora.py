@@ -322,3 +322,22 @@ def unload_adapter(manager: LoRAManager | None, name: str, seqs) -> None:
         raise RequestError(f"adapter {name!r} is in use by {busy} running or waiting completion(s); retry when "
                            "they are done")
     manager.unload(name)
+
+
+def _refusal(fn):
+    """A utility whose RequestError is its result ({"error": why}) rather than a failure of the core's."""
+    def call(engine, *args):
+        try:
+            return {"result": fn(engine, *args)}
+        except RequestError as e:
+            return {"error": str(e)}
+    return call
+
+
+# The engine core's utilities (core_process.EngineCoreProc), what the API server's adapter endpoints call.
+LORA_UTILITIES = {
+    "list_lora_adapters": _refusal(lambda e: [{"name": a.name, "path": a.path, "rank": a.rank}
+                                              for a in (e.lora.adapters.values() if e.lora else ())]),
+    "load_lora_adapter": _refusal(lambda e, name, path: e.load_lora_adapter(name, path)),
+    "unload_lora_adapter": _refusal(lambda e, name: e.unload_lora_adapter(name)),
+}

@@ -30,6 +30,7 @@ from .async_engine import AsyncLLMEngine, PromptInput, RequestGroup
 from .core_client import CoreProcess
 from .core_protocol import CoreConfig, CoreInfo
 from .errors import KilnRuntimeError, RequestError
+from .lora_api import LoRAAdapters, add_lora_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .outputs import PositionLogprobs, RequestDelta
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error_param
@@ -70,6 +71,7 @@ class OpenAIServer:
         engine.observer = self.metrics
         self.created = int(time.time())
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
+        self.lora = LoRAAdapters(self)  # `model` naming a LoRA adapter (lora_api.py)
 
     # Request plumbing --------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -97,9 +99,10 @@ class OpenAIServer:
             except UnicodeDecodeError as u:
                 raise APIError(400, f"the request body is not valid UTF-8 ({u.reason} at byte {u.start})") from None
             raise _validation_error(e) from None
-        if parsed.model != self.model_name:
-            raise APIError(404, f"The model {parsed.model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+        if parsed.model != self.model_name and not await self.lora.exists(parsed.model):
+            served = ", ".join(repr(m) for m in [self.model_name, *self.lora.adapters])
+            raise APIError(404, f"The model {parsed.model!r} does not exist; this server serves {served}",
+                           param="model", code="model_not_found")
         parsed.check_supported()
         return parsed
 
@@ -156,7 +159,7 @@ class OpenAIServer:
                                "max_tokens.", param=prompt_param if n >= limit else "max_tokens",
                                code="context_length_exceeded")
         try:
-            return await self.async_engine.add_requests(inputs, params)
+            return await self.async_engine.add_requests(inputs, params, self.lora.lora_name(req.model))
         except RequestError as e:
             param = request_error_param(e, set(type(req).model_fields)) or prompt_param
             raise APIError(400, str(e), param=param) from None
@@ -589,17 +592,21 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         server.check_auth(request)
-        return {"object": "list", "data": [server.model_card()]}
+        await server.lora.refresh()
+        return {"object": "list", "data": [server.model_card(), *server.lora.cards()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> dict[str, Any]:
         server.check_auth(request)
         if model != server.model_name:
-            raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+            if not await server.lora.exists(model):
+                raise APIError(404, f"The model {model!r} does not exist", param="model", code="model_not_found")
+            return next(c for c in server.lora.cards() if c["id"] == model)
         return server.model_card()
 
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    add_lora_routes(app, server)
     return app
 
 
