@@ -130,6 +130,12 @@ def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int,
         tensors = load_file(str(file))
     except Exception as e:  # noqa: BLE001 - a corrupt file, whatever safetensors says about it
         raise LoRAError(f"{file}: cannot read it: {e}") from None
+    adaptable = sorted({mod.rsplit(".", 1)[-1] for t in targets for mod in t.modules})
+    listed = cfg.get("target_modules")
+    for module in listed if isinstance(listed, list) else ():  # a str is a regex over module paths
+        if module.rsplit(".", 1)[-1] not in adaptable:
+            raise LoRAError(f"{path / CONFIG_FILE}: targets module {module!r}, which this artifact has no LoRA "
+                            f"branch for (adaptable: {', '.join(adaptable) or 'none'})")
     where: dict[str, tuple[LoRATarget, int, int]] = {}  # module path -> (target, module index, local layer)
     for t in targets:
         for j, module in enumerate(t.modules):
@@ -142,7 +148,6 @@ def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int,
             raise LoRAError(f"{file}: tensor {key!r} is not a LoRA A/B weight kiln can serve "
                             "(embedding LoRA and trained biases are not supported)")
         if m.group(1) not in where:
-            adaptable = sorted({mod.rsplit(".", 1)[-1] for t in targets for mod in t.modules})
             raise LoRAError(f"{file}: adapts module {m.group(1)!r}, which this artifact has no LoRA branch for "
                             f"(adaptable: {', '.join(adaptable) or 'none'})")
         pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
