@@ -51,7 +51,7 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ("  lora { max_loras = 2 }", "LoRA adapters are not implemented yet"),
+    ("  lora { max_loras = 2 }; quantize { weights = fp8 }", "LoRA over quantized base weights is not supported"),
     ("  disaggregate { prefill = 1 }", "prefill/decode disaggregation is not implemented yet"),
     ("  kv_cache { offload = cpu(1GiB) }", "KV offload to CPU is not implemented yet"),
     ("  parallel { tp = 2 }", "parallel.tp > 1 is not implemented yet"),
