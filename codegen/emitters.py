@@ -49,6 +49,8 @@ EMITTERS.update({
     "tvm.paged_attention": EMITTERS["cpu.paged_attention"],
     "tvm.add_rms_norm": EMITTERS["cpu.add_rms_norm"],
     "tvm.silu_mul": EMITTERS["cpu.silu_mul"],
+    "tvm.linear": EMITTERS["cpu.linear"],
+    "tvm.logits": EMITTERS["cpu.logits"],
 })
 
 # GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.
