@@ -4,8 +4,6 @@ logits, stop checks) fails that request alone. The others finish with the tokens
 (greedy and seeded requests, so the tokens do not depend on the batch), and every KV block comes back."""
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 from pathlib import Path
 
@@ -13,7 +11,8 @@ import pytest
 import torch
 from kiln.runtime import RequestError, SamplingParams
 from kiln.runtime.engine import LLMEngine
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from standin_artifact import resave_weights
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was a small kiln", "héllo wörld",
            "Paged attention stores keys and values in fixed size blocks."]
@@ -180,10 +179,7 @@ def test_a_nan_weight_fails_the_requests_that_read_it(artifact_dir, reference, t
     weights_file = art / "weights" / "rank0" / "model.safetensors"
     weights = load_file(str(weights_file))
     weights["embed"][poisoned] = float("nan")
-    save_file(weights, str(weights_file))
-    manifest = json.loads((art / "manifest.json").read_text())  # as if compiled so: the load's digest check passes
-    manifest["weights"]["sha256"][weights_file.name] = hashlib.sha256(weights_file.read_bytes()).hexdigest()
-    (art / "manifest.json").write_text(json.dumps(manifest))
+    resave_weights(art, weights)
 
     engine = LLMEngine(art, num_kv_blocks=128)
     bad_ids = arrivals[2][0][1]
