@@ -12,8 +12,9 @@ prefill) through torch's F.linear against the TVM `linear` kernel, interleaved (
 Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
 
-`--offline` instead measures whole artifacts: `kiln.LLM.generate` output tokens per second at each batch size
-(random 128-token prompts, 64 greedy tokens each, ignore_eos; one warm-up batch first), and whether the
+`--offline` instead measures whole artifacts: `kiln.LLM.generate` output tokens per second (wall and per CPU
+second) at each batch size (random 128-token prompts, 64 greedy tokens each, ignore_eos; one warm-up batch
+first; `--rounds N`: N rounds, the artifacts alternating, all loaded in one process), and whether the
 artifact's TVM library loaded — compile a recipe once normally and once with KILN_TVM_ISA=none (torch kernels)
 to compare the two on the same model.
 """
@@ -182,29 +183,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def offline(artifacts: list[str], batch_sizes: list[int], prompt_len: int = 128, output_len: int = 64) -> list[dict]:
+def offline(artifacts: list[str], batch_sizes: list[int], prompt_len: int = 128, output_len: int = 64,
+            rounds: int = 1) -> list[dict]:
+    """Each artifact's LLM.generate at each batch size, all artifacts loaded in this process and timed in
+    alternating rounds (order reversed every other round), so load that comes and goes hits each alike. Per
+    round: output tokens per wall second and per CPU second of this process (with one thread, time lost to other
+    jobs' scheduling does not count in the latter)."""
     from kiln.runtime.artifact import read_manifest
 
     import kiln
 
-    rows = []
+    llms, loaded = {}, {}
     for art in artifacts:
-        vocab = read_manifest(art)["runtime"]["vocab_size"]
-        llm = kiln.LLM(art)
+        llms[art] = kiln.LLM(art)
         wrapper = str(Path(art).resolve() / "kernels" / "tvm.py")
-        tvm_loaded = any(getattr(m, "__file__", None) == wrapper and getattr(m, "LIBRARY", None) is not None
-                         for m in list(sys.modules.values()))
-        params = kiln.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        g = torch.Generator().manual_seed(0)
-        for n in batch_sizes:
-            prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
+        loaded[art] = any(getattr(m, "__file__", None) == wrapper and getattr(m, "LIBRARY", None) is not None
+                          for m in list(sys.modules.values()))
+    vocab = read_manifest(artifacts[0])["runtime"]["vocab_size"]
+    params = kiln.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in batch_sizes:
+        prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
+        for llm in llms.values():
             llm.generate(prompts[:max(1, n // 4)], kiln.SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            dt = time.perf_counter() - t0
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows.append({"artifact": art, "tvm": tvm_loaded, "batch": n, "seconds": dt, "output_tok_s": tokens / dt})
-            print(f"{art}  tvm={tvm_loaded}  batch {n}: {tokens / dt:.1f} output tok/s ({dt:.2f} s)", flush=True)
+        for r in range(rounds):
+            for art in (artifacts if r % 2 == 0 else artifacts[::-1]):
+                c0, t0 = time.process_time(), time.perf_counter()
+                outs = llms[art].generate(prompts, params)
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                rows.append({"artifact": art, "tvm": loaded[art], "batch": n, "round": r, "seconds": dt,
+                             "cpu_seconds": cpu, "output_tok_s": tokens / dt, "output_tok_cpu_s": tokens / cpu})
+                print(f"{art}  tvm={loaded[art]}  batch {n} round {r}: {tokens / dt:.1f} output tok/s "
+                      f"({dt:.2f} s), {tokens / cpu:.1f} per CPU second", flush=True)
     return rows
 
 
@@ -218,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="torch intra-op threads, and so TVM's pool (default: torch's)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="--offline: timed rounds per batch size, artifacts alternating")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)  # the TVM library sizes its pool from this when it loads
     if args.offline:
-        rows = offline(args.offline, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.output_len)
+        rows = offline(args.offline, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.output_len,
+                       args.rounds)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0
