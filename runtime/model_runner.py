@@ -342,8 +342,10 @@ class ModelRunner:
         logits = self.graph_runner.run(fb) if self.graph_runner is not None else None
         if logits is None:
             logits = self.model.forward(fb, self.kv_caches)
-        assert logits.dim() == 2 and logits.shape[0] == fb.logits_indices.shape[0], (
-            f"model returned logits {tuple(logits.shape)}, expected [{fb.logits_indices.shape[0]}, vocab]")
+        # data-parallel attention: every rank's rows come back, gathered in rank order
+        rows = sum(fb.dp_num_rows) if fb.dp_num_rows is not None else fb.logits_indices.shape[0]
+        assert logits.dim() == 2 and logits.shape[0] == rows, (
+            f"model returned logits {tuple(logits.shape)}, expected [{rows}, vocab]")
         return logits.float()
 
     @torch.inference_mode()

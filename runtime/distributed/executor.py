@@ -82,15 +82,19 @@ class MeshExecutor:
         self._block_owner: dict[int, int] = {}
         self._swap_owner: dict[int, int] = {}
         self._steps = 0
+        self._failure_callbacks: list = []
+
+    def on_failure(self, callback) -> None:
+        """`callback(reason)` once the mesh fails (from the thread that saw it: a step's, or the rank monitor's)."""
+        self._failure_callbacks.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
 
     # ------------------------------------------------------------ lifecycle
     def allocate(self, sched: SchedulerConfig, *, num_kv_blocks: int | None, kv_cache_bytes: int | None) -> None:
         """Sizes the KV pool (rank 0's plan: every rank holds the same blocks) and allocates it on every rank."""
         art = self.artifact
         kv = art.kv_cache_config
-        if self.data_parallel and sched.prefix_cache is not None:
-            raise ArtifactError(f"{art.path}: prefix caching with data-parallel attention (parallel.dp > 1) is not "
-                                "implemented yet (a cached block lives on one rank); run it with prefix_cache=None")
         lengths = profile_lengths(sched.max_batched_tokens, sched.chunked_prefill, art.model_config.max_model_len,
                                   sched.max_seqs)
         plan = plan_memory(kv, art.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
@@ -110,6 +114,8 @@ class MeshExecutor:
         if self.failure is None:
             self.failure = reason
             logger.error("parallel executor failed: %s", reason)
+            for callback in self._failure_callbacks:
+                callback(reason)
 
     def _check(self) -> None:
         if self.failure is not None:
