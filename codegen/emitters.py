@@ -25,6 +25,7 @@ EMITTERS: dict[str, str] = {
     "cpu.silu": "K.silu({0})",
     "cpu.silu_mul": "K.silu_mul({0})",
     "cpu.add": "K.add({0}, {1})",
+    "cpu.bias_add": "K.add({0}, {1})",  # torch broadcasts the bias over the rows
     "cpu.mul": "K.mul({0}, {1})",
     "cpu.concat": "K.concat({0}, {1})",
     "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",

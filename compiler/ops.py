@@ -399,6 +399,18 @@ def _infer_binary(ins: list[TensorType], a: Attrs) -> TensorType:
 
 
 register_op(OpDef("add", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: x + y, cost=_elementwise_cost(1)))
+
+
+def _infer_bias_add(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, b = ins
+    _check(b.rank == 1 and _same(b.shape[0], x.shape[-1]), f"bias_add needs a bias [last dim of {x}], got {b}")
+    _check(x.dtype == b.dtype, f"operands differ in dtype: {x} vs {b}")
+    return x
+
+
+register_op(OpDef("bias_add", 2, 2, infer=_infer_bias_add, reference=lambda ctx, x, b: x + b,
+                  cost=_elementwise_cost(1),
+                  doc="x + b, b broadcast over the rows: a row-parallel linear's bias, added once after its reduction."))
 register_op(OpDef("mul", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: x * y, cost=_elementwise_cost(1)))
 
 

@@ -477,6 +477,14 @@ def _elementwise(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     return _same(ins, node.op)
 
 
+def _bias_add(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
+    x, b = ins
+    if b != R or x.kind not in ("R", "T"):
+        raise PlacementError(f"bias_add adds a replicated bias to whole rows (replicated or token-sharded), got "
+                             f"{x} + {b}")
+    return x
+
+
 def _lastwise(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     return _rowwise(ins[0], _rank(t[0]), node.op)
 
@@ -569,7 +577,7 @@ _RULES = {
     "embedding": _embedding, "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm,
     "all_reduce_add_rms_norm": _all_reduce_add_rms_norm, "linear": _linear, "view": _view, "slice": _slice,
     "rope": _rope, "attention": _attention, "mla_attention": _mla_attention, "silu": _elementwise,
-    "mul": _elementwise, "add": _elementwise, "deinterleave": _lastwise, "silu_mul": _silu_mul, "concat": _concat,
+    "mul": _elementwise, "add": _elementwise, "bias_add": _bias_add, "deinterleave": _lastwise, "silu_mul": _silu_mul, "concat": _concat,
     "logits": _logits, "moe_topk_softmax": _router, "moe_topk_grouped": _router, "moe_experts": _moe_experts,
     "all_reduce": _all_reduce, "all_gather": _all_gather, "dp_gather": _dp_gather, "dp_scatter": _dp_scatter,
     "block": lambda node, ins, t: ins[0],  # check_placements holds it to the block graph's own placements

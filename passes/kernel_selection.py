@@ -77,6 +77,7 @@ _CPU_TORCH: dict[str, Entry] = {
     "silu": "cpu.silu",
     "silu_mul": "cpu.silu_mul",
     "add": "cpu.add",
+    "bias_add": "cpu.bias_add",
     "mul": "cpu.mul",
     "concat": "cpu.concat",
     "logits": "cpu.logits",

@@ -185,7 +185,7 @@ class _Planner:
         self._emit(vid, new, placement)
         if bias is not None:
             summed = self._reduce(vid)
-            self.cur[vid] = self._new("add", (summed, bias), f"{vid}_bias", self.pl[summed], node.loc)
+            self.cur[vid] = self._new("bias_add", (summed, bias), f"{vid}_bias", self.pl[summed], node.loc)
         if node.op == "logits" and placement.kind == "S":
             self.cur[vid] = self._new("all_gather", (vid,), f"{vid}_gathered", R, node.loc, dim=1)
         elif node.op == "logits" and placement.kind == "L":

@@ -33,7 +33,8 @@ def _rows_offset(counts: list[int], rank: int) -> int:
 class ProcessGroupComm:
     """One rank of a torch.distributed mesh. Two groups over one store: `data` for the model's collectives (gloo on
     CPU, NCCL on CUDA; `timeout` bounds every one), `control` (gloo, host tensors) for the step commands rank 0
-    broadcasts, with `control_timeout` (a worker waits for the next step as long as the server is idle)."""
+    broadcasts, with `control_timeout` (a worker waits for the next step as long as the server is idle; rank 0's
+    sends, which gloo completes only once the receiver takes them, are bounded by the mesh timeout)."""
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, device: torch.device, *,
                  timeout: float, control_timeout: float) -> None:

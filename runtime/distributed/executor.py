@@ -334,8 +334,9 @@ class ProcessMeshExecutor(MeshExecutor):
             for rank in range(1, world):
                 self.procs[rank] = self._spawn(rank, self.store.port)
         self._wait_loaded(startup)
+        # rank 0 only sends commands: a send a worker does not take within the timeout means that worker hung
         self.comm = ProcessGroupComm(0, world, self.store, art.device, timeout=self.timeout,
-                                     control_timeout=CONTROL_TIMEOUT_S)
+                                     control_timeout=self.timeout)
         self.states = [RankState(art, self.comm)]
         if self.procs:
             self._monitor = threading.Thread(target=self._watch, name="kiln-rank-monitor", daemon=True)

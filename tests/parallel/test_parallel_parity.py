@@ -15,6 +15,7 @@ CASES = [
     ("llama", "tp = 2", {}),  # GQA 4:2, KV heads sharded
     ("llama", "tp = 4", {}),  # 2 KV heads < 4 ranks: each KV head replicated on 2 ranks
     ("llama", "tp = 2", {"vocab_size": 509}),  # vocabulary padded to 510 for the vocab-parallel embedding/LM head
+    ("llama", "tp = 2", {"attention_bias": True, "mlp_bias": True}),  # row-parallel o/down bias: added once
     ("llama3_rope", "tp = 2", {}),
     ("mistral", "tp = 2", {}),
     ("qwen2", "tp = 2", {}),  # q/k/v bias: column-parallel biases
