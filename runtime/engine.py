@@ -11,8 +11,8 @@ import torch
 from .artifact import LoadedArtifact, load_artifact
 from .config import speculative_config
 from .errors import RequestError
-from .kv_cache import BlockManager, SwapSpace, cdiv
 from .executor import ExecutorError, create_executor
+from .kv_cache import BlockManager, SwapSpace, cdiv
 from .model_runner import DraftInput, LogitsLayout
 from .outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
 from .prefix_cache import make_prefix_cache

@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
+from kiln.runtime.executor import ExecutorError
 
 import kiln
-from kiln.runtime.executor import ExecutorError
 
 PROMPTS = [[7, 8, 9, 10, 11], list(range(40, 57)), [300, 5, 77, 120, 410, 9, 33, 64, 200, 15, 6, 18]]
 
