@@ -27,7 +27,7 @@ def _params(n: int = 32) -> kiln.SamplingParams:
 
 def _run(art, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
     """(greedy tokens, prompt logprobs) per prompt; the LLM (and its workers) closed before returning."""
-    with kiln.LLM(str(art)) as llm:
+    with kiln.LLM(str(art), num_kv_blocks=64) as llm:
         outs = llm.generate(prompts, _params())
     return [(o.outputs[0].token_ids, [o.prompt_logprobs[j][t].logprob for j, t in enumerate(p) if j > 0])
             for o, p in zip(outs, prompts, strict=True)]
@@ -85,7 +85,7 @@ def test_two_gloo_runs_are_bit_identical_and_a_hung_rank_fails_within_the_timeou
     _, art = compile_parallel("llama", "tp = 2")
     first = _run(art)
     monkeypatch.setenv("KILN_DIST_TIMEOUT", "3")
-    llm = kiln.LLM(str(art))
+    llm = kiln.LLM(str(art), num_kv_blocks=64)
     try:
         pids = llm.engine.runner.worker_pids
         assert pids == _workers_of(os.getpid())

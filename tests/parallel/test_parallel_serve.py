@@ -53,12 +53,12 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
     _, single = compile_parallel("llama", None)
     _, art = compile_parallel("llama", "tp = 2")
     params = kiln.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
-    with kiln.LLM(str(single)) as llm:
+    with kiln.LLM(str(single), num_kv_blocks=64) as llm:
         want = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(art), "--port", str(port),
-                             "--served-model-name", "tiny", "--log-level", "warning"],
+                             "--served-model-name", "tiny", "--num-kv-blocks", "64", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "KILN_DIST_TIMEOUT": "5"})
     workers: list[int] = []
