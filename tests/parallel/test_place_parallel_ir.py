@@ -249,3 +249,29 @@ def test_grid_sample_runs_as_the_single_device_model(tmp_path, heads, kv_heads, 
                                                    if j > 0]))
     assert outs[1][0] == outs[0][0]
     torch.testing.assert_close(torch.tensor(outs[1][1]), torch.tensor(outs[0][1]), atol=1e-4, rtol=0)
+
+
+def test_report_per_rank_plan_llama3_70b_tp8(tmp_path):
+    """`kiln compile --report` of a Llama-3-70B shape at tp = 8 on h200: each rank's weights, KV and
+    collectives, and the decode step's communication floor beside its memory floor."""
+    path = tmp_path / "l70.dsl"
+    path.write_text("""recipe l70 {
+  model   = llama(vocab=128256, hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, rope_theta=500000.0)
+  weights = random(seed=0)
+  target  = h200
+  dtype   = bf16
+  parallel { tp = 8 }
+}
+""")
+    report = kiln.compile(path).report
+    h, f, v, layers, hd = 8192, 28672, 128256, 80, 128
+    per_layer = (h * h + 2 * 8 * hd * h + h * h + 3 * f * h) // 8 + 2 * h  # sharded projections, replicated norms
+    rank_bytes = 2 * (2 * v * h // 8 + layers * per_layer + h)
+    assert f"parameter bytes        {rank_bytes:,} B" in report
+    assert f"KV bytes per token     {layers * 1 * hd * 2 * 2:,} B" in report  # one of the 8 KV heads per rank
+    lines = report.split("parallel plan", 1)[1].splitlines()
+    assert sum("decoder x80" in line for line in lines) == 2
+    assert any("all_gather" in line and f"{v * 4:,} B per row" in line for line in lines)  # fp32 logits
+    wire = 2 * 7 / 8 * h * 2 * (1 + 2 * layers) + 7 / 8 * v * 4
+    assert f"communication floor {wire / 900e9 * 1e6:,.2f} us" in report
+    assert f"memory floor {rank_bytes / 4.8e12 * 1e6:,.2f} us" in report
