@@ -546,10 +546,14 @@ def _moe_experts(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     return P
 
 
-def _all_reduce(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
-    if ins[0].kind != "P":
-        raise PlacementError(f"all_reduce reads a partial value, got {ins[0]}")
-    return R
+def _reduction(result: Placement):
+    """The rule of a collective that reduces a partial value to `result` (all_reduce: R, dp_scatter: T)."""
+    def rule(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
+        if ins[0].kind != "P":
+            raise PlacementError(f"{node.op} reads a partial value, got {ins[0]}")
+        return result
+
+    return rule
 
 
 def _all_gather(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
@@ -567,19 +571,13 @@ def _dp_gather(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     return R
 
 
-def _dp_scatter(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
-    if ins[0].kind != "P":
-        raise PlacementError(f"dp_scatter reads a partial value, got {ins[0]}")
-    return T
-
-
 _RULES = {
     "embedding": _embedding, "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm,
     "all_reduce_add_rms_norm": _all_reduce_add_rms_norm, "linear": _linear, "view": _view, "slice": _slice,
     "rope": _rope, "attention": _attention, "mla_attention": _mla_attention, "silu": _elementwise,
     "mul": _elementwise, "add": _elementwise, "bias_add": _bias_add, "deinterleave": _lastwise, "silu_mul": _silu_mul, "concat": _concat,
     "logits": _logits, "moe_topk_softmax": _router, "moe_topk_grouped": _router, "moe_experts": _moe_experts,
-    "all_reduce": _all_reduce, "all_gather": _all_gather, "dp_gather": _dp_gather, "dp_scatter": _dp_scatter,
+    "all_reduce": _reduction(R), "all_gather": _all_gather, "dp_gather": _dp_gather, "dp_scatter": _reduction(T),
     "block": lambda node, ins, t: ins[0],  # check_placements holds it to the block graph's own placements
     "getitem": lambda node, ins, t: ins[0].items[node.attrs["index"]] if ins[0].kind == "tuple" else ins[0],
 }

@@ -7,26 +7,23 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 import kiln
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from live_server import free_port, wait_serving  # noqa: E402
+
 openai = pytest.importorskip("openai")
 
 PROMPTS = [[7, 8, 9, 10, 11], list(range(40, 57))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -56,7 +53,7 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
     with kiln.LLM(str(single), num_kv_blocks=64) as llm:
         want = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(art), "--port", str(port),
                              "--served-model-name", "tiny", "--num-kv-blocks", "64", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -64,16 +61,7 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
     workers: list[int] = []
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kiln serve did not come up"
-            time.sleep(0.2)
+        wait_serving(proc, url, timeout=120)
         workers = _children(proc.pid)
         assert len(workers) == 1, workers  # rank 1's worker process
 
