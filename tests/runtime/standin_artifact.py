@@ -171,6 +171,18 @@ def write_artifact(path: Path) -> Path:
     return path
 
 
+def resave_weights(art: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Rewrites a one-file artifact's weights and re-records them in its manifest, as if they had been compiled
+    so (a test poisoning a weight wants the load's digest check to pass, and the forward to see the poison)."""
+    from kiln.codegen.artifact import weights_index
+
+    wdir = art / "weights" / "rank0"
+    save_file(weights, str(wdir / "model.safetensors"))
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["weights"].update(weights_index(wdir, ["model.safetensors"]))
+    (art / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from kiln.runtime import RequestError, SamplingParams
 from kiln.runtime.engine import LLMEngine
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from standin_artifact import resave_weights
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was a small kiln", "héllo wörld",
            "Paged attention stores keys and values in fixed size blocks."]
@@ -178,7 +179,7 @@ def test_a_nan_weight_fails_the_requests_that_read_it(artifact_dir, reference, t
     weights_file = art / "weights" / "rank0" / "model.safetensors"
     weights = load_file(str(weights_file))
     weights["embed"][poisoned] = float("nan")
-    save_file(weights, str(weights_file))
+    resave_weights(art, weights)
 
     engine = LLMEngine(art, num_kv_blocks=128)
     bad_ids = arrivals[2][0][1]

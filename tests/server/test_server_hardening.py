@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 from live_server import LiveServer
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from standin_artifact import resave_weights
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -51,7 +52,7 @@ def nan_server(standin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     weights = load_file(str(weights_file))
     poisoned = weights["embed"].shape[0] - 1
     weights["embed"][poisoned] = float("nan")
-    save_file(weights, str(weights_file))
+    resave_weights(art, weights)
     server = LiveServer(art, {"num_kv_blocks": 512}, max_waiting=64)
     try:
         yield server, poisoned
