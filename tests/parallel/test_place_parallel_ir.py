@@ -275,3 +275,50 @@ def test_report_per_rank_plan_llama3_70b_tp8(tmp_path):
     wire = 2 * 7 / 8 * h * 2 * (1 + 2 * layers) + 7 / 8 * v * 4
     assert f"communication floor {wire / 900e9 * 1e6:,.2f} us" in report
     assert f"memory floor {rank_bytes / 4.8e12 * 1e6:,.2f} us" in report
+
+
+FUSE_BEFORE = """
+program p dtype=f32 {
+  config {}
+  param w: f32[8] from ["n.weight"]
+  graph entry {
+    %x = input "x" {placement="P"} : f32[T, 8]
+    %h = input "h" {placement="R"} : f32[T, 8]
+    %w = param "w" {placement="R"} : f32[8]
+    %r = all_reduce(%x) {placement="R"}
+    %t = add_rms_norm(%h, %r, %w) {eps=1e-05, placement="(R, R)"}
+    %n = getitem(%t) {index=0, placement="R"}
+    %s = getitem(%t) {index=1, placement="R"}
+    %o = add(%n, %s) {placement="R"}
+    return %o
+  }
+}
+"""
+
+FUSE_AFTER = """
+program p dtype=f32 {
+  config {}
+  param w: f32[8] from ["n.weight"]
+  graph entry {
+    %x = input "x" {placement="P"} : f32[T, 8]
+    %h = input "h" {placement="R"} : f32[T, 8]
+    %w = param "w" {placement="R"} : f32[8]
+    %t = all_reduce_add_rms_norm(%x, %h, %w) {eps=1e-05, placement="(R, R)"}
+    %n = getitem(%t) {index=0, placement="R"}
+    %s = getitem(%t) {index=1, placement="R"}
+    %o = add(%n, %s) {placement="R"}
+    return %o
+  }
+}
+"""
+
+
+def test_fuse_all_reduce_add_rms_norm_before_after():
+    from kiln.passes.fuse_all_reduce_add_rms_norm import FuseAllReduceAddRMSNorm
+
+    out, _ = run_pass(FuseAllReduceAddRMSNorm(), typed(FUSE_BEFORE))
+    assert_programs_equal(out, typed(FUSE_AFTER))
+    # an all_reduce read twice stays: its other reader needs the reduced value
+    twice = FUSE_BEFORE.replace("%o = add(%n, %s)", "%o = add(%n, %r)")
+    out, _ = run_pass(FuseAllReduceAddRMSNorm(), typed(twice))
+    assert "all_reduce_add_rms_norm" not in print_program(out)
