@@ -80,7 +80,26 @@ def test_gloo_mesh_matches_single_device(compile_parallel):
     over gloo. Every other family's placement runs on the single-process mesh (test_parallel_parity.py)."""
     _, single = compile_parallel("deepseek_v3", None)
     _, art = compile_parallel("deepseek_v3", "dp = 2; ep = 2")
-    assert_same_outputs(_run(art), _run(single))
+    want = _run(single)
+    llm = kiln.LLM(str(art), num_kv_blocks=64)
+    try:
+        outs = llm.generate(PROMPTS, _params())
+        assert_same_outputs([(o.outputs[0].token_ids, [o.prompt_logprobs[j][t].logprob for j, t in enumerate(p)
+                                                        if j > 0]) for o, p in zip(outs, PROMPTS, strict=True)], want)
+        # rank 1 dies while the mesh idles: the executor says so at once (a server stops without a request)
+        executor, failures = llm.engine.runner, []
+        executor.on_failure(failures.append)
+        pids = executor.worker_pids
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failures and "exited" in failures[0]
+        with pytest.raises(ExecutorError):
+            llm.generate([PROMPTS[0]], _params(2))
+    finally:
+        llm.close()
+    assert _gone(pids)
 
 
 def test_two_gloo_runs_are_bit_identical_and_a_hung_rank_fails_within_the_timeout(compile_parallel, monkeypatch):
