@@ -415,10 +415,17 @@ class QuantizeOptions:
 
 @dataclass(frozen=True)
 class ParallelOptions:
+    """The device mesh (compiler/placement.py `Mesh`): tp x dp ranks; experts in ep groups of whole experts."""
+
     tp: int = opt(1, _pos_int)
-    dp: int = opt(1, _pos_int)
+    dp: int = opt(1, _pos_int)  # data-parallel attention (each rank its own sequences); MLPs sharded over tp x dp
     ep: int = opt(1, _pos_int)
-    pp: int = opt(1, _pos_int)
+    pp: int = opt(1, _pos_int)  # pipeline parallelism: not built (Target.supports refuses pp > 1)
+    expert_placement: str = opt("contiguous", _choice("contiguous", "round_robin"))  # experts -> ep groups
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
 
 
 @dataclass(frozen=True)

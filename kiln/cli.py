@@ -129,11 +129,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kiln.runtime.server import serve
 
     host, port = serve_address(args.artifact, args.host, args.port)
-    serve(args.artifact, host=host, port=port, api_key=args.api_key, metrics_public=args.metrics_public,
-          served_model_name=args.served_model_name, max_waiting=args.max_waiting, num_kv_blocks=args.num_kv_blocks,
-          log_level=args.log_level, prefix_cache=not args.no_prefix_cache, speculative=args.speculative,
-          async_scheduling=args.async_scheduling)
-    return 0
+    status = serve(args.artifact, host=host, port=port, api_key=args.api_key, metrics_public=args.metrics_public,
+                   served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                   num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
+                   speculative=args.speculative, async_scheduling=args.async_scheduling)
+    return status or 0  # 1: the model's executor failed (a parallel artifact's rank died or hung)
 
 
 def _port(text: str) -> int:

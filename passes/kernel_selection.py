@@ -64,13 +64,18 @@ def _inputs_in(*dtypes: str) -> Callable[[Node, tuple], bool]:
     return check
 
 
+def _vocab_parallel(node: Node, ins: tuple) -> bool:
+    """An embedding over a vocab-sharded table: its output is a partial (masked) lookup."""
+    return node.attrs.get("placement") == "P"
+
+
 def _tvm_attention(node: Node, ins: tuple) -> bool:
     """tvm.paged_attention: fp32 or bf16 K/V in the activation dtype (an fp8 cache stays on torch)."""
     return not node.attrs.get("kv_dtype") and _dtype_in("f32", "bf16")(node, ins)
 
 
 # The cpu target's torch kernels (kernels/cpu.py); the GPU tables below derive from it.
-_CPU_TORCH: dict[str, str] = {
+_CPU_TORCH: dict[str, Entry] = {
     "embedding": "cpu.embedding",
     "rms_norm": "cpu.rms_norm",
     "add_rms_norm": "cpu.add_rms_norm",
@@ -80,6 +85,7 @@ _CPU_TORCH: dict[str, str] = {
     "silu": "cpu.silu",
     "silu_mul": "cpu.silu_mul",
     "add": "cpu.add",
+    "bias_add": "cpu.bias_add",
     "mul": "cpu.mul",
     "concat": "cpu.concat",
     "logits": "cpu.logits",
@@ -92,9 +98,16 @@ _CPU_TORCH: dict[str, str] = {
     "moe_topk_softmax": "cpu.moe_topk_softmax",
     "moe_topk_grouped": "cpu.moe_topk_grouped",
     "moe_experts": "cpu.moe_experts",
+    # collectives (parallel programs, compiler/placement.py): through the communicator model.py is given
+    "all_reduce": "cpu.all_reduce",
+    "all_gather": "cpu.all_gather",
+    "dp_gather": "cpu.dp_gather",
+    "dp_scatter": "cpu.dp_scatter",
+    "all_reduce_add_rms_norm": "cpu.all_reduce_add_rms_norm",
 }
 # Kernels built with apache-tvm (kernels/tvm.py + tvm_cpu/cpu.so) where benchmarks/cpu_kernels.py measured them
 # faster than the torch kernel (figures in docs/performance.md); every other op stays on torch.
+_CPU_TORCH["embedding"] = (KernelChoice("cpu.vocab_parallel_embedding", _vocab_parallel), "cpu.embedding")
 register_kernels("cpu", {
     **_CPU_TORCH,
     "attention": (KernelChoice("tvm.paged_attention", _tvm_attention), "cpu.paged_attention"),
@@ -102,6 +115,8 @@ register_kernels("cpu", {
     "silu_mul": (KernelChoice("tvm.silu_mul", _dtype_in("f32", "bf16")), "cpu.silu_mul"),
     "linear": (KernelChoice("tvm.linear", _dtype_in("f32", "bf16")), "cpu.linear"),
     "logits": (KernelChoice("tvm.logits", _inputs_in("f32", "bf16")), "cpu.logits"),
+    "all_reduce_add_rms_norm": (KernelChoice("tvm.all_reduce_add_rms_norm", _dtype_in("f32", "bf16")),
+                                "cpu.all_reduce_add_rms_norm"),
 })
 
 # GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op
@@ -120,7 +135,15 @@ _TRITON_KERNELS = {
     "linear": "torch.linear",
     "logits": "torch.logits",
 }
-_GPU_TABLE = {op: _TRITON_KERNELS.get(op, "torch." + kernel.split(".", 1)[1]) for op, kernel in _CPU_TORCH.items()}
+def _on_gpu(entry: Entry) -> Entry:
+    if isinstance(entry, str):
+        return "torch." + entry.split(".", 1)[1]
+    return tuple(KernelChoice(_on_gpu(c.kernel), c.when) if isinstance(c, KernelChoice) else _on_gpu(c) for c in entry)
+
+
+_GPU_TABLE = {op: _TRITON_KERNELS.get(op, _on_gpu(kernel)) for op, kernel in _CPU_TORCH.items()}
+_GPU_TABLE["embedding"] = (KernelChoice("torch.vocab_parallel_embedding", _vocab_parallel), "triton.embedding")
+_GPU_TABLE["all_reduce_add_rms_norm"] = "triton.all_reduce_add_rms_norm"
 register_kernels("h100", _GPU_TABLE)
 register_kernels("h200", _GPU_TABLE)
 

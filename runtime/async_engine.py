@@ -12,6 +12,7 @@ from typing import Any
 
 from .engine import LLMEngine
 from .errors import KilnRuntimeError, RequestError
+from .executor import ExecutorError
 from .outputs import FinishReason, PositionLogprobs, RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import SequenceStatus
@@ -153,6 +154,13 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.num_step_errors = 0
+        # the executor could not run another step (a parallel artifact's rank died or hung): the loop has stopped,
+        # every request in flight failed with it; `on_fatal(error)` (a server stops) is called from the engine thread
+        self.fatal_error: ExecutorError | None = None
+        self.on_fatal: Callable[[ExecutorError], None] | None = None
+        watch = getattr(engine.runner, "on_failure", None)  # a mesh executor tells of a dead rank while idle too
+        if watch is not None:
+            watch(lambda reason: self._submit(("fatal", ExecutorError(f"the model's ranks cannot run: {reason}"))))
 
     # Lifecycle (event-loop side) -------------------------------------------------------------------------
     def start(self) -> None:
@@ -227,6 +235,10 @@ class AsyncLLMEngine:
             if any(c[0] == "stop" for c in commands):
                 self._fail_all(KilnRuntimeError("the server is shutting down"))
                 return
+            fatal = next((c[1] for c in commands if c[0] == "fatal"), None)
+            if fatal is not None:
+                self._die(fatal)
+                return
             try:
                 for command in commands:
                     self._apply(command)
@@ -236,10 +248,20 @@ class AsyncLLMEngine:
                 start = time.monotonic()
                 outputs = engine.step()
                 self._after_step(outputs, start)
+            except ExecutorError as e:  # nothing can run any more: fail everything and stop
+                self._die(e)
+                return
             except Exception as e:  # a failure fails the requests in flight, never the loop
                 logger.exception("engine step failed; failing %d in-flight request(s)", len(self._tracked))
                 self.num_step_errors += 1
                 self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+
+    def _die(self, error: ExecutorError) -> None:
+        logger.error("%s; failing %d in-flight request(s) and stopping", error, len(self._tracked))
+        self.fatal_error = error
+        self._fail_all(EngineStepError(str(error)))
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]

@@ -11,15 +11,9 @@ import torch
 from .artifact import LoadedArtifact, load_artifact
 from .config import speculative_config
 from .errors import RequestError
+from .executor import ExecutorError, create_executor
 from .kv_cache import BlockManager, SwapSpace, cdiv
-from .model_runner import (
-    DraftInput,
-    LogitsLayout,
-    ModelRunner,
-    describe_memory_plan,
-    plan_memory,
-    profile_lengths,
-)
+from .model_runner import DraftInput, LogitsLayout
 from .outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
 from .prefix_cache import make_prefix_cache
 from .sampler import NONFINITE_TOKEN, Sampler, SamplerOutput, TokenLogprobs
@@ -94,6 +88,9 @@ class LLMEngine:
     with probability p(d), else sample p without d), so tokens follow the target distribution exactly. Requests
     with penalties or logprobs decode one token a step as usual.
 
+    `executor` ("mp", "local"; a parallel artifact only): its ranks as worker processes (default), or all in this
+    process (the single-process mesh); runtime/executor.py.
+
     `async_scheduling` (default: the manifest's `scheduler.async_scheduling`, else on for CUDA, off for CPU,
     where torch runs synchronously and nothing could overlap) overlaps the host's work with the device's:
     `step()` schedules and launches step N+1 before step N's sampled tokens reach the host, assuming every
@@ -121,7 +118,7 @@ class LLMEngine:
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
                  seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
                  num_speculative_tokens: int | None = None, async_scheduling: bool | None = None,
-                 output_kind: str = "cumulative") -> None:
+                 output_kind: str = "cumulative", executor: str | None = None) -> None:
         if output_kind not in ("cumulative", "final"):
             raise RequestError(f"unknown output_kind {output_kind!r} (known: cumulative, final)")
         # "final": `step()` returns a request's output only once it finishes (offline `LLM.generate` reads
@@ -140,21 +137,12 @@ class LLMEngine:
             raise RequestError(f"unknown preemption mode {sched.preemption!r} (known: recompute, swap)")
         if prefix_cache is not _UNSET:
             sched = replace(sched, prefix_cache=None if prefix_cache in (None, "none") else prefix_cache)
-        graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
-        plan = plan_memory(
-            kv, artifact.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-            memory_fraction=float(artifact.manifest["kv_cache"].get("memory_fraction", 0.9)), model=artifact.model,
-            prefill_lengths=profile_lengths(sched.max_batched_tokens, sched.chunked_prefill,
-                                            self.model_config.max_model_len, sched.max_seqs),
-            graph_reserve=int((artifact.manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0,
-            vocab_size=self.model_config.vocab_size)
-        num_blocks = plan["kv_blocks"]
-        logger.info(describe_memory_plan(plan, kv.block_size))
-        self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
-        num_swap_blocks = sched.swap_space // kv.bytes_per_block if sched.preemption == "swap" else 0
-        self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(num_swap_blocks))
-        self.runner = ModelRunner(artifact.model, kv, num_blocks, artifact.device, num_swap_blocks, graphs)
-        self.runner.memory_plan = plan  # what the pool was sized from (benchmarks/gpu_engine.py prints it)
+        # the model's executor (runtime/executor.py): a ModelRunner here, or a parallel artifact's ranks; it sizes
+        # and allocates the KV pool (`runner.memory_plan`)
+        self.runner = create_executor(artifact, sched, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
+                                      enforce_eager=enforce_eager, backend=executor)
+        self.block_manager = BlockManager(self.runner.num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
+        self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
         self.sampler = Sampler(seed, artifact.device)
         spec = artifact.manifest.get("speculative") or {}
         self.speculative = speculative_config(
@@ -298,6 +286,8 @@ class LLMEngine:
         and a request that fails alone is failed with the error: one bad request costs about 2 log2(requests)
         extra launches and the others get the tokens the whole batch would have given them. A failure that is
         not any one request's fails them all (2 x requests launches, once)."""
+        if isinstance(error, ExecutorError):  # the model's ranks are gone: no request's fault, nothing to retry
+            raise error
         request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
         if not request_ids:  # everything in it finished meanwhile
             return self._drain_aborted()

@@ -5,6 +5,7 @@ import asyncio
 import hmac
 import json
 import math
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -611,11 +612,14 @@ def startup_line(engine: LLMEngine, model_name: str, url: str) -> str:
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
-          async_scheduling: bool | None = None, metrics_public: bool = False) -> None:
+          async_scheduling: bool | None = None, metrics_public: bool = False) -> int:
     """`kiln serve`: loads the artifact and serves it until interrupted. `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
     `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device;
-    `metrics_public` leaves `/metrics` open when an `api_key` is set."""
+    `metrics_public` leaves `/metrics` open when an `api_key` is set.
+
+    Returns the exit status: 0 once interrupted; 1 when the model's executor failed (a parallel artifact's rank
+    died or hung): every request in flight has failed with the reason, and the server stops."""
     import uvicorn
 
     engine = LLMEngine(artifact, num_kv_blocks=num_kv_blocks, **({} if prefix_cache else {"prefix_cache": None}),
@@ -624,4 +628,19 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
                     metrics_public=metrics_public)
     print(startup_line(engine, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+
+    def stop(_: Exception) -> None:  # from the engine thread; uvicorn polls the flag
+        server.should_exit = True
+
+    async_engine = app.state.server.async_engine
+    async_engine.on_fatal = stop
+    try:
+        server.run()
+    finally:
+        engine.runner.shutdown()
+    if async_engine.fatal_error is not None:
+        print(f"kiln serve: stopped: {async_engine.fatal_error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
