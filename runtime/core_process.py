@@ -173,11 +173,11 @@ class EngineCoreProc:
         engine = self.engine
         for request_id in list(engine.requests):
             try:
-                engine._end_request(request_id, "error", error)
+                engine.end_request(request_id, "error", error)
             except Exception:  # best effort after a failed step; the request is gone either way
                 engine.requests.pop(request_id, None)
         self._unscheduled.clear()
-        return engine._take_pending()
+        return engine.take_pending()
 
     # Messages ---------------------------------------------------------------------------------------------
     def _handle(self, name: str, payload: bytes) -> None:

@@ -74,7 +74,7 @@ class LLM:
         except BaseException:
             for request_id in added:
                 engine.abort_request(request_id)
-            engine._drain_aborted()
+            engine.drain_aborted()
             raise
         return [finished[request_id] for request_id, *_ in requests]
 
