@@ -81,6 +81,23 @@ class RequestGroup:
                 self.unfinished.discard(delta.request_id)
             yield delta
 
+    async def batches(self) -> AsyncIterator[list[RequestDelta]]:
+        """Like iterating, but each item is every delta waiting at that moment (at least one), in order."""
+        queue = self.queue
+        while self.unfinished:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            for i, delta in enumerate(batch):
+                if delta.error is not None:
+                    if i:
+                        yield batch[:i]
+                    self.abort()
+                    raise delta.error
+                if delta.finished:
+                    self.unfinished.discard(delta.request_id)
+            yield batch
+
     def abort(self) -> None:
         if self.unfinished:
             self._engine.abort(list(self.unfinished))
