@@ -433,7 +433,7 @@ def kv_capacity(setup: Setup, name: str, cfg: dict, work: Path) -> dict:
     from kiln.codegen.artifact import build_manifest
     from kiln.codegen.weights import total_weight_bytes
     from kiln.runtime.config import kv_cache_config_from_manifest
-    from kiln.runtime.model_runner import resolve_num_blocks
+    from kiln.runtime.memory_plan import resolve_num_blocks
 
     programs = {kv_name: compile_program(f"{name}-kv-{kv_name}", cfg, work, quantize)
                 for kv_name, quantize in (("bf16", ""), ("fp8", "kv_cache = fp8"))}

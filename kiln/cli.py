@@ -7,9 +7,8 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-USER_ERROR_EXIT = 2
+from kiln.runtime.entrypoint import USER_ERROR_EXIT
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -76,76 +75,6 @@ def cmd_recipe_from_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling(args: argparse.Namespace) -> Any:
-    from kiln.runtime.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-
-
-def _token_ids(text: str) -> list[int]:
-    """`--token-ids` prompts: integers separated by spaces or commas."""
-    from kiln.runtime.errors import RequestError
-
-    parts = text.replace(",", " ").split()
-    if not parts or not all(p.isdigit() for p in parts):
-        raise RequestError(f"--token-ids: the prompt must be token ids separated by spaces or commas, got {text!r:.60}")
-    return [int(p) for p in parts]
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from kiln.runtime.errors import RequestError
-    from kiln.runtime.llm import LLM
-
-    llm = LLM(str(args.artifact))
-    tokenizer = llm.get_tokenizer()
-    if tokenizer is None and not args.token_ids:
-        raise RequestError(f"{args.artifact} has no tokenizer (compiled with random weights and no `tokenizer = "
-                           "\"hf:DIR\"`); give the prompt as token ids: --token-ids \"1 2 3\"")
-    params = _sampling(args)
-    if args.chat:
-        outs = llm.chat([{"role": "user", "content": args.prompt}], params)
-    else:
-        outs = llm.generate([_token_ids(args.prompt) if args.token_ids else args.prompt], params)
-    for out in outs:
-        completion = out.outputs[0]
-        if args.token_ids:
-            sys.stdout.write(" ".join(map(str, completion.token_ids)))
-        else:
-            sys.stdout.write(completion.text if args.chat else args.prompt + completion.text)
-        sys.stdout.write("\n")
-    return 0
-
-
-def serve_address(artifact: str, host: str | None, port: int | None) -> tuple[str, int]:
-    """The flags, else the manifest's `serve` host and port (the recipe's, else the compiler's defaults)."""
-    from kiln.runtime.artifact import read_manifest
-
-    serve = read_manifest(artifact)["serve"]
-    return host or serve["host"], port or serve["port"]
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from kiln.runtime.server import serve
-
-    host, port = serve_address(args.artifact, args.host, args.port)
-    status = serve(args.artifact, host=host, port=port, api_key=args.api_key, metrics_public=args.metrics_public,
-                   served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                   num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
-                   speculative=args.speculative, async_scheduling=args.async_scheduling)
-    return status or 0  # 1: the model's executor failed (a parallel artifact's rank died or hung)
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (an integer in 1..65535)") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is out of range: a port is an integer in 1..65535")
-    return port
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     from kiln.eval import eval_compare, eval_ppl
 
@@ -172,49 +101,9 @@ def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_eval)
 
 
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", help="address to bind (default: the recipe's serve.host, else 127.0.0.1: loopback "
-                   "only)")
-    p.add_argument("--port", type=_port, help="TCP port, 1..65535 (default: the recipe's serve.port, else 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics; /health "
-                   "stays open (default: no key, every route open)")
-    p.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without the API key (for a Prometheus scraper on a trusted network)")
-    p.add_argument("--served-model-name", help="model name of the API (default: the recipe's serve.served_name, "
-                   "else the artifact directory name)")
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="sequences (prompts x n) waiting before the server answers 503; a request of more is a 400 "
-                   "(default 1024)")
-    p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: the manifest's decision, "
-                   "as `kiln compile --report` states it)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="server log level (default info)")
-    p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
-    p.add_argument("--speculative", choices=["mtp", "none"],
-                   help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule and launch each step before the previous one's tokens are read back, overlapping "
-                   "host work with the device (default: the recipe's, else on for CUDA, off for CPU)")
-    p.set_defaults(func=cmd_serve)
-
-
-def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the prompt text (with --token-ids: token ids)")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    p.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (default -1: off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, not reproducible)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    form = p.add_mutually_exclusive_group()
-    form.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    form.add_argument("--token-ids", action="store_true",
-                   help="the prompt is token ids separated by spaces or commas, and the completion is printed as "
-                   "token ids (what an artifact without a tokenizer takes)")
-    p.set_defaults(func=cmd_generate)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from kiln.runtime.entrypoint import add_generate_args, add_serve_args  # the runtime's own commands
+
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: compile LLM recipes into serving artifacts")
     parser.add_argument("--version", action="version", version=f"kiln {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,11 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with a compiled artifact")
     p.add_argument("artifact", help="a compiled artifact directory")
-    _add_generate_args(p)
+    add_generate_args(p)
 
     p = sub.add_parser("serve", help="serve a compiled artifact over an OpenAI-compatible HTTP API")
     p.add_argument("artifact", help="a compiled artifact directory")
-    _add_serve_args(p)
+    add_serve_args(p)
 
     p = sub.add_parser("eval", help="quality checks: perplexity, and KL divergence between two artifacts")
     esub = p.add_subparsers(dest="eval_command", required=True)
@@ -282,13 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def artifact_main(artifact_dir: str, argv: list[str]) -> int:
-    """Entry of a compiled artifact's `__main__.py`: `python ART generate "prompt"` or `python ART serve`."""
-    if not argv or argv[0] not in ("generate", "serve"):
-        print("usage: python ARTIFACT generate \"prompt\" [--max-tokens N] [--temperature T] [--seed S]\n"
-              "       python ARTIFACT serve [--host H] [--port P] [--api-key K] [--served-model-name N]",
-              file=sys.stderr)
-        return USER_ERROR_EXIT
-    return main([argv[0], artifact_dir, *argv[1:]])
+    """The entry point of artifacts compiled before it moved to the runtime (kiln.runtime.entrypoint)."""
+    from kiln.runtime.entrypoint import artifact_main as runtime_artifact_main
+
+    return runtime_artifact_main(artifact_dir, argv)
 
 
 def _version() -> str:

@@ -5,24 +5,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import ArtifactError, KilnRuntimeError, RequestError
-from .forward_batch import ForwardBatch
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
-# Heavier pieces load on first use, so `import kiln` stays cheap for the CLI and the compiler.
+# Heavier pieces load on first use, so `import kiln` stays cheap for the CLI and the compiler, and an API
+# server process (which never runs the model) does not import torch.
 _LAZY = {
-    "LLM": ".llm", "LLMEngine": ".engine", "load_artifact": ".artifact", "LoadedArtifact": ".artifact",
-    "Tokenizer": ".tokenizer", "IncrementalDetokenizer": ".tokenizer",
+    "LLM": ".llm", "LLMEngine": ".llm_engine", "EngineCore": ".engine", "load_artifact": ".artifact",
+    "LoadedArtifact": ".artifact", "Tokenizer": ".tokenizer", "IncrementalDetokenizer": ".tokenizer",
+    "ForwardBatch": ".forward_batch",
 }
 
-__all__ = ["LLM", "ArtifactError", "CompletionOutput", "ForwardBatch", "IncrementalDetokenizer", "KilnRuntimeError",
+__all__ = ["LLM", "ArtifactError", "CompletionOutput", "EngineCore", "ForwardBatch", "IncrementalDetokenizer", "KilnRuntimeError",
            "LLMEngine", "LoadedArtifact", "Logprob", "RequestError", "RequestOutput", "SamplingParams", "Tokenizer",
            "load_artifact"]
 
 if TYPE_CHECKING:
     from .artifact import LoadedArtifact, load_artifact
-    from .engine import LLMEngine
+    from .engine import EngineCore
+    from .forward_batch import ForwardBatch
     from .llm import LLM
+    from .llm_engine import LLMEngine
     from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -91,7 +91,7 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
     tokenizer = None
     tok = manifest.get("tokenizer")  # null: an artifact without one (random weights) serves token ids only
     if load_tokenizer and tok is not None:
-        tokenizer = _load_tokenizer(art / tok["dir"], manifest["runtime"]["vocab_size"])
+        tokenizer = open_tokenizer(art / tok["dir"], manifest["runtime"]["vocab_size"])
     return LoadedArtifact(path=art, manifest=manifest, model=model, tokenizer=tokenizer, device=device,
                           model_config=model_config_from_manifest(manifest),
                           kv_cache_config=kv_cache_config_from_manifest(manifest),
@@ -99,7 +99,9 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
                           cuda_graph_config=cuda_graph_config_from_manifest(manifest), rank=rank)
 
 
-def _load_tokenizer(tok_dir: Path, vocab_size: int) -> Any:
+def open_tokenizer(tok_dir: str | Path, vocab_size: int) -> Any:
+    """The artifact's tokenizer in `tok_dir`, checked against the model's vocabulary (`ArtifactError` if unusable)."""
+    tok_dir = Path(tok_dir)
     from .tokenizer import Tokenizer
 
     if not (tok_dir / "tokenizer.json").is_file():

@@ -1,58 +1,52 @@
-"""AsyncLLMEngine: drives an LLMEngine from one background thread; asyncio handlers get per-request deltas."""
+"""AsyncLLMEngine: the API server's engine. Requests go to an engine core (its own process) over the engine-core
+protocol; the core's token deltas come back through the output processor as per-request text deltas."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .engine import LLMEngine
+from .artifact import open_tokenizer
+from .core_client import AsyncCoreClient, CoreProcess, EngineDeadError
+from .core_protocol import (
+    Abort,
+    AddRequests,
+    AddResult,
+    CoreInfo,
+    CoreStats,
+    Heartbeat,
+    NewRequest,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    encode_params,
+)
 from .errors import KilnRuntimeError, RequestError
-from .executor import ExecutorError
-from .outputs import FinishReason, PositionLogprobs, RequestOutput
+from .output_processor import OutputProcessor
+from .outputs import RequestDelta
 from .sampling_params import SamplingParams
-from .sequence import SequenceStatus
+from .tokenizer import Tokenizer
+from .validation import check_request
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineOverloadedError", "PromptInput", "RequestFailedError",
+           "RequestGroup", "RequestObserver"]
+
 
 class EngineOverloadedError(KilnRuntimeError):
-    """The waiting queue is full: the server answers 503 and the client retries later."""
-
-
-class EngineStepError(KilnRuntimeError):
-    """`LLMEngine.step()` raised (the engine fails what it can pin on one request itself, see `LLMEngine`):
-    every request that was in the engine at that moment is failed with this."""
+    """The waiting queue is full, or the engine core is not running: the server answers 503."""
 
 
 class RequestFailedError(KilnRuntimeError):
-    """The engine failed this request alone (non-finite logits, a failure only its parameters hit); the
-    message says why."""
-
-
-@dataclass(slots=True)
-class CompletionDelta:
-    """What one of a request's `n` completions produced since its previous delta."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    request_id: str
-    completions: list[CompletionDelta]
-    num_prompt_tokens: int
-    finished: bool
-    error: BaseException | None = None
+    """The engine failed this request (non-finite logits, a failure only its parameters hit, a step that
+    raised); the message says why."""
 
 
 @dataclass(slots=True)
@@ -66,8 +60,8 @@ class RequestGroup:
     """The engine requests of one API call (one per prompt), sharing one queue of deltas.
 
     Iterate it for deltas in arrival order; it stops once every request finished and raises the engine's
-    error if a step failed. `abort()` (also called by `close()`) stops the unfinished requests and frees their
-    KV blocks; a handler calls it in `finally`, so a client that goes away never leaves work behind.
+    error if one failed. `abort()` stops the unfinished requests and frees their KV blocks; a handler calls it
+    in `finally`, so a client that goes away never leaves work behind.
     """
 
     def __init__(self, engine: AsyncLLMEngine, inputs: list[PromptInput], params: SamplingParams) -> None:
@@ -87,42 +81,40 @@ class RequestGroup:
                 self.unfinished.discard(delta.request_id)
             yield delta
 
+    async def batches(self) -> AsyncIterator[list[RequestDelta]]:
+        """Like iterating, but each item is every delta waiting at that moment (at least one), in order."""
+        queue = self.queue
+        while self.unfinished:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            for i, delta in enumerate(batch):
+                if delta.error is not None:
+                    if i:
+                        yield batch[:i]
+                    self.abort()
+                    raise delta.error
+                if delta.finished:
+                    self.unfinished.discard(delta.request_id)
+            yield batch
+
     def abort(self) -> None:
         if self.unfinished:
-            self._engine._submit(("abort", list(self.unfinished)))
+            self._engine.abort(list(self.unfinished))
             self.unfinished.clear()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
-    """Engine-thread bookkeeping of one request: what was already sent, and its latency milestones."""
+    """Front-end bookkeeping of one request: its group, and its latency milestones."""
 
     group: RequestGroup
-    num_prompt_tokens: int
     arrival: float
-    holdback: int  # chars of text withheld while unfinished: a stop string may still cut them off
-    sent_tokens: list[int] = field(default_factory=list)
-    sent_chars: list[int] = field(default_factory=list)
-    done: list[bool] = field(default_factory=list)
-    scheduled: bool = False
     last_token_time: float | None = None
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_requests_running: int = 0
-    num_requests_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # blocks looked up
-    prefix_cache_hits: int = 0
-    spec_num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and of them accepted
-    spec_num_accepted_tokens: int = 0
-    num_nonfinite_logits: int = 0  # requests failed because their logits were NaN or infinite
-
-
 class RequestObserver:
-    """Hooks the metrics layer implements; called from the engine thread (must be thread-safe and cheap)."""
+    """Hooks the metrics layer implements; called on the event loop (must be cheap)."""
 
     def on_queued(self, seconds: float) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
@@ -132,60 +124,88 @@ class RequestObserver:
 
 
 class AsyncLLMEngine:
-    """Owns the engine exclusively: only the engine thread calls into `LLMEngine`. Handlers talk to it through
-    a command queue (add, abort) and receive deltas through their group's asyncio queue.
+    """Talks to one engine core from the server's event loop: `add_requests` sends a group of prompts and waits
+    until the core accepted them (or refused: `RequestError`, 400; `EngineOverloadedError`, 503), the core's
+    step outputs are read by one task, detokenized and stop-checked by the `OutputProcessor`, and delivered to
+    each group's queue. A completion that hit a stop string is ended in the core too.
 
-    `max_waiting` bounds the sequences (prompts x n) accepted but not running: queued, or preempted and waiting
-    to run again. A request that would take the count past it raises `EngineOverloadedError` (retry later) and
-    queues nothing; one with more sequences than `max_waiting` could never be taken and raises `RequestError`.
+    The core is watched two ways: `process` (the one this server owns) by a thread waiting on it, and any core
+    by its heartbeats: nothing heard for `heartbeat_timeout` seconds means it is gone. Either way every
+    request in flight fails with one `EngineDeadError`, `is_running` turns False (/health answers 503) and
+    the `on_dead` callbacks run (`kiln serve` exits non-zero).
     """
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = 1024,
-                 observer: RequestObserver | None = None) -> None:
-        self.engine = engine
-        self.max_waiting = max_waiting
+    def __init__(self, info: CoreInfo, tokenizer: Tokenizer | None, *, process: CoreProcess | None = None,
+                 client_name: str = "api-0", observer: RequestObserver | None = None,
+                 heartbeat_interval: float = 0.5, heartbeat_timeout: float = 10.0) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.process = process
+        self.client_name = client_name
         self.observer = observer or RequestObserver()
-        self.stats = EngineStats()
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
-        self._unscheduled: set[str] = set()
-        self._num_pending_adds = 0  # sequences submitted that the engine thread has not queued yet
-        self._num_waiting = 0  # sequences waiting in the engine (queued or preempted; engine-thread view)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.num_step_errors = 0
-        # the executor could not run another step (a parallel artifact's rank died or hung): the loop has stopped,
-        # every request in flight failed with it; `on_fatal(error)` (a server stops) is called from the engine thread
-        self.fatal_error: ExecutorError | None = None
-        self.on_fatal: Callable[[ExecutorError], None] | None = None
-        watch = getattr(engine.runner, "on_failure", None)  # a mesh executor tells of a dead rank while idle too
-        if watch is not None:
-            watch(lambda reason: self._submit(("fatal", ExecutorError(f"the model's ranks cannot run: {reason}"))))
+        self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
+        self.max_waiting = info.max_waiting
+        self.stats = CoreStats()
+        self._stats_version = -1
+        self.processor = OutputProcessor(tokenizer)
+        self.client: AsyncCoreClient | None = None
+        self.dead: str | None = None  # why the core is gone
+        self.on_dead: list[Callable[[str], None]] = []
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
 
-    # Lifecycle (event-loop side) -------------------------------------------------------------------------
-    def start(self) -> None:
-        assert self._thread is None, "engine loop already started"
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
-        self._thread.start()
+    @classmethod
+    def from_process(cls, process: CoreProcess, **kwargs: Any) -> AsyncLLMEngine:
+        """The engine over a core this server started; its tokenizer is read from the artifact."""
+        info = process.info
+        tokenizer = open_tokenizer(info.tokenizer_dir, info.limits.vocab_size) if info.tokenizer_dir else None
+        return cls(info, tokenizer, process=process, **kwargs)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
-            self._commands.put(("stop",))
-            self._thread.join(timeout)
-            self._thread = None
+    # Lifecycle (event loop) -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        assert self.client is None, "already started"
+        self.loop = asyncio.get_running_loop()
+        self.client = AsyncCoreClient(self.info.input_address, name=self.client_name)
+        self.info = await self.client.connect()
+        self._tasks = [asyncio.ensure_future(self._read_outputs()), asyncio.ensure_future(self._watch())]
+        if self.process is not None:
+            threading.Thread(target=self._wait_for_process, name="kiln-core-sentinel", daemon=True).start()
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        self._fail_all(KilnRuntimeError("the server is shutting down"))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.client is not None:
+            self.client.close()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.client is not None and self.dead is None and not self._closing
 
-    def call_in_engine_thread(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
-        """Runs `fn(engine)` between two steps; for inspection (tests, admin endpoints)."""
-        future = self._loop.create_future()
-        self._submit(("call", fn, future))
-        return future
+    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        """Runs a named core utility (core_process.EngineCoreProc.register_utility) between two steps."""
+        reply = await self._call(UtilityCall(next(self._call_ids), method, list(args)), timeout)
+        if reply.error is not None:
+            raise KilnRuntimeError(f"utility {method!r} failed in the engine core: {reply.error}")
+        return reply.result
 
-    # Requests (event-loop side) --------------------------------------------------------------------------
+    async def _call(self, msg: AddRequests | UtilityCall, timeout: float | None = None) -> Any:
+        if not self.is_running:
+            raise EngineOverloadedError(f"the engine core is not running ({self.dead or 'not started'})")
+        future = self.loop.create_future()
+        self._calls[msg.call_id] = future
+        self.client.send(msg)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        finally:
+            self._calls.pop(msg.call_id, None)
+
+    # Requests (event loop) --------------------------------------------------------------------------------
     def check_admissible(self, num_prompts: int, params: SamplingParams) -> None:
         """Raises `RequestError` for a request of more sequences than the queue may ever hold."""
         num_seqs = num_prompts * params.n
@@ -197,224 +217,118 @@ class AsyncLLMEngine:
         """Queues all of `inputs` or none: raises `RequestError` (it can never be queued, or the first bad
         prompt; nothing stays queued) or `EngineOverloadedError` (not now)."""
         self.check_admissible(len(inputs), params)
-        if not self.is_running:
-            raise EngineOverloadedError("the engine loop is not running")
-        num_seqs = len(inputs) * params.n
-        waiting = self._num_pending_adds + self._num_waiting
-        if waiting + num_seqs > self.max_waiting:
-            raise EngineOverloadedError(
-                f"the server is overloaded ({waiting} sequences waiting, this request adds {num_seqs}, limit "
-                f"{self.max_waiting}); retry later")
+        for p in inputs:
+            check_request(p.prompt_token_ids, params, self.info.limits)
         group = RequestGroup(self, inputs, params)
-        accepted = self._loop.create_future()
-        self._num_pending_adds += num_seqs
+        arrival = time.monotonic()
+        for p in inputs:  # before the core can answer: its first deltas find the state
+            self.processor.add_request(p.request_id, p.prompt_token_ids, params, p.prompt,
+                                       _Tracked(group, arrival))
+        raw = encode_params(params)
+        msg = AddRequests(next(self._call_ids), [NewRequest(p.request_id, p.prompt_token_ids, raw) for p in inputs])
         try:
-            self._submit(("add", group, time.monotonic(), accepted))
-            await asyncio.shield(accepted)
-        except asyncio.CancelledError:
-            group.abort()  # queued behind the add: the engine thread aborts whatever got added
+            result: AddResult = await self._call(msg)
+        except BaseException:
+            group.abort()  # queued behind the add: the core aborts whatever got added
             raise
-        finally:
-            self._num_pending_adds -= num_seqs
+        if result.error is not None:
+            for p in inputs:
+                self.processor.abort_request(p.request_id)
+            group.unfinished.clear()
+            raise (EngineOverloadedError if result.overloaded else RequestError)(result.error)
+        self.observer.on_tokens(sum(len(p.prompt_token_ids) for p in inputs), 0)
         return group
 
-    def _submit(self, command: tuple) -> None:
-        self._commands.put(command)
+    def abort(self, request_ids: list[str]) -> None:
+        """Ends requests in the core and here; nothing more is delivered for them."""
+        for request_id in request_ids:
+            self.processor.abort_request(request_id)
+        if self.is_running:
+            self.client.send(Abort(request_ids))
 
-    # The engine thread -----------------------------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            idle = not engine.has_unfinished_requests()
-            commands = [self._commands.get()] if idle else []
+    # The core's outputs -----------------------------------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        try:
             while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            if any(c[0] == "stop" for c in commands):
-                self._fail_all(KilnRuntimeError("the server is shutting down"))
-                return
-            fatal = next((c[1] for c in commands if c[0] == "fatal"), None)
-            if fatal is not None:
-                self._die(fatal)
-                return
-            try:
-                for command in commands:
-                    self._apply(command)
-                if not engine.has_unfinished_requests():
-                    self._update_stats()
-                    continue
-                start = time.monotonic()
-                outputs = engine.step()
-                self._after_step(outputs, start)
-            except ExecutorError as e:  # nothing can run any more: fail everything and stop
-                self._die(e)
-                return
-            except Exception as e:  # a failure fails the requests in flight, never the loop
-                logger.exception("engine step failed; failing %d in-flight request(s)", len(self._tracked))
-                self.num_step_errors += 1
-                self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+                msg = await self.client.recv()
+                if isinstance(msg, StepOutputs):
+                    self._take_stats(msg.version, msg.stats)
+                    self._on_step(msg)
+                elif isinstance(msg, (AddResult, UtilityResult)):
+                    future = self._calls.pop(msg.call_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(msg)
+                elif isinstance(msg, Heartbeat) and msg.stats is not None:
+                    self._take_stats(msg.version, msg.stats)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a message that does not decode, or a bug here: nothing else can be trusted
+            logger.exception("reading the engine core's outputs failed")
+            self._core_died(f"its outputs could not be read ({type(e).__name__}: {e})")
 
-    def _die(self, error: ExecutorError) -> None:
-        logger.error("%s; failing %d in-flight request(s) and stopping", error, len(self._tracked))
-        self.fatal_error = error
-        self._fail_all(EngineStepError(str(error)))
-        if self.on_fatal is not None:
-            self.on_fatal(error)
+    def _take_stats(self, version: int, stats: CoreStats) -> None:
+        if version >= self._stats_version:  # heartbeats travel on their own socket: keep the newest
+            self._stats_version, self.stats = version, stats
 
-    def _apply(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, group, arrival, accepted = command
-            self._add(group, arrival, accepted)
-        elif kind == "abort":
-            for request_id in command[1]:
-                self._abort(request_id)
-        elif kind == "call":
-            _, fn, future = command
-            try:
-                result, error = fn(self.engine), None
-            except Exception as e:  # handed back to the caller
-                result, error = None, e
-            self._post(_settle, [(future, result, error)])
-
-    def _add(self, group: RequestGroup, arrival: float, accepted: asyncio.Future) -> None:
-        added: list[str] = []
-        error: BaseException | None = None
-        params = group.params
-        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
-        try:
-            for p in group.inputs:
-                self.engine.add_request(p.request_id, p.prompt_token_ids, params, prompt=p.prompt)
-                added.append(p.request_id)
-                self._tracked[p.request_id] = _Tracked(
-                    group, len(p.prompt_token_ids), arrival, holdback, sent_tokens=[0] * params.n,
-                    sent_chars=[0] * params.n, done=[False] * params.n)
-                self._unscheduled.add(p.request_id)
-        except Exception as e:  # RequestError is the client's; anything else is reported too
-            error = e if isinstance(e, RequestError) else RequestError(f"cannot add the request: {e}")
-            for request_id in added:
-                self._abort(request_id)
-        else:
-            self.observer.on_tokens(sum(len(p.prompt_token_ids) for p in group.inputs), 0)
-        self._update_stats()
-        self._post(_settle, [(accepted, None, error)])
-
-    def _abort(self, request_id: str) -> None:
-        if self._tracked.pop(request_id, None) is None:
-            return
-        self._unscheduled.discard(request_id)
-        self._abort_untracked(request_id)
-
-    def _fail_all(self, error: BaseException) -> None:
-        deliveries = []
-        for request_id, tracked in list(self._tracked.items()):
-            deliveries.append((tracked.group, RequestDelta(request_id, [], tracked.num_prompt_tokens, True, error)))
-            self._abort(request_id)
-        for request_id in list(self.engine.requests):  # requests the engine holds that nobody tracks
-            self._abort_untracked(request_id)
-        self.engine._drain_aborted()
-        self._post(_deliver, deliveries)
-        self._update_stats()
-
-    def _abort_untracked(self, request_id: str) -> None:
-        try:
-            self.engine.abort_request(request_id)
-        except Exception:  # best effort after a failed step; the request is gone either way
-            self.engine.requests.pop(request_id, None)
-
-    def _after_step(self, outputs: list[RequestOutput], start: float) -> None:
+    def _on_step(self, msg: StepOutputs) -> None:
+        processor, observer = self.processor, self.observer
+        for request_id, waited in msg.scheduled:
+            if request_id in processor.requests:
+                observer.on_queued(waited)
+        processed = processor.process(msg.deltas)
+        if processed.finish_in_core or processed.abort_in_core:
+            self.client.send(Abort(processed.abort_in_core, processed.finish_in_core))
         now = time.monotonic()
-        observer = self.observer
-        for request_id in list(self._unscheduled):
-            request = self.engine.requests.get(request_id)
-            if request is None or any(s.status is not SequenceStatus.WAITING for s in request.seqs):
-                self._unscheduled.discard(request_id)
-                observer.on_queued(start - self._tracked[request_id].arrival)
-        deliveries = []
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:  # aborted by its client: nobody is listening
-                continue
-            if out.error is not None:  # the engine failed this request alone
-                del self._tracked[out.request_id]
-                self._unscheduled.discard(out.request_id)
+        for state in processed.touched:
+            tracked: _Tracked = state.owner
+            if state.error is not None:
                 observer.on_finished(now - tracked.arrival, "error")
-                deliveries.append((tracked.group, RequestDelta(out.request_id, [], tracked.num_prompt_tokens, True,
-                                                               RequestFailedError(out.error))))
+                tracked.group.queue.put_nowait(RequestDelta(state.request_id, [], len(state.prompt_token_ids), True,
+                                                            RequestFailedError(state.error)))
                 continue
-            delta = self._delta(tracked, out, now)
-            if out.finished:
-                del self._tracked[out.request_id]
-                observer.on_finished(now - tracked.arrival, out.outputs[0].finish_reason)
+            delta = processor.take_delta(state)
+            num_new = sum(len(c.token_ids) for c in delta.completions)
+            if num_new:
+                if tracked.last_token_time is None:
+                    observer.on_first_token(now - tracked.arrival)
+                else:
+                    observer.on_inter_token(now - tracked.last_token_time)
+                tracked.last_token_time = now
+                observer.on_tokens(0, num_new)
+            if state.finished:
+                observer.on_finished(now - tracked.arrival, state.seqs[0].finish_reason)
             if delta.completions or delta.finished:
-                deliveries.append((tracked.group, delta))
-        self._post(_deliver, deliveries)
-        self._update_stats()
+                tracked.group.queue.put_nowait(delta)
 
-    def _delta(self, tracked: _Tracked, out: RequestOutput, now: float) -> RequestDelta:
-        """The new part of each completion. Text is withheld by `holdback` chars until the completion ends,
-        so a stop string that completes later never shows up in the stream (the engine cuts it from the text)."""
-        completions = []
-        num_new = 0
-        for c in out.outputs:
-            i = c.index
-            if tracked.done[i]:
-                continue
-            finished = c.finish_reason is not None
-            start_tok, start_chr = tracked.sent_tokens[i], tracked.sent_chars[i]
-            end_chr = len(c.text) if finished else max(start_chr, len(c.text) - tracked.holdback)
-            new_ids = c.token_ids[start_tok:]
-            new_text = c.text[start_chr:end_chr]
-            if not (new_ids or new_text or finished):
-                continue
-            tracked.sent_tokens[i] = len(c.token_ids)
-            tracked.sent_chars[i] = max(start_chr, end_chr)
-            tracked.done[i] = finished
-            num_new += len(new_ids)
-            completions.append(CompletionDelta(
-                index=i, text=new_text, token_ids=new_ids,
-                logprobs=c.logprobs[start_tok:] if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        if num_new:
-            if tracked.last_token_time is None:
-                self.observer.on_first_token(now - tracked.arrival)
-            else:
-                self.observer.on_inter_token(now - tracked.last_token_time)
-            tracked.last_token_time = now
-            self.observer.on_tokens(0, num_new)
-        return RequestDelta(out.request_id, completions, tracked.num_prompt_tokens, out.finished)
+    # Liveness ---------------------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            self.client.send_heartbeat()
+            silent = time.monotonic() - self.client.last_seen
+            if silent > self.heartbeat_timeout:
+                self._core_died(f"it sent nothing for {silent:.1f} s (heartbeat timeout {self.heartbeat_timeout:g} s)")
+                return
 
-    def _update_stats(self) -> None:
-        s = self.engine.stats()
-        self._num_waiting = s["num_waiting"]
-        self.stats = EngineStats(
-            num_requests_running=s["num_running"], num_requests_waiting=s["num_waiting"],
-            kv_cache_usage=s["kv_usage"], num_preemptions=s["num_preemptions"],
-            prefix_cache_queries=s["prefix_cache_queries"], prefix_cache_hits=s["prefix_cache_hits"],
-            spec_num_draft_tokens=s["spec_num_draft_tokens"], spec_num_accepted_tokens=s["spec_num_accepted_tokens"],
-            num_nonfinite_logits=s["num_nonfinite_logits"])
+    def _wait_for_process(self) -> None:
+        self.process.wait()
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the server is gone
+            self.loop.call_soon_threadsafe(self._core_died, f"its process {self.process.describe_exit()}")
 
-    def _post(self, fn: Callable[[list], None], items: list) -> None:
-        if not items:
+    def _core_died(self, why: str) -> None:
+        if self.dead is not None or self._closing:
             return
-        try:
-            self._loop.call_soon_threadsafe(fn, items)
-        except RuntimeError:  # the event loop is closed: the server is gone
-            pass
+        self.dead = why
+        logger.error("the engine core is gone: %s; failing %d request(s)", why, len(self.processor.requests))
+        self._fail_all(EngineDeadError(f"the engine core is gone: {why}; the request could not be finished"))
+        for callback in self.on_dead:
+            callback(why)
 
-
-def _deliver(items: list[tuple[RequestGroup, RequestDelta]]) -> None:
-    for group, delta in items:
-        group.queue.put_nowait(delta)
-
-
-def _settle(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
-    for future, result, error in items:
-        if future.done():
-            continue
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+    def _fail_all(self, error: KilnRuntimeError) -> None:
+        for request_id, state in list(self.processor.requests.items()):
+            self.processor.abort_request(request_id)
+            state.owner.group.queue.put_nowait(RequestDelta(request_id, [], len(state.prompt_token_ids), True, error))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineOverloadedError(str(error)))
+        self._calls.clear()

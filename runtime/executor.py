@@ -7,24 +7,15 @@ the single-process mesh). The engine sees the same interface either way; only th
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Protocol
 
 import torch
 
 from .config import SchedulerConfig
 from .errors import KilnRuntimeError
-from .model_runner import (
-    DraftInput,
-    LogitsLayout,
-    ModelRunner,
-    describe_memory_plan,
-    plan_memory,
-    profile_lengths,
-)
+from .memory_plan import plan_engine_pool
+from .model_runner import DraftInput, LogitsLayout, ModelRunner
 from .scheduler import ScheduledBatch
-
-logger = logging.getLogger(__name__)
 
 
 class ExecutorError(KilnRuntimeError):
@@ -52,6 +43,8 @@ class Executor(Protocol):
 
     def swap(self, batch: ScheduledBatch) -> None: ...
 
+    def apply_swaps(self, batch: ScheduledBatch) -> ScheduledBatch: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -72,14 +65,7 @@ def create_executor(artifact: Any, sched: SchedulerConfig, *, num_kv_blocks: int
     if backend not in (None, "mp", "local"):
         raise KilnRuntimeError(f"unknown executor backend {backend!r} (known: mp, local)")
     graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
-    plan = plan_memory(
-        kv, artifact.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-        memory_fraction=float(artifact.manifest["kv_cache"].get("memory_fraction", 0.9)), model=artifact.model,
-        prefill_lengths=profile_lengths(sched.max_batched_tokens, sched.chunked_prefill,
-                                        artifact.model_config.max_model_len, sched.max_seqs),
-        graph_reserve=int((artifact.manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0,
-        vocab_size=artifact.model_config.vocab_size)
-    logger.info(describe_memory_plan(plan, kv.block_size))
+    plan = plan_engine_pool(artifact, sched, graphs, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes)
     num_swap_blocks = sched.swap_space // kv.bytes_per_block if sched.preemption == "swap" else 0
     runner = ModelRunner(artifact.model, kv, plan["kv_blocks"], artifact.device, num_swap_blocks, graphs)
     runner.memory_plan = plan  # what the pool was sized from (benchmarks/gpu_engine.py prints it)

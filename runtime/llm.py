@@ -1,4 +1,4 @@
-"""LLM: the offline, batch-generation facade over LLMEngine (vLLM's `LLM` shape)."""
+"""LLM: the offline, batch-generation facade over LLMEngine (vLLM's `LLM` shape): the engine core in-process."""
 from __future__ import annotations
 
 import itertools
@@ -6,8 +6,8 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
-from .engine import LLMEngine
 from .errors import RequestError
+from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -86,7 +86,7 @@ class LLM:
         except BaseException:
             for request_id in added:
                 engine.abort_request(request_id)
-            engine._drain_aborted()
+            engine.drain_aborted()
             raise
         return [finished[request_id] for request_id, *_ in requests]
 

@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .async_engine import EngineStats, RequestObserver
+from .async_engine import RequestObserver
+from .core_protocol import CoreStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -19,10 +20,10 @@ _REQUEST_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.
 
 
 class ServerMetrics(RequestObserver):
-    """Latency histograms and token counters fed by the engine thread; gauges and the engine's own counters
+    """Latency histograms and token counters fed by the engine's output task; gauges and the engine's own counters
     (prefix cache, preemptions) read from `stats()` at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], block_size: int) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats], block_size: int) -> None:
         disable_created_metrics()  # no `*_created` series, as vLLM
         self.registry = CollectorRegistry()
         labels, values = ["model_name"], [model_name]
@@ -46,7 +47,7 @@ class ServerMetrics(RequestObserver):
         self._model_name = model_name
         self.registry.register(_EngineCollector(model_name, stats, block_size))
 
-    # RequestObserver: called from the engine thread; prometheus_client metrics are thread-safe.
+    # RequestObserver: called on the event loop.
     def on_queued(self, seconds: float) -> None:
         self._queue.observe(seconds)
 
@@ -72,7 +73,7 @@ class ServerMetrics(RequestObserver):
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], block_size: int) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats], block_size: int) -> None:
         self._model_name = model_name
         self._stats = stats
         self._block_size = block_size

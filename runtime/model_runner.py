@@ -7,13 +7,10 @@ from typing import Any
 import torch
 
 from .config import CUDAGraphConfig, KVCacheConfig
-from .errors import ArtifactError
 from .forward_batch import ForwardBatch
 from .graph_runner import CUDAGraphRunner
 from .kv_cache import cdiv
 from .scheduler import ScheduledBatch
-
-DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
 
 @dataclass(slots=True)
@@ -58,28 +55,6 @@ class DraftInput:
     hidden: torch.Tensor
 
 
-def plan_kv_cache(*, bytes_per_block: int, total: int, fraction: float, weights: int, activation_peak: int,
-                  graph_reserve: int, free: int | None = None) -> dict[str, Any]:
-    """The KV pool of a CUDA load, vLLM's profile-run arithmetic: `fraction` of the device's `total` memory, less
-    the weights (allocated after load), the activation peak of the largest step (measured by a dummy
-    max_batched_tokens prefill) and the decode graphs' reserve (captured after the pool is allocated). `free`
-    (device memory free now, other processes' use included) caps it, so a shared device cannot over-commit.
-    Raises ArtifactError, naming each part, when not one block fits."""
-    budget = int(fraction * total) - weights - activation_peak - graph_reserve
-    room = budget if free is None else min(budget, free - activation_peak - graph_reserve)
-    blocks = max(room, 0) // bytes_per_block
-    if blocks <= 0:
-        capped = "" if free is None or room == budget else f"; only {_gib(free)} of the device is free"
-        raise ArtifactError(
-            f"no memory left for the KV cache: {fraction:g} x {_gib(total)} device memory - {_gib(weights)} weights "
-            f"- {_gib(activation_peak)} activation peak - {_gib(graph_reserve)} CUDA-graph reserve leaves "
-            f"{_gib(room)}, less than one KV block of {bytes_per_block} bytes{capped}; lower max_num_batched_tokens, "
-            "raise kv_cache.memory_fraction, or pass num_kv_blocks / kv_cache_bytes")
-    return {"source": "profiled", "total": total, "fraction": fraction, "weights": weights,
-            "activation_peak": activation_peak, "graph_reserve": graph_reserve, "free": free,
-            "kv_bytes": blocks * bytes_per_block, "kv_blocks": int(blocks)}
-
-
 def host_to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without waiting for the device: a blocking host-to-device copy
     synchronizes the stream, which would stall async scheduling behind the step in flight. The pinned
@@ -87,108 +62,6 @@ def host_to_device(values: list, dtype: torch.dtype | None, device: torch.device
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def profile_lengths(max_batched_tokens: int, chunk: int | None, max_model_len: int, max_seqs: int) -> list[int]:
-    """The prompt lengths of the largest prefill step the scheduler can build: `max_batched_tokens` tokens cut
-    into chunks of `chunk` (chunked prefill; else max_model_len) tokens, at most `max_seqs` sequences."""
-    size = max(1, min(chunk or max_model_len, max_model_len, max_batched_tokens))
-    full, rest = divmod(max_batched_tokens, size)
-    return ([size] * full + ([rest] if rest else []))[:max_seqs]
-
-
-def profile_batch(lengths: list[int], block_size: int, device: torch.device, vocab_size: int = 1) -> ForwardBatch:
-    """A prefill ForwardBatch of fresh sequences of `lengths` tokens, each in its own consecutive blocks of a cache
-    of sum(ceil(length / block_size)) blocks; one logits row per sequence, like sampling. Token k is
-    (k * 7919) % vocab_size: varied ids, so an MoE model routes the profile's tokens over many experts (as real
-    text does) rather than all to the same few, which would understate the fused-MoE kernels' buffers."""
-    bs = block_size
-    widths = [cdiv(n, bs) for n in lengths]
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    tables = [[s + j for j in range(w)] + [-1] * (max(widths) - w) for s, w in zip(starts, widths)]
-    slots = [(s + p // bs) * bs + p % bs for s, n in zip(starts, lengths) for p in range(n)]
-    qsl = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
-
-    def i32(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    return ForwardBatch(input_ids=i32([k * 7919 % vocab_size for k in range(qsl[-1])]), positions=i32([p for n in lengths for p in range(n)]),
-                        query_start_loc=i32(qsl), seq_lens=i32(lengths), block_tables=i32(tables),
-                        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                        logits_indices=i32([q - 1 for q in qsl[1:]]), num_decodes=0)
-
-
-@torch.inference_mode()
-def profile_activation_peak(model: Any, kv: KVCacheConfig, device: torch.device, lengths: list[int],
-                            vocab_size: int = 1) -> int:
-    """Device memory one forward of the prefill `lengths` takes beyond its inputs and a KV cache just big enough
-    for it: torch.cuda.max_memory_allocated over the step, less what was allocated before it. The temporary
-    cache is freed (and returned to the device) before the real pool is sized."""
-    fb = profile_batch(lengths, kv.block_size, device, vocab_size)
-    caches = [torch.zeros((fb.block_tables.shape[0] * fb.block_tables.shape[1], *kv.shape), dtype=kv.dtype,
-                          device=device) for _ in range(kv.num_layers)]
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    logits = model.forward(fb, caches)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del logits, caches, fb
-    torch.cuda.empty_cache()
-    return int(peak)
-
-
-def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int | None = None,
-                kv_cache_bytes: int | None = None, memory_fraction: float = 0.9, model: Any = None,
-                prefill_lengths: list[int] | None = None, graph_reserve: int = 0,
-                vocab_size: int = 1) -> dict[str, Any]:
-    """The KV pool's size and how it was reached (`kv_blocks`, `kv_bytes`, `source`). An explicit block count
-    wins; then a byte budget; then the manifest's decision (`kiln compile --report` predicts from the same):
-    its `num_blocks`, else its `pool_bytes` (the cpu target's budget). Else, on CUDA, the pool is what
-    `plan_kv_cache` leaves after the weights, the activation peak of a dummy prefill of `prefill_lengths`
-    through `model` (no model: not profiled, 0) and `graph_reserve`; off CUDA (a GPU artifact under the
-    Triton interpreter) DEFAULT_CPU_KV_BYTES."""
-    if num_kv_blocks is not None:
-        source, n = "num_kv_blocks", num_kv_blocks
-    elif kv.num_blocks is not None and kv_cache_bytes is None:
-        source, n = "manifest", kv.num_blocks
-    elif kv_cache_bytes is not None or kv.pool_bytes is not None or device.type != "cuda":
-        source, budget = (("kv_cache_bytes", kv_cache_bytes) if kv_cache_bytes is not None else
-                          ("manifest pool_bytes", kv.pool_bytes) if kv.pool_bytes is not None else
-                          ("interpreter default", DEFAULT_CPU_KV_BYTES))
-        n = budget // kv.bytes_per_block
-    else:
-        torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses is free for KV
-        weights = torch.cuda.memory_allocated(device)
-        peak = (profile_activation_peak(model, kv, device, prefill_lengths, vocab_size)
-                if model is not None and prefill_lengths else 0)
-        free, total = torch.cuda.mem_get_info(device)
-        return plan_kv_cache(bytes_per_block=kv.bytes_per_block, total=total, fraction=memory_fraction,
-                             weights=weights, activation_peak=peak, graph_reserve=graph_reserve, free=free)
-    if n <= 0:
-        raise ArtifactError(f"no memory left for the KV cache ({n} blocks of {kv.bytes_per_block} bytes fit); "
-                            "lower the weights' footprint, raise kv_cache.memory_fraction or pass num_kv_blocks")
-    return {"source": source, "kv_blocks": int(n), "kv_bytes": int(n) * kv.bytes_per_block}
-
-
-def resolve_num_blocks(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int | None = None,
-                       kv_cache_bytes: int | None = None, memory_fraction: float = 0.9) -> int:
-    """`plan_memory`'s block count, without profiling (benchmarks size a pool from a byte budget this way)."""
-    return plan_memory(kv, device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-                       memory_fraction=memory_fraction)["kv_blocks"]
-
-
-def describe_memory_plan(plan: dict[str, Any], block_size: int) -> str:
-    """One log line: the pool, and on a profiled load the parts it was cut from."""
-    head = f"KV cache: {plan['kv_blocks']} blocks ({plan['kv_blocks'] * block_size:,} tokens, {_gib(plan['kv_bytes'])})"
-    if plan["source"] != "profiled":
-        return f"{head} from {plan['source']}"
-    return (f"{head} = {plan['fraction']:g} x {_gib(plan['total'])} - weights {_gib(plan['weights'])} "
-            f"- activation peak {_gib(plan['activation_peak'])} - CUDA-graph reserve {_gib(plan['graph_reserve'])}")
 
 
 class ModelRunner:
@@ -226,6 +99,15 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Nothing to stop: the model runs in this process (the executor contract, runtime/executor.py)."""
+
+    def apply_swaps(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and runs
+        again (the engine's isolation) must not copy them twice (a block swapped out may be rewritten by this
+        very step)."""
+        if not (batch.swap_out or batch.swap_in):
+            return batch
+        self.swap(batch)
+        return replace(batch, swap_out=[], swap_in=[])
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copies the step's swapped-out blocks to CPU and swapped-in blocks back (before the forward pass)."""
@@ -286,7 +168,7 @@ class ModelRunner:
                 continue
             rows = None
             if seq.needs_prompt_logprobs():
-                lo = max(start, len(seq.prompt_logprobs or [None]) - 1)
+                lo = max(start, seq.num_prompt_logprobs - 1)
                 hi = min(end, seq.num_prompt_tokens - 1)
                 if hi > lo:
                     rows = (len(logits_indices), hi - lo, lo)

@@ -48,3 +48,26 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one of a request's `n` completions produced since its previous delta (streaming)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """The new part of a request's output; `error` is set when it failed (it then finished)."""
+
+    request_id: str
+    completions: list[CompletionDelta]
+    num_prompt_tokens: int
+    finished: bool
+    error: BaseException | None = None

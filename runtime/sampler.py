@@ -28,6 +28,12 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[list[TokenLogprobs] | None]
 
+    def subset(self, indices: list[int]) -> SamplerOutput:
+        if len(indices) == len(self.sampled):
+            return self
+        return SamplerOutput([self.sampled[i] for i in indices], [self.logprobs[i] for i in indices],
+                             [self.prompt_logprobs[i] for i in indices])
+
 
 class Sampler:
     """Penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.

@@ -33,6 +33,18 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def live(self) -> list[int]:
+        """The indices of the sequences that did not finish meanwhile (late, aborted or failed)."""
+        return [i for i, seq in enumerate(self.seqs) if seq.status is not SequenceStatus.FINISHED]
+
+    def subset(self, indices: list[int]) -> ScheduledBatch:
+        """The sequences `indices` (ascending), decodes still first; no swaps (this batch did them)."""
+        if len(indices) == len(self.seqs):
+            return self
+        return ScheduledBatch(seqs=[self.seqs[i] for i in indices],
+                              num_new_tokens=[self.num_new_tokens[i] for i in indices],
+                              num_decodes=sum(1 for i in indices if i < self.num_decodes))
+
 
 # Scheduling policies: the sort key of a sequence. Smallest key is served first; the largest running key is
 # the first preemption victim.

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from .outputs import FinishReason, PositionLogprobs
+from .outputs import FinishReason
 from .sampling_params import SamplingParams
 
 # Async scheduling: stands in `token_ids` for a token sampled by a step still running on the device (the
@@ -27,7 +28,7 @@ class Sequence:
     of `block_table`; a decoding sequence has exactly one uncomputed token (the last one sampled).
 
     Mutated by: the scheduler (status, num_computed_tokens, block_table through the block manager), the
-    engine (token_ids, text, logprobs, finish). Preemption by recompute resets num_computed_tokens to 0;
+    engine core (token_ids, finish). Text, stop strings and logprobs are the front-end's (OutputProcessor). Preemption by recompute resets num_computed_tokens to 0;
     preemption by swap keeps it and moves the blocks' contents to `cpu_blocks`.
     """
 
@@ -49,13 +50,11 @@ class Sequence:
     cpu_blocks: list[int] = field(default_factory=list)  # swap space holding the KV of a SWAPPED sequence
     block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks of token_ids
     num_registered_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
-    output_text: str = ""
-    cumulative_logprob: float = 0.0
-    output_logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # prompt positions whose logprobs were computed (position 0 has none, so it counts from 1); survives
+    # preemption, so a recomputed prompt does not report them twice
+    num_prompt_logprobs: int = 0
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    detokenizer: object | None = None  # IncrementalDetokenizer, set by the engine when a tokenizer exists
+    stop_reason: int | None = None  # the stop token id that ended it (None: eos, length, abort, error)
     # speculative decoding: tokens a draft head proposed after the last one; the next step verifies them with
     # the target model. Not part of token_ids until accepted.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -91,5 +90,32 @@ class Sequence:
 
     def needs_prompt_logprobs(self) -> bool:
         """True until logprobs for every prompt position have been collected (survives preemption)."""
-        return self.want_prompt_logprobs and (
-            self.prompt_logprobs is None or len(self.prompt_logprobs) < self.num_prompt_tokens)
+        return self.want_prompt_logprobs and self.num_prompt_logprobs < self.num_prompt_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request in the engine core: its prompt and its `params.n` sequences (completions)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @classmethod
+    def new(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+            seq_ids: Iterator[int], arrivals: Iterator[int], priority: int, device: torch.device) -> Request:
+        """The request's fresh sequences: ids and admission order from the engine's counters; a seeded request's
+        completion i samples from a generator seeded `seed + i`."""
+        ids = [int(t) for t in prompt_token_ids]
+        max_tokens = params.max_tokens or max_model_len - len(ids)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(seq_id=next(seq_ids), request_id=request_id, index=i, token_ids=list(ids),
+                           num_prompt_tokens=len(ids), params=params, max_tokens=max_tokens, arrival=next(arrivals),
+                           priority=priority, want_prompt_logprobs=params.prompt_logprobs is not None and i == 0)
+            seq.num_prompt_logprobs = int(seq.want_prompt_logprobs)  # position 0 has none
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=device).manual_seed(params.seed + i)
+            seqs.append(seq)
+        return cls(request_id, ids, params, seqs)

@@ -1,9 +1,12 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLMEngine, SSE streaming, Prometheus metrics."""
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLMEngine, SSE streaming, Prometheus metrics.
+
+`kiln serve` runs two processes: this API server (HTTP, tokenization, chat templates, detokenization, stop
+strings, SSE) and the engine core it starts and owns (scheduler, KV cache, model runner, sampler), which it
+talks to over the engine-core protocol (core_protocol.py). The model never shares a GIL with HTTP."""
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import math
 import sys
 import time
@@ -14,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -21,11 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .async_engine import AsyncLLMEngine, PromptInput, RequestDelta, RequestGroup
-from .engine import LLMEngine
+from . import threads
+from .async_engine import AsyncLLMEngine, PromptInput, RequestGroup
+from .core_client import CoreProcess
+from .core_protocol import CoreConfig, CoreInfo
 from .errors import KilnRuntimeError, RequestError
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .outputs import PositionLogprobs
+from .outputs import CompletionDelta, PositionLogprobs, RequestDelta
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error_param
 from .sampling_params import SamplingParams
 
@@ -36,10 +42,9 @@ _Req = TypeVar("_Req", bound=BaseModel)
 _T = TypeVar("_T")
 
 
-def resolve_served_name(engine: LLMEngine, override: str | None = None) -> str:
+def resolve_served_name(info: CoreInfo, override: str | None = None) -> str:
     """`--served-model-name`, else the recipe's `serve.served_name` from the manifest, else the directory name."""
-    serve = engine.artifact.manifest.get("serve") or {}
-    return override or serve.get("served_name") or Path(engine.artifact.path).name
+    return override or info.served_name or Path(info.artifact).name
 
 
 class OpenAIServer:
@@ -52,16 +57,17 @@ class OpenAIServer:
     event loop (and `/health`) keeps answering.
     """
 
-    def __init__(self, engine: LLMEngine, *, model_name: str, api_key: str | None = None,
-                 max_waiting: int = 1024, metrics_public: bool = False) -> None:
+    def __init__(self, engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
+                 metrics_public: bool = False) -> None:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics_public = metrics_public
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.model_config.max_model_len
+        self.max_model_len = engine.info.limits.max_model_len
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(engine.tokenizer)
-        self.metrics = ServerMetrics(model_name, lambda: self.async_engine.stats, engine.block_manager.block_size)
-        self.async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting, observer=self.metrics)
+        self.metrics = ServerMetrics(model_name, lambda: self.async_engine.stats, engine.info.limits.block_size)
+        self.async_engine = engine
+        engine.observer = self.metrics
         self.created = int(time.time())
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
 
@@ -154,7 +160,7 @@ class OpenAIServer:
         except RequestError as e:
             param = request_error_param(e, set(type(req).model_fields)) or prompt_param
             raise APIError(400, str(e), param=param) from None
-        except KilnRuntimeError as e:  # overloaded, or the engine loop is gone
+        except KilnRuntimeError as e:  # overloaded, or the engine core is gone
             raise APIError(503, str(e), type="server_error", code="overloaded") from None
 
     # /v1/completions ---------------------------------------------------------------------------------------
@@ -307,6 +313,13 @@ def _ranked(position: PositionLogprobs, chosen: int, top_n: int) -> list[tuple[i
     return [(chosen, position[chosen]), *top]
 
 
+def _merge(a: CompletionDelta, b: CompletionDelta) -> CompletionDelta:
+    """`a` then `b`, one completion's consecutive deltas, as one."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or []), *(b.logprobs or [])]
+    return CompletionDelta(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs,
+                           b.finish_reason or a.finish_reason, b.stop_reason if b.finish_reason else a.stop_reason)
+
+
 def _token_str(lp: Any) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
@@ -345,13 +358,20 @@ class _Formatter:
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[str | bytes]:
+        """One event per choice that progressed, per batch of deltas: when the client or this loop fell behind
+        the core, the steps waiting are merged into one event per choice (fewer, larger writes; never a
+        snapshot: each event holds only what is new since the previous one)."""
         try:
             for event in self.stream_start():
                 yield event
-            async for delta in self.group:
-                for index, c in self.choices_of(delta):
-                    self.completion_tokens += len(c.token_ids)
+            async for deltas in self.group.batches():
+                merged: dict[int, CompletionDelta] = {}
+                for delta in deltas:
+                    for index, c in self.choices_of(delta):
+                        self.completion_tokens += len(c.token_ids)
+                        merged[index] = c if index not in merged else _merge(merged[index], c)
+                for index, c in merged.items():
                     if c.text or c.finish_reason is not None or c.logprobs or self.server.tokenizer is None:
                         yield self.chunk([self.choice_delta(index, c)])
             if self.include_usage:
@@ -466,8 +486,13 @@ def _chat_token(lp: Any) -> dict[str, Any]:
     return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode("utf-8"))}
 
 
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_json_encode = msgspec.json.Encoder().encode
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event. msgspec's JSON encoder: compact, UTF-8 unescaped, several times json.dumps' speed
+    (an event per token per stream is the server's hottest path); non-finite floats never get here (_finite)."""
+    return b"data: " + _json_encode(body) + b"\n\n"
 
 
 async def _respond(request: Request, fmt: _Formatter) -> Response:
@@ -528,20 +553,21 @@ async def _until_disconnect(request: Request, work: Awaitable[Response],
 
 
 # The app ---------------------------------------------------------------------------------------------------
-def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_waiting: int = 1024, metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
+def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
+              metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
-    """The app. `api_key` covers every route but `/health` (and `/metrics` when `metrics_public`)."""
-    server = OpenAIServer(engine, model_name=resolve_served_name(engine, served_model_name),
-                          api_key=api_key, max_waiting=max_waiting, metrics_public=metrics_public)
+    """The app over `engine` (connected to its core when the app starts). `api_key` covers every route but
+    `/health` (and `/metrics` when `metrics_public`). `/health` answers 503 once the engine core is gone."""
+    server = OpenAIServer(engine, model_name=resolve_served_name(engine.info, served_model_name),
+                          api_key=api_key, metrics_public=metrics_public)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.async_engine.start()
+        await server.async_engine.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(server.async_engine.shutdown)
+            await server.async_engine.shutdown()
             server.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -596,51 +622,56 @@ def build_app(engine: LLMEngine, *, served_model_name: str | None = None, api_ke
     return app
 
 
-def startup_line(engine: LLMEngine, model_name: str, url: str) -> str:
+def startup_line(info: CoreInfo, model_name: str, url: str) -> str:
     """What `kiln serve` prints once loaded: the model, the target, the KV pool and the tokens it holds."""
-    manifest = engine.artifact.manifest
-    plan = engine.runner.memory_plan
-    block_size = engine.block_manager.block_size
-    arch = (manifest.get("model") or {}).get("name") or "?"
-    kv_bytes, kv_blocks = plan["kv_bytes"], plan["kv_blocks"]
-    return (f"kiln serve: model {model_name!r} ({arch}, {engine.artifact.path}) on target {manifest.get('target')} "
-            f"({engine.artifact.device}); KV pool {kv_bytes} bytes ({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks "
-            f"x {block_size} tokens = {kv_blocks * block_size} tokens; max_model_len "
-            f"{engine.model_config.max_model_len}; listening on {url}")
+    limits = info.limits
+    kv_bytes, kv_blocks, block_size = info.kv_bytes, limits.num_blocks, limits.block_size
+    return (f"kiln serve: model {model_name!r} ({info.arch or '?'}, {info.artifact}) on target {info.target} "
+            f"({info.device}, engine core pid {info.pid}, {info.num_threads} threads); KV pool {kv_bytes} bytes "
+            f"({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks x {block_size} tokens = {kv_blocks * block_size} "
+            f"tokens; max_model_len {limits.max_model_len}; listening on {url}")
+
+
+def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = True, speculative: str | None = None,
+                   async_scheduling: bool | None = None, **more: Any) -> dict[str, Any]:
+    """EngineCore keyword arguments from `kiln serve`'s options (only those set: the rest are the artifact's)."""
+    options = {k: v for k, v in more.items() if v is not None}
+    if num_kv_blocks is not None:
+        options["num_kv_blocks"] = num_kv_blocks
+    if not prefix_cache:
+        options["prefix_cache"] = None
+    if speculative is not None:
+        options["speculative"] = speculative
+    if async_scheduling is not None:
+        options["async_scheduling"] = async_scheduling
+    return options
 
 
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
-          async_scheduling: bool | None = None, metrics_public: bool = False) -> int:
-    """`kiln serve`: loads the artifact and serves it until interrupted. `prefix_cache=False` turns the
+          async_scheduling: bool | None = None, metrics_public: bool = False, num_threads: int | None = None) -> int:
+    """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
+    dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
     `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device;
-    `metrics_public` leaves `/metrics` open when an `api_key` is set.
-
-    Returns the exit status: 0 once interrupted; 1 when the model's executor failed (a parallel artifact's rank
-    died or hung): every request in flight has failed with the reason, and the server stops."""
+    `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
+    threads (default: every CPU this process may use; threads.py)."""
     import uvicorn
 
-    engine = LLMEngine(artifact, num_kv_blocks=num_kv_blocks, **({} if prefix_cache else {"prefix_cache": None}),
-                       **({} if speculative is None else {"speculative": speculative}),
-                       async_scheduling=async_scheduling)
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting,
-                    metrics_public=metrics_public)
-    print(startup_line(engine, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
-
-    def stop(_: Exception) -> None:  # from the engine thread; uvicorn polls the flag
-        server.should_exit = True
-
-    async_engine = app.state.server.async_engine
-    async_engine.on_fatal = stop
-    try:
+    threads.configure_api_server()
+    config = CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
+                        engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
+                                              speculative=speculative, async_scheduling=async_scheduling))
+    with CoreProcess.start(config) as core:
+        engine = AsyncLLMEngine.from_process(core)
+        app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public)
+        print(startup_line(core.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                               timeout_graceful_shutdown=5))
+        engine.on_dead.append(lambda why: setattr(server, "should_exit", True))
         server.run()
-    finally:
-        engine.runner.shutdown()
-    if async_engine.fatal_error is not None:
-        print(f"kiln serve: stopped: {async_engine.fatal_error}", file=sys.stderr, flush=True)
+    if engine.dead is not None:
+        print(f"kiln serve: exiting: the engine core is gone ({engine.dead})", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -136,7 +136,7 @@ class RankState:
 
 def profile_forward(art: Any, lengths: list[int]) -> int:
     """The activation peak of one prefill of `lengths` on this rank (CUDA), its collectives joined with the others'."""
-    from ..model_runner import profile_activation_peak
+    from ..memory_plan import profile_activation_peak
     from .executor import profile_model
 
     return profile_activation_peak(profile_model(art), art.kv_cache_config, art.device, lengths,

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,13 +32,11 @@ from ..artifact import LoadedArtifact, load_artifact
 from ..config import SchedulerConfig
 from ..errors import ArtifactError, KilnRuntimeError
 from ..executor import ExecutorError
+from ..memory_plan import describe_memory_plan, plan_memory, profile_lengths
 from ..model_runner import (
     DraftInput,
     HostBatch,
     LogitsLayout,
-    describe_memory_plan,
-    plan_memory,
-    profile_lengths,
 )
 from ..scheduler import ScheduledBatch
 from ..sequence import SequenceStatus
@@ -145,6 +144,14 @@ class MeshExecutor:
             raise ExecutorError(f"the model's ranks cannot run: {e}") from None
 
     # ------------------------------------------------------------ the Executor interface
+    def apply_swaps(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """ModelRunner.apply_swaps: the swaps copied now, the batch returned without them (a retried launch must
+        not copy them twice)."""
+        if not (batch.swap_out or batch.swap_in):
+            return batch
+        self.swap(batch)
+        return replace(batch, swap_out=[], swap_in=[])
+
     def swap(self, batch: ScheduledBatch) -> None:
         if not (batch.swap_out or batch.swap_in):
             return

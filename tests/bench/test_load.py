@@ -25,7 +25,7 @@ def model_server(model_artifact):
 
 def test_500_concurrent_streams_with_early_disconnects(model_server):
     url = model_server.url
-    vocab = model_server.engine.model_config.vocab_size
+    vocab = model_server.engine.info.limits.vocab_size
     rng = random.Random(0)
     hang_up = set(rng.sample(range(NUM_REQUESTS), int(NUM_REQUESTS * DISCONNECT_FRACTION)))
     prompts = [[rng.randrange(8, vocab) for _ in range(rng.randint(8, 24))] for _ in range(NUM_REQUESTS)]

@@ -204,7 +204,7 @@ def test_recompiling_replaces_an_artifact_but_never_a_foreign_directory(ckpt, tm
 def test_main_calls_the_cli(tmp_path):
     write(make_program(), tmp_path / "art", None)
     main = (tmp_path / "art/__main__.py").read_text()
-    assert "from kiln.cli import artifact_main" in main and "artifact_main(HERE, sys.argv[1:])" in main
+    assert "from kiln.runtime.entrypoint import artifact_main" in main and "artifact_main(HERE, sys.argv[1:])" in main
 
 
 def test_codegen_never_imports_the_runtime():

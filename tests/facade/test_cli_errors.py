@@ -286,7 +286,7 @@ def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifac
     import kiln.runtime.server as server
 
     seen = {}
-    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw))
+    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
     assert main(["serve", str(served_recipe_artifact), *flags]) == 0
     assert (seen["host"], seen["port"]) == (host, port)
     assert seen["metrics_public"] is False and seen["served_model_name"] is None  # the server reads served_name
@@ -300,7 +300,7 @@ def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
     (tmp_path / "r.dsl").write_text(f"recipe r {{\n  model = {GOOD_MODEL}\n  weights = random(seed=0)\n}}\n")
     kiln.compile(tmp_path / "r.dsl", tmp_path / "art", progress=False)
     seen = {}
-    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw))
+    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
     assert main(["serve", str(tmp_path / "art"), "--metrics-public"]) == 0
     assert (seen["host"], seen["port"], seen["metrics_public"]) == ("127.0.0.1", 8000, True)
 

@@ -60,11 +60,13 @@ def test_kiln_generate_text_without_a_tokenizer_is_a_clear_error(random_artifact
 
 def test_served_random_artifact_returns_token_ids(random_artifact):
     from fastapi.testclient import TestClient
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.async_engine import AsyncLLMEngine
+    from kiln.runtime.core_client import CoreProcess
+    from kiln.runtime.core_protocol import CoreConfig
     from kiln.runtime.server import build_app
 
-    app = build_app(LLMEngine(random_artifact))
-    with TestClient(app) as client:
+    with CoreProcess.start(CoreConfig(artifact=str(random_artifact), num_threads=1), timeout=60) as core, \
+            TestClient(build_app(AsyncLLMEngine.from_process(core))) as client:
         assert client.get("/health").status_code == 200
         body = {"model": "rand", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         r = client.post("/v1/completions", json=body)

@@ -88,12 +88,12 @@ def test_cpu_report_predicts_what_the_runtime_allocates(tmp_path, kv, blocks):
 
 @pytest.mark.parametrize("target", ["h100", "h200"])
 def test_gpu_report_predicts_the_runtime_formula(tmp_path, target):
-    """On a GPU target the runtime sizes the pool at load (model_runner.plan_kv_cache: fraction x device memory -
+    """On a GPU target the runtime sizes the pool at load (memory_plan.plan_kv_cache: fraction x device memory -
     weights - activation peak - CUDA-graph reserve); the report evaluates the same formula on the datasheet's
     memory, the manifest's graph reserve and the IR's activation estimate."""
     from kiln.compiler.report import kv_pool_plan
     from kiln.compiler.targets import get_target
-    from kiln.runtime.model_runner import plan_kv_cache
+    from kiln.runtime.memory_plan import plan_kv_cache
 
     p = tmp_path / "small.dsl"
     p.write_text(SMALL.replace("TARGET", target).replace(" KV", "; memory_fraction = 0.5"))

@@ -112,13 +112,13 @@ def test_verifying_a_sampled_draft_keeps_the_target_distribution(mtp_artifact):
     layout = LogitsLayout(sample_rows=list(range(0, 2 * n, 2)), prompt_rows=[None] * n)
     batch = ScheduledBatch(seqs=seqs, num_new_tokens=[2] * n)
     sampled = engine.sampler.sample(logits, layout, seqs)
-    tokens = engine._verify(batch, logits, layout, sampled.sampled)
+    tokens = engine.speculator.verify(batch, logits, layout, sampled.sampled)
     first = torch.tensor([t[0] for t in tokens])
     freq = torch.stack([(first == v).float().mean() for v in (3, 7, 9)])
     torch.testing.assert_close(freq, p[[3, 7, 9]], atol=0.03, rtol=0)
     accepted = sum(len(t) == 2 for t in tokens)
     assert accepted == (first == draft).sum() and abs(accepted / n - float(p[draft])) < 0.03
-    assert engine.num_draft_tokens == n and engine.num_accepted_tokens == accepted
+    assert engine.speculator.num_draft_tokens == n and engine.speculator.num_accepted_tokens == accepted
 
 
 def test_stop_token_inside_accepted_drafts_ends_there(mtp_artifact):
@@ -150,12 +150,15 @@ def test_speculative_refused_without_a_draft_head(mtp_artifact):
 def test_acceptance_in_metrics_endpoint(mtp_artifact):
     """/metrics reports verified and accepted draft tokens and their ratio (server over the real engine)."""
     from fastapi.testclient import TestClient
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.async_engine import AsyncLLMEngine
+    from kiln.runtime.core_client import CoreProcess
+    from kiln.runtime.core_protocol import CoreConfig
     from kiln.runtime.server import build_app
 
     _, art, _ = mtp_artifact(True, repeat_head=True)
-    app = build_app(LLMEngine(art, speculative="mtp", num_kv_blocks=64), served_model_name="m")
-    with TestClient(app) as client:
+    config = CoreConfig(artifact=str(art), engine={"speculative": "mtp", "num_kv_blocks": 64}, num_threads=1)
+    with CoreProcess.start(config, timeout=60) as core, \
+            TestClient(build_app(AsyncLLMEngine.from_process(core), served_model_name="m")) as client:
         for prompt in _prompts():
             r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 16,
                                                      "temperature": 0, "ignore_eos": True})

@@ -1,35 +1,44 @@
-"""A failed executor stops the server's engine loop (runtime/async_engine.py), also when nothing is in flight:
-a mesh executor's `on_failure` (its rank monitor saw a worker exit) ends the loop with `fatal_error` and calls
-`on_fatal` (kiln serve then exits 1). The process mesh itself is test_parallel_gloo.py's and
-test_parallel_serve.py's."""
+"""A failed executor stops the engine core, also when nothing is in flight: a mesh executor's `on_failure` (its
+rank monitor saw a worker exit) makes the core's loop fail every request and exit 1 (`_executor_died`), and the
+API server then sees its core gone (/health 503, `kiln serve` exits 1: tests/server/test_core_process.py). The
+process mesh itself is test_parallel_gloo.py's and test_parallel_serve.py's (a rank killed mid-request)."""
 from __future__ import annotations
 
-import asyncio
+import types
 
-from kiln.runtime.async_engine import AsyncLLMEngine
-from kiln.runtime.engine import LLMEngine
+import pytest
+from kiln.runtime.core_process import EngineCoreProc
 from kiln.runtime.executor import ExecutorError
 
 
-def test_an_idle_executor_failure_stops_the_loop(compile_parallel):
-    _, art = compile_parallel("llama", None)
-    engine = LLMEngine(str(art), num_kv_blocks=16)
-    callbacks = []
-    engine.runner.on_failure = callbacks.append  # what a mesh executor offers
-    async_engine = AsyncLLMEngine(engine)
-    fatal = []
-    async_engine.on_fatal = fatal.append
+class _Stopped(Exception):
+    pass
 
-    async def run() -> None:
-        async_engine.start()
-        assert async_engine.is_running and len(callbacks) == 1
-        callbacks[0]("rank 1's worker (pid 1) exited with status -9")
-        for _ in range(200):
-            if not async_engine.is_running:
-                break
-            await asyncio.sleep(0.025)
 
-    asyncio.run(run())
-    assert not async_engine.is_running
-    assert isinstance(async_engine.fatal_error, ExecutorError) and "rank 1's worker" in str(async_engine.fatal_error)
-    assert fatal == [async_engine.fatal_error]
+def test_an_idle_executor_failure_stops_the_core_loop():
+    callbacks: list = []
+    runner = types.SimpleNamespace(on_failure=callbacks.append)
+    engine = types.SimpleNamespace(runner=runner, has_unfinished_requests=lambda: False)
+    proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop alone: no sockets, no heartbeat thread
+    proc.engine, proc.config = engine, types.SimpleNamespace(heartbeat_interval=0.01)
+    proc.executor_failure = None
+    polls: list[int] = []
+
+    def receive(timeout_ms: int) -> bool:
+        polls.append(timeout_ms)
+        if len(polls) == 3:  # the monitor thread reports while the core idles
+            callbacks[0]("rank 1's worker (pid 1) exited with status -9")
+        return False
+
+    died: list[ExecutorError] = []
+
+    def executor_died(error: ExecutorError) -> None:
+        died.append(error)
+        raise _Stopped
+
+    proc._receive, proc._expire_clients, proc._heartbeats = receive, lambda: None, lambda: None
+    proc._executor_died, proc._update_stats = executor_died, lambda: None
+    with pytest.raises(_Stopped):
+        proc.run()
+    assert len(callbacks) == 1 and len(polls) == 3
+    assert len(died) == 1 and isinstance(died[0], ExecutorError) and "rank 1's worker" in str(died[0])

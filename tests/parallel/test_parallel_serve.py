@@ -62,8 +62,10 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
     try:
         url = f"http://127.0.0.1:{port}"
         wait_serving(proc, url, timeout=120)
-        workers = _children(proc.pid)
-        assert len(workers) == 1, workers  # rank 1's worker process
+        cores = _children(proc.pid)
+        assert len(cores) == 1, cores  # the engine core process (rank 0)
+        workers = cores + _children(cores[0])
+        assert len(workers) == 2, workers  # and rank 1's worker process, its child
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for prompt, ref in zip(PROMPTS, want, strict=True):
@@ -91,7 +93,7 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
             lines = s.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             assert "choices" in first
-            os.kill(workers[0], signal.SIGKILL)
+            os.kill(workers[1], signal.SIGKILL)
             killed = time.monotonic()
             rest = [line for line in lines if line.startswith("data:")]
         t.join(30)
@@ -103,7 +105,8 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
         assert "ranks cannot run" in blocked.json()["error"]["message"]
         assert proc.wait(20) != 0  # the server stops by itself
         log = proc.stdout.read().decode()
-        assert "kiln serve: stopped: the model's ranks cannot run" in log, log[-2000:]
+        assert "kiln serve: exiting: the engine core is gone" in log, log[-2000:]  # the core exited 1 after failing them
+        assert "the model's ranks cannot run" in log, log[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

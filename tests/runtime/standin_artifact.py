@@ -118,13 +118,13 @@ def build_tokenizer(out_dir: Path) -> int:
     return tok.get_vocab_size()
 
 
-def make_weights(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_weights(vocab: int, seed: int = 0, max_model_len: int = MAX_MODEL_LEN) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
-    w = {"embed": rand(vocab, HIDDEN, std=1.0), "pos": rand(MAX_MODEL_LEN, HIDDEN, std=0.5),
+    w = {"embed": rand(vocab, HIDDEN, std=1.0), "pos": rand(max_model_len, HIDDEN, std=0.5),
          "norm": 1 + rand(HIDDEN, std=0.1), "lm_head": rand(vocab, HIDDEN, std=0.6)}
     for i in range(LAYERS):
         w[f"l{i}.norm"] = 1 + rand(HIDDEN, std=0.1)
@@ -138,7 +138,8 @@ def make_weights(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-def write_artifact(path: Path) -> Path:
+def write_artifact(path: Path, max_model_len: int = MAX_MODEL_LEN) -> Path:
+    """The stand-in artifact in `path`; `max_model_len` positions (its learned position table's rows)."""
     vocab = build_tokenizer(path / "tokenizer")
     (path / "__init__.py").write_text("")
     (path / "model.py").write_text(MODEL_PY.format(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM))
@@ -146,13 +147,13 @@ def write_artifact(path: Path) -> Path:
     (path / "kernels" / "__init__.py").write_text("")
     (path / "kernels" / "cpu.py").write_text(KERNELS_PY)
     (path / "weights" / "rank0").mkdir(parents=True)
-    save_file(make_weights(vocab), str(path / "weights" / "rank0" / "model.safetensors"))
+    save_file(make_weights(vocab, max_model_len=max_model_len), str(path / "weights" / "rank0" / "model.safetensors"))
     from kiln.codegen.artifact import weights_index  # what kiln compile records: a sha256 and header per file
 
     manifest = {
         "schema_version": 2, "kiln_version": "0.1.0", "target": "cpu", "device": "cpu", "dtype": "float32",
         "model": {"name": "standin", "config": {"hidden": HIDDEN, "layers": LAYERS}},
-        "runtime": {"vocab_size": vocab, "max_model_len": MAX_MODEL_LEN, "bos_token_id": 1, "eos_token_ids": [2]},
+        "runtime": {"vocab_size": vocab, "max_model_len": max_model_len, "bos_token_id": 1, "eos_token_ids": [2]},
         "kv_cache": {"num_layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
                      "dtype": "float32", "layout": ["num_blocks", 2, "block_size", "kv_heads", "head_dim"],
                      "memory_fraction": 0.9, "num_blocks": None, "pool_bytes": 256 * 2**20,

@@ -200,7 +200,7 @@ def test_server_with_async_scheduling(artifact_dir):
     expected = LLM(str(artifact_dir), num_kv_blocks=64, async_scheduling=False).generate(prompt, params)[0].outputs[0].text
     server = LiveServer(artifact_dir, {"num_kv_blocks": 256, "async_scheduling": True})
     try:
-        assert server.engine.async_scheduling is True
+        assert server.in_engine(lambda e: e.async_scheduling) is True
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
         with httpx.Client(base_url=server.url, timeout=30) as client:
             r = client.post("/v1/completions", json=body)

@@ -200,7 +200,7 @@ def test_a_failing_stop_check_fails_only_its_request(artifact_dir, reference):
             if request_id == "bad":
                 def broken(tokens):
                     raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-                engine.requests["bad"].seqs[0].detokenizer.add_tokens = broken
+                engine.output_processor.requests["bad"].seqs[0].detokenizer.add_tokens = broken
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out

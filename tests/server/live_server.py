@@ -1,12 +1,15 @@
-"""A live kiln server on 127.0.0.1 (random port, uvicorn in a thread) over the runtime's stand-in artifact."""
+"""A live kiln server on 127.0.0.1 as `kiln serve` runs it: the engine core in its own process (one thread),
+the API server's uvicorn in a daemon thread of the test process, on a random port."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import marshal
 import socket
 import subprocess
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ from typing import Any
 import httpx
 
 MODEL = "standin"
+HOOKS = str(Path(__file__).with_name("core_hooks.py")) + ":install"
 
 
 def free_port() -> int:
@@ -38,75 +42,70 @@ def wait_serving(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
 
 
 class LiveServer:
-    """uvicorn serving `build_app(LLMEngine(artifact, **engine_kwargs), **app_kwargs)` from a daemon thread."""
+    """`build_app(AsyncLLMEngine over a CoreProcess(artifact, **engine_kwargs), **app_kwargs)`; `max_waiting` goes
+    to the core (it counts the sequences waiting)."""
 
-    def __init__(self, artifact: Path, engine_kwargs: dict | None = None, **app_kwargs: Any) -> None:
+    def __init__(self, artifact: Path, engine_kwargs: dict | None = None, *, max_waiting: int = 1024,
+                 **app_kwargs: Any) -> None:
         import uvicorn
-        from kiln.runtime.engine import LLMEngine
+        from kiln.runtime.async_engine import AsyncLLMEngine
+        from kiln.runtime.core_client import CoreProcess
+        from kiln.runtime.core_protocol import CoreConfig
         from kiln.runtime.server import build_app
 
-        self.engine = LLMEngine(artifact, **(engine_kwargs or {}))
-        self.app = build_app(self.engine, **app_kwargs)
-        self.server_state = self.app.state.server
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                                      timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 20
-        while not self._uvicorn.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
+        config = CoreConfig(artifact=str(artifact), engine=dict(engine_kwargs or {}), max_waiting=max_waiting,
+                            num_threads=1, plugins=[HOOKS])
+        self.core = CoreProcess.start(config, timeout=60)
+        try:
+            self.engine = AsyncLLMEngine.from_process(self.core)
+            self.app = build_app(self.engine, **app_kwargs)
+            self.server_state = self.app.state.server
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            self._uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
+                                                          timeout_graceful_shutdown=2))
+            self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+            self._thread.start()
+            deadline = time.monotonic() + 20
+            while not self._uvicorn.started:
+                assert self._thread.is_alive() and time.monotonic() < deadline, "server did not start"
+                time.sleep(0.01)
+        except BaseException:
+            self.core.close()
+            raise
 
     def stop(self) -> None:
         self._uvicorn.should_exit = True
         self._thread.join(10)
+        self.core.close()
 
-    def in_engine(self, fn: Callable[[Any], Any], timeout: float = 10) -> Any:
-        """Runs `fn(engine)` on the engine thread, between two steps."""
-        async_engine = self.server_state.async_engine
-
-        async def call() -> Any:
-            return await async_engine.call_in_engine_thread(fn)
-
-        return asyncio.run_coroutine_threadsafe(call(), async_engine._loop).result(timeout)
+    def in_engine(self, fn: Callable[..., Any], *args: Any, timeout: float = 10) -> Any:
+        """Runs `fn(engine, *args)` in the engine-core process, between two steps. `fn` travels as its code: no
+        closures or defaults; the modules it names are imported there; args and result must encode."""
+        assert fn.__closure__ is None and fn.__defaults__ is None, f"{fn.__name__} must not capture anything"
+        modules = {name: value.__name__ for name, value in fn.__globals__.items()
+                   if isinstance(value, types.ModuleType) and name in _names(fn.__code__)}
+        call = self.engine.call_utility("test_run", marshal.dumps(fn.__code__), modules, list(args))
+        return asyncio.run_coroutine_threadsafe(call, self.engine.loop).result(timeout)
 
     def wait_idle(self, timeout: float = 20) -> None:
         """Until the engine holds no request; then asserts every KV block is free and the pool is consistent."""
         deadline = time.monotonic() + timeout
-        while True:
-            busy = self.in_engine(lambda e: e.has_unfinished_requests())
-            if not busy:
-                break
+        while self.in_engine(lambda e: e.has_unfinished_requests()):
             assert time.monotonic() < deadline, "engine still busy"
             time.sleep(0.02)
-
-        def check(engine: Any) -> tuple[int, int, list[int]]:
-            bm = engine.block_manager
-            bm.check_invariants([])
-            return bm.num_free_blocks, bm.num_blocks, [r for r in bm.ref_counts if r]
-
-        free, total, referenced = self.in_engine(check)
+        free, total, referenced = self.in_engine(_kv_state)
         assert referenced == [] and free == total, f"{free}/{total} KV blocks free, refs {referenced}"
 
     @contextlib.contextmanager
     def slow_steps(self, seconds: float) -> Iterator[None]:
         """Makes every forward step take at least `seconds` (so a test can act mid-generation)."""
-        def patch(engine: Any) -> None:
-            execute = type(engine.runner).execute
-
-            def slow(batch: Any) -> Any:
-                time.sleep(seconds)
-                return execute(engine.runner, batch)
-            engine.runner.execute = slow
-
-        self.in_engine(patch)
+        self.in_engine(_slow_execute, seconds)
         try:
             yield
         finally:
-            self.in_engine(lambda e: e.runner.__dict__.pop("execute", None))
+            self.in_engine(lambda e: e.runner.__dict__.pop("execute", None) and None)
 
     def metric(self, name: str) -> float:
         """Sum of a metric's samples (all label sets) from /metrics."""
@@ -116,3 +115,27 @@ class LiveServer:
             if line.startswith((name + "{", name + " ")):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global names `code` and the functions defined in it refer to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _kv_state(engine: Any) -> tuple[int, int, list[int]]:
+    bm = engine.block_manager
+    bm.check_invariants([])
+    return bm.num_free_blocks, bm.num_blocks, [r for r in bm.ref_counts if r]
+
+
+def _slow_execute(engine: Any, seconds: float) -> None:
+    execute = type(engine.runner).execute
+
+    def slow(batch: Any, *patch: Any) -> Any:
+        time.sleep(seconds)
+        return execute(engine.runner, batch, *patch)
+    engine.runner.execute = slow

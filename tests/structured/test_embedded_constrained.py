@@ -105,7 +105,7 @@ def run(engine, requests):
     finally:
         for request_id, _, _ in requests:
             engine.abort_request(request_id)
-        engine._drain_aborted()
+        engine.drain_aborted()
     return done
 
 
