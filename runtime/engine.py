@@ -12,6 +12,7 @@ import torch
 from . import overlap
 from .artifact import LoadedArtifact, load_artifact
 from .config import speculative_config
+from .constrained import ConstraintManager
 from .core_protocol import RequestLimits, SeqDelta
 from .errors import RequestError
 from .kv_cache import BlockManager, SwapSpace
@@ -67,7 +68,8 @@ class EngineCore:
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
                  seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
-                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None) -> None:
+                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None,
+                 grammar_max_whitespace: int | None = 8, grammar_compile_timeout: float = 10.0) -> None:
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact, device)
         self.model_config = cfg = self.artifact.model_config
         self.tokenizer = self.artifact.tokenizer
@@ -115,6 +117,8 @@ class EngineCore:
             async_scheduling = sched.async_scheduling
         self.async_scheduling = device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
         self._inflight: overlap.InFlight | None = None
+        self.constraints = ConstraintManager(self, max_whitespace=grammar_max_whitespace,
+                                             compile_timeout=grammar_compile_timeout)
 
     # Requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -136,9 +140,10 @@ class EngineCore:
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.artifact.device).manual_seed(params.seed + i)
             seqs.append(seq)
+        if not self.constraints.add(request_id, params, seqs):  # else queued once its grammar is compiled
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.requests[request_id] = Request(request_id, ids, params, seqs)
-        for seq in seqs:
-            self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; nothing more is reported for it."""
@@ -185,13 +190,20 @@ class EngineCore:
     # The step ---------------------------------------------------------------------------------------------
     def step(self) -> list[SeqDelta]:
         """Runs one forward pass; returns the deltas of every completion that progressed or ended (with async
-        scheduling: in the previous forward pass, whose results this call reads back)."""
-        if self.async_scheduling or self._inflight is not None:
-            return overlap.step(self)
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return self._step_empty(batch)
-        return self._step_sync(self._swapped(batch))
+        scheduling: in the previous forward pass, whose results this call reads back). Steps are synchronous
+        while a constrained request runs (its next token's mask needs its last one)."""
+        self.constraints.admit()
+        constrained = self.constraints.active
+        if constrained and self._inflight is not None:  # read the step in flight back first
+            prev, self._inflight = self._inflight, None
+            deltas = overlap.finish(self, prev)
+        elif (self.async_scheduling and not constrained) or self._inflight is not None:
+            deltas = overlap.step(self)
+        else:
+            batch = self.scheduler.schedule()
+            deltas = self._step_empty(batch) if batch.is_empty else self._step_sync(self._swapped(batch))
+        self.constraints.after_step()
+        return deltas
 
     def _swapped(self, batch: ScheduledBatch) -> ScheduledBatch:
         """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and runs
@@ -350,7 +362,7 @@ class EngineCore:
                 "cuda_graph_bytes": self.runner.graph_runner.memory_bytes if self.runner.graph_runner else 0,
                 "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
                 "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-                "num_nonfinite_logits": self.num_nonfinite_logits}
+                "num_nonfinite_logits": self.num_nonfinite_logits, **self.constraints.stats()}
 
 
 def __getattr__(name: str) -> Any:
