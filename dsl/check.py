@@ -437,7 +437,7 @@ _SECTIONS: dict[str, dict[str, Validator]] = {
     "kv_cache": {"block_size": _power_of_two, "memory_fraction": _fraction, "offload": _offload,
                  "num_blocks": _pos_int},
     "scheduler": {"max_seqs": _pos_int, "max_batched_tokens": _pos_int, "chunked_prefill": _chunked_prefill,
-                  "policy": _choice("fcfs", "priority"), "prefix_cache": _choice("radix", "none"),
+                  "policy": _choice("fcfs", "priority", "effort"), "prefix_cache": _choice("radix", "none"),
                   "preemption": _choice("recompute", "swap"), "swap_space": _size, "async_scheduling": _flag},
     "speculative": {"method": _symbol, "tokens": _pos_int, "draft": _draft},
     "lora": {"max_loras": _pos_int, "max_rank": _pos_int},
