@@ -3,10 +3,10 @@ compiled on a thread pool with a timeout), each sequence's matcher state (accept
 inactive inside a thinking block), and the step's batch bitmask: filled for all constrained rows in one call,
 applied to those logits rows in one op; rows without constraints are never touched.
 
-Where this sits: the API server turns `response_format` / `tools` into a
-`GrammarSpec` (`validate()` rejects what xgrammar cannot convert, with its message, as a 400); the engine core
-compiles it (`GrammarBackend.compile_async`, off the step loop) and registers the request with its
-`StructuredOutputProcessor`, the sampler's logits processor.
+Where this sits: the API server turns `response_format` / `tools` into a `GrammarSpec` (chat_plan.py;
+`validate()` rejects what xgrammar cannot convert, with its message, as a 400) carried in SamplingParams; the
+engine core compiles it (`GrammarBackend.compile_async`, off the step loop) and registers the request with its
+`StructuredOutputProcessor`, the sampler's logits processor (constrained.ConstraintManager does both).
 """
 from __future__ import annotations
 
