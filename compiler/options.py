@@ -399,7 +399,7 @@ class SchedulerOptions:
     max_seqs: int = opt(256, _pos_int)
     max_batched_tokens: int = opt(8192, _pos_int)
     chunked_prefill: int | None = opt(512, _chunked_prefill)  # prompt tokens of a sequence per step; None: no limit
-    policy: str = opt("fcfs", _choice("fcfs", "priority"))
+    policy: str = opt("fcfs", _choice("fcfs", "priority", "effort"))
     prefix_cache: str = opt("radix", _choice("radix", "none"))
     preemption: str = opt("recompute", _choice("recompute", "swap"))
     swap_space: int = opt(4 * GiB, _size)  # bytes of CPU memory for swapped-out KV blocks

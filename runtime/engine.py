@@ -12,7 +12,9 @@ import torch
 from . import overlap
 from .artifact import LoadedArtifact, load_artifact
 from .config import speculative_config
+from .constrained import ConstraintManager
 from .core_protocol import RequestLimits, SeqDelta
+from .core_stats import core_stats
 from .errors import RequestError
 from .executor import ExecutorError, create_executor
 from .kv_cache import BlockManager, SwapSpace
@@ -59,7 +61,8 @@ class EngineCore:
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
                  seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
                  num_speculative_tokens: int | None = None, async_scheduling: bool | None = None,
-                 executor: str | None = None) -> None:
+                 executor: str | None = None, grammar_max_whitespace: int | None = 8,
+                 grammar_compile_timeout: float = 10.0) -> None:
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact, device)
         self.model_config = cfg = self.artifact.model_config
         self.tokenizer = self.artifact.tokenizer
@@ -97,6 +100,8 @@ class EngineCore:
         async_scheduling = sched.async_scheduling if async_scheduling is None else async_scheduling
         self.async_scheduling = device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
         self._inflight: overlap.InFlight | None = None
+        self.constraints = ConstraintManager(self, max_whitespace=grammar_max_whitespace,
+                                             compile_timeout=grammar_compile_timeout)
 
     # Requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -109,8 +114,9 @@ class EngineCore:
         request = Request.new(request_id, prompt_token_ids, params, self.model_config.max_model_len, self._seq_ids,
                               self._arrivals, priority, self.artifact.device)
         self.requests[request_id] = request
-        for seq in request.seqs:
-            self.scheduler.add(seq)
+        if not self.constraints.add(request_id, params, request.seqs):  # else queued once its grammar is compiled
+            for seq in request.seqs:
+                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; nothing more is reported for it."""
@@ -157,13 +163,20 @@ class EngineCore:
     # The step ---------------------------------------------------------------------------------------------
     def step(self) -> list[SeqDelta]:
         """Runs one forward pass; returns the deltas of every completion that progressed or ended (with async
-        scheduling: in the previous forward pass, whose results this call reads back)."""
-        if self.async_scheduling or self._inflight is not None:
-            return overlap.step(self)  # the same phases, the update of step N after the launch of step N+1
-        batch = self.scheduler.schedule()  # schedule
-        if batch.is_empty:
-            return self._step_empty(batch)
-        return self._step_sync(self.runner.apply_swaps(batch))
+        scheduling: in the previous forward pass, whose results this call reads back). Steps are synchronous
+        while a constrained request runs (its next token's mask needs its last one)."""
+        self.constraints.admit()
+        constrained = self.constraints.active
+        if constrained and self._inflight is not None:  # read the step in flight back first
+            prev, self._inflight = self._inflight, None
+            deltas = overlap.finish(self, prev)
+        elif (self.async_scheduling and not constrained) or self._inflight is not None:
+            deltas = overlap.step(self)
+        else:
+            batch = self.scheduler.schedule()
+            deltas = self._step_empty(batch) if batch.is_empty else self._step_sync(self.runner.apply_swaps(batch))
+        self.constraints.after_step()
+        return deltas
 
     def _step_sync(self, batch: ScheduledBatch) -> list[SeqDelta]:
         try:
@@ -276,20 +289,8 @@ class EngineCore:
         return deltas
 
     def stats(self) -> dict[str, float]:
-        """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks;
-        cuda_graph_bytes is the device memory the decode graphs took when captured at load."""
-        pc, sched, spec = self.block_manager.prefix_cache, self.scheduler, self.speculator
-        drafted, accepted = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting) + len(sched.swapped),
-                "kv_usage": self.block_manager.usage, "num_preemptions": sched.num_preemptions,
-                "num_swapped_out": sched.num_swapped_out,
-                "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
-                "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0,
-                "cuda_graph_bytes": self.runner.graph_runner.memory_bytes if self.runner.graph_runner else 0,
-                "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
-                "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-                "num_nonfinite_logits": self.num_nonfinite_logits}
-
+        """The core's counters (core_stats.py): sequences, KV usage, prefix cache, speculation, grammars."""
+        return core_stats(self)
 
 def __getattr__(name: str) -> Any:
     """`from kiln.runtime.engine import LLMEngine`: the in-process engine, this module's before the core split."""

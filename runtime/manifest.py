@@ -120,7 +120,7 @@ class SchedulerSection(_Section):
     max_seqs: PosInt
     max_batched_tokens: PosInt
     chunked_prefill: PosInt | None  # None: no chunking, only the token budget
-    policy: Literal["fcfs", "priority"]
+    policy: Literal["fcfs", "priority", "effort"]
     prefix_cache: Literal["radix", "none"]
     preemption: Literal["recompute", "swap"]
     swap_space: NonNegInt

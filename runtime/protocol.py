@@ -37,11 +37,6 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class _SamplingRequest(_Strict):
     """Fields both endpoints share; vLLM's extensions (top_k, min_p, ...) ride along as in vLLM. Types are
     checked here; the numbers' ranges in `SamplingParams` (the one place that bounds them, for the server and
@@ -64,15 +59,15 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
+    # OpenAI's text / json_object / json_schema and kiln's regex / choice / grammar / structural_tag, checked by
+    # grammar_spec.grammar_spec_from_response_format (chat_plan.validated_grammar)
+    response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise not_supported("response_format", f"response_format of type {self.response_format.type!r}")
         if self.logit_bias:
             raise not_supported("logit_bias", "logit_bias")
 
@@ -130,9 +125,11 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's thinking, for templates that keep it
 
     def for_template(self, index: int) -> dict[str, Any]:
-        """The message as a chat template sees it: text content parts joined by newlines."""
+        """The message as a chat template sees it: text content parts joined by newlines; an assistant's
+    `tool_calls` are made template-ready by tool_parsers.prepare_messages."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -141,13 +138,10 @@ class ChatMessage(_Strict):
                     raise not_supported(f"messages.{index}.content.{i}", f"content part of type {part.type!r}")
                 texts.append(part.text)
             content = "\n".join(texts)
-        if self.tool_calls:
-            raise not_supported(f"messages.{index}.tool_calls", "tool calls")
-        message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_call_id", "tool_calls", "reasoning_content"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -161,13 +155,11 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # none / minimal / low / medium / high: a thinking budget
+    max_thinking_tokens: int | None = None  # kiln: the thinking budget in tokens (wins over reasoning_effort)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise not_supported("tools", "tool calling")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise not_supported("tool_choice", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
 

@@ -57,9 +57,9 @@ class Sampler:
         # fill a CUDA tensor, and drawing on the host and copying would cost a vocab-sized transfer per row.
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # Applied by `sample` to the rows it samples, before penalties and sampling (logprobs then see the
-        # masked logits). Not applied on the async path (`sample_on_device`) or to speculative verification
-        # rows (`sample_tokens`): constrained requests must run synchronously, without drafts, until the
-        # engine defers their sampling.
+        # masked logits). Not applied on the async path (`sample_on_device`): the engine steps synchronously
+        # while a constrained request runs. Speculative verification rows (`sample_tokens`) are masked by the
+        # processor's `mask_drafts`, called by SpeculativeDecoder.verify.
         self.logits_processor = logits_processor
 
     @torch.inference_mode()

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import RequestError
+from .grammar_spec import GrammarSpec
+from .reasoning_parsers import ThinkingConfig
 
 _GREEDY_EPS = 1e-5
 # What the sampler's int64 tensors (and torch.Generator seeds) hold. Floats are bounded below by far more than
@@ -31,6 +33,11 @@ class SamplingParams:
     token. Numbers are bounded to what the sampler's tensors hold (int64, finite float32) and to ranges that
     keep logits finite: temperature in [0, 100], repetition_penalty in [0.01, 100], presence and frequency
     penalties in [-2, 2]; at most 32 stop strings of at most 512 characters.
+
+    `structured_output` constrains the output to a grammar (a JSON schema, a regex, ...: grammar_spec.py), which
+    the engine compiles before the request first runs; `thinking` names the thinking block's token ids, where
+    the prompt leaves the output and a budget of reasoning tokens, at which the engine forces the block's end
+    (reasoning_parsers.ThinkingConfig). With both, the grammar constrains the answer after the block.
     """
 
     n: int = 1
@@ -49,6 +56,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: GrammarSpec | None = None
+    thinking: ThinkingConfig | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
@@ -96,6 +105,10 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r:.200}")
         else:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.structured_output is not None and not isinstance(self.structured_output, GrammarSpec):
+            raise RequestError(f"structured_output must be a GrammarSpec, got {type(self.structured_output).__name__}")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingConfig):
+            raise RequestError(f"thinking must be a ThinkingConfig, got {type(self.thinking).__name__}")
         self.stop_token_set = frozenset(self.stop_token_ids)  # checked after every token: no list scan
         if self.top_k == 0:
             self.top_k = -1

@@ -20,6 +20,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # holds KV blocks for its first `num_computed_tokens` tokens
     SWAPPED = "swapped"  # preempted by swap: its computed tokens' K/V wait in CPU blocks `cpu_blocks`
     FINISHED = "finished"
+    PENDING = "pending"  # not queued yet: its grammar is compiling (constrained.py)
 
 
 @dataclass(slots=True, eq=False)

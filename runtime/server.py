@@ -6,6 +6,7 @@ talks to over the engine-core protocol (core_protocol.py). The model never share
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import math
 import sys
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import threads
 from .async_engine import AsyncLLMEngine, PromptInput, RequestGroup
+from .chat_plan import ChoiceParser, PlanError, RequestPlan, plan_chat, resolve_parsers, validated_grammar
 from .core_client import CoreProcess
 from .core_protocol import CoreConfig, CoreInfo
 from .errors import KilnRuntimeError, RequestError
@@ -34,6 +36,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .outputs import CompletionDelta, PositionLogprobs, RequestDelta
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error_param
 from .sampling_params import SamplingParams
+from .tool_parsers import render_chat
 
 MAX_BODY_BYTES = 16 * 2**20
 BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a stalled upload gets 408)
@@ -55,10 +58,14 @@ class OpenAIServer:
     the context (unless a normalizer deletes characters) and is refused before it is tokenized. Long texts are tokenized, and long chat templates
     rendered, on a thread pool of their own: the tokenizers library releases the GIL while it encodes, so the
     event loop (and `/health`) keeps answering.
+
+    `tool_parser` / `reasoning_parser`: registry names (or "none") overriding what the chat template implies
+    (chat_plan.resolve_parsers); they turn `tools` into `tool_calls` and thinking into `reasoning_content`.
     """
 
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
-                 metrics_public: bool = False) -> None:
+                 metrics_public: bool = False, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics_public = metrics_public
@@ -70,6 +77,7 @@ class OpenAIServer:
         engine.observer = self.metrics
         self.created = int(time.time())
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
+        self.tool_parser, self.reasoning_parser = resolve_parsers(engine.tokenizer, tool_parser, reasoning_parser)
 
     # Request plumbing --------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -131,6 +139,11 @@ class OpenAIServer:
         except RequestError as e:
             raise APIError(400, str(e), param=request_error_param(e, set(type(req).model_fields))) from None
 
+    @staticmethod
+    def planned(params: SamplingParams, plan: RequestPlan) -> SamplingParams:
+        fields = plan.sampling_fields()
+        return dataclasses.replace(params, **fields) if fields else params
+
     def check_admissible(self, num_prompts: int, params: SamplingParams,
                          req: ChatCompletionRequest | CompletionRequest) -> None:
         """400 (before anything is tokenized) for more sequences than the queue could ever take."""
@@ -167,6 +180,11 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         req = await self.parse(request, CompletionRequest)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        try:
+            plan = RequestPlan(grammar=validated_grammar(req.response_format))
+        except PlanError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        params = self.planned(params, plan)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = req.prompts()
         self.check_admissible(len(prompts), params, req)
@@ -190,8 +208,8 @@ class OpenAIServer:
         self.check_prompt_chars(num_chars, "messages")
 
         def render() -> str:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      **(req.chat_template_kwargs or {}))
+            return render_chat(self.tokenizer, messages, req.tools, parser=self.tool_parser,
+                               add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         try:
             text = render() if num_chars <= _LONG_PROMPT_CHARS else await self.off_loop(render)
         except RequestError as e:
@@ -199,10 +217,15 @@ class OpenAIServer:
         except Exception as e:  # the template raised on these messages (raise_exception, ...)
             raise APIError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}",
                            param="messages") from None
+        try:
+            plan = plan_chat(req, text, self.tokenizer, self.tool_parser, self.reasoning_parser)
+        except PlanError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        params = self.planned(params, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [ids] = await self.encode([text], add_special_tokens=False, param="messages")
         group = await self.submit([PromptInput(request_id, ids, text)], params, req)
-        return await _respond(request, _ChatFormatter(self, req, request_id, group))
+        return await _respond(request, _ChatFormatter(self, req, request_id, group, plan))
 
     # /v1/models --------------------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -330,18 +353,32 @@ class _Formatter:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, server: OpenAIServer, req: Any, request_id: str, group: RequestGroup) -> None:
+    def __init__(self, server: OpenAIServer, req: Any, request_id: str, group: RequestGroup,
+                 plan: RequestPlan | None = None) -> None:
         self.server, self.req, self.request_id, self.group = server, req, request_id, group
+        self.plan = plan or RequestPlan()
         self.n = req.n
         self.prompt_index = {p.request_id: i for i, p in enumerate(group.inputs)}
         self.num_choices = len(group.inputs) * self.n
         self.prompt_tokens = sum(len(p.prompt_token_ids) for p in group.inputs)
         self.completion_tokens = 0
+        self.reasoning_tokens: int | None = None  # counted when the output ends, if the model thinks
         self.created = int(time.time())
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
+
+    def count_reasoning(self, token_ids: list[int]) -> None:
+        """A finished choice's reasoning tokens, into usage and /metrics."""
+        if self.plan.thinking is None:
+            return
+        n = self.plan.reasoning_tokens(token_ids)
+        self.reasoning_tokens = (self.reasoning_tokens or 0) + n
+        self.server.metrics.on_reasoning_tokens(n)
 
     def choices_of(self, delta: RequestDelta) -> list[tuple[int, Any]]:
         base = self.prompt_index[delta.request_id] * self.n
@@ -365,15 +402,23 @@ class _Formatter:
         try:
             for event in self.stream_start():
                 yield event
+            streamed: list[list[int]] | None = [[] for _ in range(self.num_choices)] \
+                if self.plan.thinking is not None else None
             async for deltas in self.group.batches():
                 merged: dict[int, CompletionDelta] = {}
                 for delta in deltas:
                     for index, c in self.choices_of(delta):
                         self.completion_tokens += len(c.token_ids)
+                        if streamed is not None:
+                            streamed[index] += c.token_ids
+                            if c.finish_reason is not None:
+                                self.count_reasoning(streamed[index])
                         merged[index] = c if index not in merged else _merge(merged[index], c)
                 for index, c in merged.items():
                     if c.text or c.finish_reason is not None or c.logprobs or self.server.tokenizer is None:
-                        yield self.chunk([self.choice_delta(index, c)])
+                        choice = self.choice_delta(index, c)
+                        if choice is not None:
+                            yield self.chunk([choice])
             if self.include_usage:
                 yield self.chunk([], self.usage())
         except KilnRuntimeError as e:  # the engine failed this request mid-stream
@@ -399,12 +444,15 @@ class _Formatter:
         except Exception as e:  # the engine failed this request: not the client's fault
             raise APIError(500, str(e), type="server_error") from None
         self.completion_tokens = sum(len(a["token_ids"]) for a in acc)
+        for a in acc:
+            self.count_reasoning(a["token_ids"])
         body = {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": self.server.model_name,
                 "choices": [self.full_choice(i, a) for i, a in enumerate(acc)], "usage": self.usage()}
         return JSONResponse(body)
 
-    def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
+    def choice_delta(self, index: int, c: Any) -> dict[str, Any] | None:
+        """None: nothing to send for this delta (text a parser holds back)."""
         raise NotImplementedError
 
     def full_choice(self, index: int, acc: dict[str, Any]) -> dict[str, Any]:
@@ -450,7 +498,18 @@ class _CompletionFormatter(_Formatter):
 
 
 class _ChatFormatter(_Formatter):
+    """Chat choices: the text split by the plan's parsers into `reasoning_content`, `content` and `tool_calls`
+    (finish_reason "tool_calls" when the output ended with calls); streamed, each as deltas."""
+
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.parsers: list[ChoiceParser] = [self.plan.choice_parser() for _ in range(self.num_choices)]
+
+    @staticmethod
+    def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+        return "tool_calls" if has_calls and reason == "stop" else reason
 
     def logprobs(self, token_ids: list[int], positions: list[PositionLogprobs]) -> dict | None:
         if not self.req.logprobs:
@@ -469,16 +528,32 @@ class _ChatFormatter(_Formatter):
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]) for i in range(self.num_choices)]
 
-    def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
-        delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-        return {"index": index, "delta": delta, "logprobs": self.logprobs(c.token_ids, c.logprobs or []),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def choice_delta(self, index: int, c: Any) -> dict[str, Any] | None:
+        parser, final = self.parsers[index], c.finish_reason is not None
+        out = parser.feed(c.text, final)
+        delta: dict[str, Any] = {}
+        if out.reasoning:
+            delta["reasoning_content"] = out.reasoning
+        if out.content:
+            delta["content"] = out.content
+        if out.tool_calls:
+            delta["tool_calls"] = out.tool_calls
+        logprobs = self.logprobs(c.token_ids, c.logprobs or [])
+        if not (delta or final or logprobs):
+            return None
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": self.finish_reason(c.finish_reason, parser.has_tool_calls), "stop_reason": c.stop_reason}
 
     def full_choice(self, index: int, a: dict[str, Any]) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(a["text"]), "refusal": None,
-                                            "tool_calls": []},
-                "logprobs": self.logprobs(a["token_ids"], a["logprobs"]),
-                "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"]}
+        out = self.parsers[index].parse("".join(a["text"]))
+        message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None,
+                                   "tool_calls": out.tool_calls}
+        if self.plan.reasoning is not None:
+            message["reasoning_content"] = out.reasoning
+        if out.content is None and not out.tool_calls:
+            message["content"] = ""
+        return {"index": index, "message": message, "logprobs": self.logprobs(a["token_ids"], a["logprobs"]),
+                "finish_reason": self.finish_reason(a["finish_reason"], bool(out.tool_calls)), "stop_reason": a["stop_reason"]}
 
 
 def _chat_token(lp: Any) -> dict[str, Any]:
@@ -555,11 +630,13 @@ async def _until_disconnect(request: Request, work: Awaitable[Response],
 # The app ---------------------------------------------------------------------------------------------------
 def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
               metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
-              body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout: float = BODY_TIMEOUT_S, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app over `engine` (connected to its core when the app starts). `api_key` covers every route but
     `/health` (and `/metrics` when `metrics_public`). `/health` answers 503 once the engine core is gone."""
     server = OpenAIServer(engine, model_name=resolve_served_name(engine.info, served_model_name),
-                          api_key=api_key, metrics_public=metrics_public)
+                          api_key=api_key, metrics_public=metrics_public, tool_parser=tool_parser,
+                          reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -650,22 +727,26 @@ def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = Tru
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
-          async_scheduling: bool | None = None, metrics_public: bool = False, num_threads: int | None = None) -> int:
+          async_scheduling: bool | None = None, metrics_public: bool = False, num_threads: int | None = None,
+          tool_parser: str | None = None, reasoning_parser: str | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
     `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device;
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
-    threads (default: every CPU this process may use; threads.py)."""
+    threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser`: see
+    OpenAIServer."""
     import uvicorn
 
+    resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     threads.configure_api_server()
     config = CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
                         engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
                                               speculative=speculative, async_scheduling=async_scheduling))
     with CoreProcess.start(config) as core:
         engine = AsyncLLMEngine.from_process(core)
-        app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public)
+        app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
+                        tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         print(startup_line(core.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))

@@ -52,3 +52,18 @@ def test_serve_parser():
     assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks, args.metrics_public) == (
         None, None, None, 1024, None, False)
     assert build_parser().parse_args(["serve", "art", "--metrics-public"]).metrics_public
+
+
+def test_serve_parser_options_and_unknown_parser_names(standin_dir, capsys):
+    from kiln.runtime.entrypoint import run
+
+    from kiln.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "art", "--tool-parser", "hermes", "--reasoning-parser", "think"])
+    assert (args.tool_parser, args.reasoning_parser) == ("hermes", "think")
+    assert build_parser().parse_args(["serve", "art"]).tool_parser is None  # default: the chat template's
+    # an unknown name: exit 2 with the known ones, before any engine core is started
+    args = build_parser().parse_args(["serve", str(standin_dir), "--tool-parser", "wizard"])
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "unknown tool parser 'wizard'" in err and "hermes" in err and "Traceback" not in err
