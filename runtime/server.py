@@ -124,10 +124,10 @@ class OpenAIServer:
     async def off_loop(self, fn: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn)
 
-    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+    def engine_params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        """The request's SamplingParams; a bad value is a 400 naming its field."""
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return req.engine_params()
         except RequestError as e:
             raise APIError(400, str(e), param=request_error_param(e, set(type(req).model_fields))) from None
 
@@ -166,7 +166,7 @@ class OpenAIServer:
     # /v1/completions ---------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         req = await self.parse(request, CompletionRequest)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        params = self.engine_params(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = req.prompts()
         self.check_admissible(len(prompts), params, req)
@@ -180,7 +180,7 @@ class OpenAIServer:
     # /v1/chat/completions ----------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
-        params = self.sampling_params(req, req.resolved_max_tokens(), req.num_logprobs())
+        params = self.engine_params(req)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
                            "token ids", param="messages")
@@ -318,7 +318,8 @@ def _token_str(lp: Any) -> str:
 
 
 class _Formatter:
-    """Turns a group's deltas into OpenAI choices, one choice per (prompt, completion): index = prompt * n + i."""
+    """Turns a group's deltas into OpenAI choices, one choice per (prompt, completion): index = prompt * n + i.
+    The engine runs `num_seqs` completions per prompt (more than n for best_of); `select` picks the n shown."""
 
     object_name = ""
     chunk_object_name = ""
@@ -326,18 +327,24 @@ class _Formatter:
     def __init__(self, server: OpenAIServer, req: Any, request_id: str, group: RequestGroup) -> None:
         self.server, self.req, self.request_id, self.group = server, req, request_id, group
         self.n = req.n
+        self.num_seqs = group.params.n
         self.prompt_index = {p.request_id: i for i, p in enumerate(group.inputs)}
-        self.num_choices = len(group.inputs) * self.n
+        self.num_choices = len(group.inputs) * self.num_seqs
         self.prompt_tokens = sum(len(p.prompt_token_ids) for p in group.inputs)
         self.completion_tokens = 0
         self.created = int(time.time())
+        # per prompt: its logprobs so far (position 0's is None), when the request asked for them
+        self.prompt_logprobs: list[list[PositionLogprobs | None]] = [[] for _ in group.inputs]
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def choices_of(self, delta: RequestDelta) -> list[tuple[int, Any]]:
-        base = self.prompt_index[delta.request_id] * self.n
+        prompt = self.prompt_index[delta.request_id]
+        if delta.prompt_logprobs:
+            self.prompt_logprobs[prompt].extend(delta.prompt_logprobs)
+        base = prompt * self.num_seqs
         return [(base + c.index, c) for c in delta.completions]
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
@@ -357,14 +364,20 @@ class _Formatter:
                 yield event
             async for delta in self.group:
                 for index, c in self.choices_of(delta):
-                    self.completion_tokens += len(c.token_ids)
-                    if c.text or c.finish_reason is not None or c.logprobs:
-                        yield self.chunk([self.choice_delta(index, c)])
+                    for choice in self.stream_choices(index, c):
+                        yield self.chunk([choice])
             if self.include_usage:
                 yield self.chunk([], self.usage())
         except KilnRuntimeError as e:  # the engine failed this request mid-stream
             yield _sse(APIError(500, str(e), type="server_error").body())
         yield "data: [DONE]\n\n"
+
+    def stream_choices(self, index: int, c: Any) -> list[dict[str, Any]]:
+        """The chunks' choices one completion delta makes (none, when it adds nothing to show)."""
+        self.completion_tokens += len(c.token_ids)
+        if c.text or c.finish_reason is not None or c.logprobs:
+            return [self.choice_delta(index, c)]
+        return []
 
     def stream_start(self) -> list[str]:
         return []
@@ -384,11 +397,26 @@ class _Formatter:
                         a["finish_reason"], a["stop_reason"] = c.finish_reason, c.stop_reason
         except Exception as e:  # the engine failed this request: not the client's fault
             raise APIError(500, str(e), type="server_error") from None
-        self.completion_tokens = sum(len(a["token_ids"]) for a in acc)
+        self.completion_tokens = sum(map(self.num_generated, acc))  # best_of: all were generated
         body = {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": self.server.model_name,
-                "choices": [self.full_choice(i, a) for i, a in enumerate(acc)], "usage": self.usage()}
+                "choices": [self.full_choice(i, a) for i, a in enumerate(self.select(acc))], "usage": self.usage()}
         return JSONResponse(body)
+
+    def num_generated(self, a: dict[str, Any]) -> int:
+        return len(a["token_ids"])
+
+    def select(self, acc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The n completions shown per prompt, in choice order (each remembers its prompt in "prompt")."""
+        for i, a in enumerate(acc):
+            a["prompt"] = i // self.num_seqs
+        if self.num_seqs == self.n:
+            return acc
+        chosen = []
+        for p in range(len(self.group.inputs)):  # best_of: the n of highest cumulative logprob
+            seqs = acc[p * self.num_seqs:(p + 1) * self.num_seqs]
+            chosen += sorted(seqs, key=_cumulative_logprob, reverse=True)[:self.n]
+        return chosen
 
     def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
         raise NotImplementedError
@@ -397,18 +425,65 @@ class _Formatter:
         raise NotImplementedError
 
 
+def _cumulative_logprob(acc: dict[str, Any]) -> float:
+    return math.fsum(position[t].logprob for t, position in zip(acc["token_ids"], acc["logprobs"]))
+
+
 class _CompletionFormatter(_Formatter):
+    """`echo` puts the prompt's text before each choice's text, and with `logprobs` its tokens before the
+    generated ones: the first prompt token's logprob and top logprobs are null (it has no context), offsets
+    count from the start of the echoed text. `max_tokens: 0` (with echo) shows the prompt alone: the one token
+    the engine generated for it is dropped. Streamed, a choice's first chunk carries the echo; with logprobs it
+    waits until the prompt's logprobs are all in (they arrive with the prefill, chunk by chunk)."""
+
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.text_offsets = [0] * self.num_choices
+        self.echo_only = self.req.max_tokens == 0
+        self.echo_pending = [self.req.echo] * self.num_choices  # streaming: the echo is still to be sent
+        self.held: list[list[Any]] = [[] for _ in range(self.num_choices)]
 
-    def logprobs(self, index: int, token_ids: list[int], positions: list[PositionLogprobs]) -> dict | None:
+    # Echo --------------------------------------------------------------------------------------------------
+    def prompt_text(self, prompt: int) -> str:
+        p = self.group.inputs[prompt]
+        if p.prompt is not None:
+            return p.prompt
+        tok = self.server.tokenizer
+        return tok.decode(p.prompt_token_ids, skip_special_tokens=False) if tok is not None else ""
+
+    def prompt_complete(self, prompt: int) -> bool:
+        return self.req.logprobs is None or \
+            len(self.prompt_logprobs[prompt]) == len(self.group.inputs[prompt].prompt_token_ids)
+
+    def shown(self, c_text: str, token_ids: list[int], logprobs: list | None) -> tuple[str, list[int], list]:
+        """What of a completion's output is shown: nothing of it for max_tokens 0."""
+        return ("", [], []) if self.echo_only else (c_text, token_ids, logprobs or [])
+
+    # Logprobs ----------------------------------------------------------------------------------------------
+    def logprobs(self, index: int, token_ids: list[int], positions: list[PositionLogprobs],
+                 prompt: int | None = None) -> dict | None:
+        """OpenAI's logprobs object of `token_ids`, preceded by prompt `prompt`'s tokens when echoed."""
         if self.req.logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if prompt is not None:
+            ids = self.group.inputs[prompt].prompt_token_ids
+            for tid, position in zip(ids, self.prompt_logprobs[prompt], strict=True):
+                self._add_logprob(out, index, tid, position)
         for tid, position in zip(token_ids, positions):
+            self._add_logprob(out, index, tid, position)
+        return out
+
+    def _add_logprob(self, out: dict[str, list], index: int, tid: int, position: PositionLogprobs | None) -> None:
+        if position is None:  # the prompt's first token: no context, no logprob
+            tok = self.server.tokenizer
+            token = tok.decode_piece(tid, False) if tok is not None else ""
+            out["tokens"].append(token)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
             ranked = _ranked(position, tid, self.req.logprobs)
             token = _token_str(ranked[0][1])
             out["tokens"].append(token)
@@ -417,18 +492,47 @@ class _CompletionFormatter(_Formatter):
             for _, lp in ranked:  # tokens that decode alike (partial UTF-8) keep the first, most relevant entry
                 top.setdefault(_token_str(lp), _finite(lp.logprob))
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self.text_offsets[index])
-            self.text_offsets[index] += len(token)
-        return out
+        out["text_offset"].append(self.text_offsets[index])
+        self.text_offsets[index] += len(token)
+
+    # Choices -----------------------------------------------------------------------------------------------
+    def stream_choices(self, index: int, c: Any) -> list[dict[str, Any]]:
+        prompt = index // self.num_seqs
+        if self.echo_pending[index] and not self.prompt_complete(prompt):
+            self.held[index].append(c)  # until the prompt's logprobs are all in
+            return []
+        held, self.held[index] = self.held[index], []
+        choices = []
+        for d in (*held, c):
+            if not self.echo_only:
+                self.completion_tokens += len(d.token_ids)
+            if self.echo_pending[index] or d.finish_reason is not None or \
+                    (not self.echo_only and (d.text or d.logprobs)):
+                choices.append(self.choice_delta(index, d))
+        return choices
 
     def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
-        return {"index": index, "text": c.text, "logprobs": self.logprobs(index, c.token_ids, c.logprobs or []),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        text, ids, lps = self.shown(c.text, c.token_ids, c.logprobs)
+        prompt = None
+        if self.echo_pending[index]:
+            self.echo_pending[index] = False
+            prompt = index // self.num_seqs
+            text = self.prompt_text(prompt) + text
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, ids, lps, prompt),
+                "finish_reason": "length" if self.echo_only and c.finish_reason is not None else c.finish_reason,
+                "stop_reason": None if self.echo_only else c.stop_reason}
 
     def full_choice(self, index: int, a: dict[str, Any]) -> dict[str, Any]:
-        return {"index": index, "text": "".join(a["text"]),
-                "logprobs": self.logprobs(index, a["token_ids"], a["logprobs"]),
-                "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"]}
+        text, ids, lps = self.shown("".join(a["text"]), a["token_ids"], a["logprobs"])
+        prompt = a["prompt"] if self.req.echo else None
+        if prompt is not None:
+            text = self.prompt_text(prompt) + text
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, ids, lps, prompt),
+                "finish_reason": "length" if self.echo_only else a["finish_reason"],
+                "stop_reason": None if self.echo_only else a["stop_reason"]}
+
+    def num_generated(self, a: dict[str, Any]) -> int:
+        return 0 if self.echo_only else len(a["token_ids"])
 
 
 class _ChatFormatter(_Formatter):
