@@ -215,6 +215,37 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.sampling_params(self.resolved_max_tokens(), self.num_logprobs())
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt` (special tokens added by default), or chat `messages` rendered by the chat
+    template (special tokens not added by default: the template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+    def check_supported(self) -> None:
+        pass
+
+
 def request_error_param(error: RequestError, fields: set[str]) -> str | None:
     """SamplingParams and the engine start their messages with the offending field's name."""
     head = str(error).split(" ", 1)[0].split("=", 1)[0]

@@ -32,7 +32,15 @@ from .core_protocol import CoreConfig, CoreInfo
 from .errors import KilnRuntimeError, RequestError
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .outputs import PositionLogprobs, RequestDelta
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error_param
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    request_error_param,
+)
 from .sampling_params import SamplingParams
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -97,7 +105,7 @@ class OpenAIServer:
             except UnicodeDecodeError as u:
                 raise APIError(400, f"the request body is not valid UTF-8 ({u.reason} at byte {u.start})") from None
             raise _validation_error(e) from None
-        if parsed.model != self.model_name:
+        if parsed.model is not None and parsed.model != self.model_name:  # optional for /tokenize
             raise APIError(404, f"The model {parsed.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
         parsed.check_supported()
@@ -181,28 +189,71 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
         params = self.engine_params(req)
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
-                           "token ids", param="messages")
         self.check_admissible(1, params, req)
-        messages = [m.for_template(i) for i, m in enumerate(req.messages)]
-        num_chars = sum(len(m["content"]) for m in messages)  # a template adds to the text, never cuts it
-        self.check_prompt_chars(num_chars, "messages")
-
-        def render() -> str:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      **(req.chat_template_kwargs or {}))
-        try:
-            text = render() if num_chars <= _LONG_PROMPT_CHARS else await self.off_loop(render)
-        except RequestError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # the template raised on these messages (raise_exception, ...)
-            raise APIError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}",
-                           param="messages") from None
+        text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [ids] = await self.encode([text], add_special_tokens=False, param="messages")
         group = await self.submit([PromptInput(request_id, ids, text)], params, req)
         return await _respond(request, _ChatFormatter(self, req, request_id, group))
+
+    async def render_chat(self, chat: list[ChatMessage], add_generation_prompt: bool,
+                          template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
+                          param: str = "messages") -> str:
+        """The chat template's text for `chat`; a template that rejects the messages is a 400. With
+        `continue_final_message` the text ends where the last message's content does (the model goes on with
+        it, as transformers does it)."""
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
+                           "token ids", param=param)
+        messages = [m.for_template(i) for i, m in enumerate(chat)]
+        num_chars = sum(len(m["content"]) for m in messages)  # a template adds to the text, never cuts it
+        self.check_prompt_chars(num_chars, param)
+
+        def render() -> str:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      **(template_kwargs or {}))
+        try:
+            text = render() if num_chars <= _LONG_PROMPT_CHARS else await self.off_loop(render)
+        except RequestError as e:
+            raise APIError(400, str(e), param=param) from None
+        except Exception as e:  # the template raised on these messages (raise_exception, ...)
+            raise APIError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}",
+                           param=param) from None
+        if continue_final_message:
+            final = messages[-1]["content"].strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise APIError(400, "continue_final_message: the rendered template does not contain the final "
+                               "message's content", param="continue_final_message")
+            text = text[:at + len(final)]
+        return text
+
+    # /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        req = await self.parse(request, TokenizeRequest)
+        if req.messages is not None:
+            text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                          req.continue_final_message)
+            add_special = bool(req.add_special_tokens)
+        else:
+            text, add_special = req.prompt, req.add_special_tokens is not False
+        [ids] = await self.encode([text], add_special_tokens=add_special,
+                                  param="prompt" if req.messages is None else "messages")
+        strs = [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        req = await self.parse(request, DetokenizeRequest)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        vocab = self.async_engine.info.limits.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad}", param="tokens")
+        if len(req.tokens) > self.max_model_len:
+            raise APIError(400, f"at most max_model_len ({self.max_model_len}) tokens, got {len(req.tokens)}",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     # /v1/models --------------------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -700,6 +751,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
 
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app
 
 
