@@ -41,6 +41,17 @@ from .protocol import (
     TokenizeRequest,
     request_error_param,
 )
+from .responses import (
+    ResponsesRequest,
+    ResponseStore,
+    as_responses_error,
+    final_status,
+    message_item,
+    new_response_id,
+    output_text_part,
+    response_object,
+    usage_object,
+)
 from .sampling_params import SamplingParams
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -78,6 +89,7 @@ class OpenAIServer:
         engine.observer = self.metrics
         self.created = int(time.time())
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
+        self.responses = ResponseStore()
 
     # Request plumbing --------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -227,6 +239,49 @@ class OpenAIServer:
                                "message's content", param="continue_final_message")
             text = text[:at + len(final)]
         return text
+
+    # /v1/responses ----------------------------------------------------------------------------------------
+    async def create_response(self, request: Request) -> Response:
+        rreq = await self.parse(request, ResponsesRequest)
+        try:
+            fmt = await self.submit_response(rreq)
+        except APIError as e:  # about the chat request it is served as: name the Responses field
+            raise as_responses_error(e) from None
+        if rreq.stream:
+            return _SSEResponse(fmt.events(), on_close=fmt.group.abort)
+        return await _until_disconnect(request, fmt.collect(), on_close=fmt.group.abort)
+
+    async def submit_response(self, rreq: ResponsesRequest) -> _ResponsesFormatter:
+        history: list[dict[str, Any]] = []
+        if rreq.previous_response_id is not None:
+            previous = self.responses.get(rreq.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"Previous response with id {rreq.previous_response_id!r} not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = previous.messages
+        req = rreq.chat_request(history)
+        params = self.engine_params(req)
+        self.check_admissible(1, params, req)
+        text = await self.render_chat(req.messages, True, None)
+        response_id = new_response_id()
+        [ids] = await self.encode([text], add_special_tokens=False, param="messages")
+        group = await self.submit([PromptInput(response_id, ids, text)], params, req)
+        return _ResponsesFormatter(self, req, response_id, group, rreq, history + rreq.input_messages())
+
+    async def stored_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        self.check_auth(request)
+        item = self.responses.get(response_id)
+        if item is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                           code="response_not_found")
+        return item.response
+
+    async def delete_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        self.check_auth(request)
+        if not self.responses.delete(response_id):
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                           code="response_not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     # /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------------
     async def tokenize(self, request: Request) -> dict[str, Any]:
@@ -618,6 +673,87 @@ class _ChatFormatter(_Formatter):
                 "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"]}
 
 
+class _ResponsesFormatter(_ChatFormatter):
+    """A chat completion's deltas as a Responses API response: one output message of one output_text part;
+    streamed as the Responses event sequence (created, in_progress, output_item.added, content_part.added,
+    output_text.delta..., output_text.done, content_part.done, output_item.done, then completed, incomplete
+    or failed). The final response is stored (unless `store` is false) with the conversation it ends."""
+
+    def __init__(self, server: OpenAIServer, req: ChatCompletionRequest, response_id: str, group: RequestGroup,
+                 rreq: ResponsesRequest, messages: list[dict[str, Any]]) -> None:
+        super().__init__(server, req, response_id, group)
+        self.rreq, self.messages = rreq, messages
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.sequence_number = 0
+
+    def response(self, status: str, text: str = "", logprobs: list | None = None,
+                 error: str | None = None) -> dict[str, Any]:
+        done = status != "in_progress"
+        output = [message_item(self.item_id, text, "completed" if status == "completed" else "incomplete",
+                               logprobs)] if done and error is None else []
+        usage = usage_object(self.prompt_tokens, self.completion_tokens) if done else None
+        return response_object(self.request_id, self.rreq, self.created, status=status, output=output,
+                               usage=usage, error=error)
+
+    def finish(self, text: str, token_ids: list[int], positions: list[PositionLogprobs],
+               finish_reason: str | None, error: str | None) -> dict[str, Any]:
+        self.completion_tokens = len(token_ids)
+        logprobs = self.logprobs(token_ids, positions)
+        body = self.response(final_status(finish_reason, error), text,
+                             logprobs["content"] if logprobs is not None else None, error)
+        if self.rreq.store and error is None:
+            self.server.responses.put(body, [*self.messages, {"role": "assistant", "content": text}])
+        return body
+
+    async def collect(self) -> Response:
+        text, token_ids, positions, finish_reason = [], [], [], None
+        try:
+            async for delta in self.group:
+                for c in delta.completions:
+                    text.append(c.text)
+                    token_ids += c.token_ids
+                    positions += c.logprobs or []
+                    finish_reason = c.finish_reason or finish_reason
+        except Exception as e:  # the engine failed this request: not the client's fault
+            raise APIError(500, str(e), type="server_error") from None
+        return JSONResponse(self.finish("".join(text), token_ids, positions, finish_reason, None))
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        start = self.response("in_progress")
+        yield self.event("response.created", response=start)
+        yield self.event("response.in_progress", response=start)
+        yield self.event("response.output_item.added", output_index=0,
+                         item=message_item(self.item_id, "", "in_progress", None))
+        yield self.event("response.content_part.added", **where, part=output_text_part("", None))
+        text, token_ids, positions, finish_reason = [], [], [], None
+        try:
+            async for delta in self.group:
+                for c in delta.completions:
+                    token_ids += c.token_ids
+                    positions += c.logprobs or []
+                    finish_reason = c.finish_reason or finish_reason
+                    if c.text:
+                        text.append(c.text)
+                        logprobs = self.logprobs(c.token_ids, c.logprobs or [])
+                        yield self.event("response.output_text.delta", **where, delta=c.text,
+                                         logprobs=logprobs["content"] if logprobs is not None else [])
+        except KilnRuntimeError as e:  # the engine failed this request mid-stream
+            yield self.event("response.failed", response=self.finish("", [], [], None, str(e)))
+            return
+        body = self.finish("".join(text), token_ids, positions, finish_reason, None)
+        part = body["output"][0]["content"][0]
+        yield self.event("response.output_text.done", **where, text=part["text"], logprobs=part.get("logprobs", []))
+        yield self.event("response.content_part.done", **where, part=part)
+        yield self.event("response.output_item.done", output_index=0, item=body["output"][0])
+        yield self.event(f"response.{body['status']}", response=body)
+
+
 def _chat_token(lp: Any) -> dict[str, Any]:
     token = _token_str(lp)
     return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode("utf-8"))}
@@ -751,6 +887,9 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
 
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app
