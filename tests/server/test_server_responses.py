@@ -76,6 +76,11 @@ def test_previous_response_id_round_trip(client):
     streamed = list(client.responses.create(model=MODEL, input="Once upon a time", previous_response_id=first.id,
                                             max_output_tokens=5, temperature=0.0, stream=True))
     assert streamed[-1].response.output_text == second.output_text
+    # the stateless way: the previous output items sent back as input
+    manual = client.responses.create(model=MODEL, max_output_tokens=5, temperature=0.0, input=[
+        {"role": "user", "content": "The quick brown fox"}, *first.output,
+        {"role": "user", "content": "Once upon a time"}])
+    assert manual.output_text == second.output_text
 
 
 def test_store_retrieve_delete(client, live_server):
