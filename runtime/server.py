@@ -53,6 +53,7 @@ from .responses import (
     usage_object,
 )
 from .sampling_params import SamplingParams
+from .tokenizer import token_text
 
 MAX_BODY_BYTES = 16 * 2**20
 BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a stalled upload gets 408)
@@ -309,6 +310,21 @@ class OpenAIServer:
             raise APIError(400, f"at most max_model_len ({self.max_model_len}) tokens, got {len(req.tokens)}",
                            param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def tokenizer_info(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's configuration (special tokens, chat template), which is what
+        lm-eval's remote tokenizer reads (with /tokenize and /detokenize, it then needs no local copy)."""
+        self.check_auth(request)
+        if self.tokenizer is None:
+            raise APIError(404, "this model has no tokenizer", code="no_tokenizer")
+        tok = self.tokenizer
+        info = {k: token_text(v) if k.endswith("_token") else v for k, v in tok.config.items()
+                if k != "added_tokens_decoder"}
+        info.update(tokenizer_class=tok.config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                    bos_token=tok.bos_token, eos_token=tok.eos_token, chat_template=tok.chat_template,
+                    model_max_length=self.max_model_len, vocab_size=tok.vocab_size)
+        info.setdefault("pad_token", None)
+        return info
 
     # /v1/models --------------------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -892,6 +908,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"])
     return app
 
 

@@ -39,7 +39,7 @@ metric_list:
 """)
 
 
-def evaluate(root, model: str, model_args: dict) -> dict:
+def evaluate(root, model, model_args: dict | None = None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -52,25 +52,34 @@ def evaluate(root, model: str, model_args: dict) -> dict:
 
 
 def test_local_completions_equals_hf(compile_hf, tmp_path, monkeypatch):
-    """Both score "<s>" + context + continuation (lm-eval's hf model adds the tokenizer's BOS by default and its
-    API models do not: `add_bos_token` makes the two requests the same)."""
+    """Twice: with the checkpoint's tokenizer and a BOS ("<s>" + context + continuation: lm-eval's hf model adds
+    the tokenizer's BOS by default and its API models do not, `add_bos_token` makes the two requests the same);
+    and with no local tokenizer at all: lm-eval finds the server's /tokenizer_info and /tokenize and tokenizes
+    through them (no BOS, against hf without one)."""
+    from lm_eval.api.registry import get_model
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     ckpt, art, _ = compile_hf("llama")
     write_task(tmp_path)
     server = LiveServer(art, {"num_kv_blocks": 256}, served_model_name="tiny-llama")
+    api = {"model": "tiny-llama", "base_url": server.url + "/v1/completions", "tokenized_requests": True,
+           "max_retries": 1, "num_concurrent": 1}
     try:
-        served = evaluate(tmp_path, "local-completions", {
-            "model": "tiny-llama", "base_url": server.url + "/v1/completions", "tokenizer_backend": "huggingface",
-            "tokenizer": str(ckpt), "tokenized_requests": True, "max_retries": 1, "num_concurrent": 1,
-            "add_bos_token": True})
+        with_bos = evaluate(tmp_path, "local-completions", {**api, "tokenizer_backend": "huggingface",
+                                                            "tokenizer": str(ckpt), "add_bos_token": True})
+        remote_lm = get_model("local-completions")(**api, batch_size=4)  # tokenizer_backend "auto"
+        assert remote_lm.tokenizer_backend == "remote"
+        remote = evaluate(tmp_path, remote_lm)
         server.wait_idle()
     finally:
         server.stop()
-    reference = evaluate(tmp_path, "hf", {"pretrained": str(ckpt), "dtype": "float32", "device": "cpu",
-                                                  "add_bos_token": True})
-    assert len(served["ll"]) == len(reference["ll"]) == 48
-    worst = max(abs(served["ll"][k] - reference["ll"][k]) for k in reference["ll"])
-    assert worst < 1e-4, f"log-likelihoods differ from HF by up to {worst}"
-    assert served["acc"] == reference["acc"]
+    hf = {"pretrained": str(ckpt), "dtype": "float32", "device": "cpu"}
+    for served, reference in ((with_bos, evaluate(tmp_path, "hf", {**hf, "add_bos_token": True})),
+                              (remote, evaluate(tmp_path, "hf", {**hf, "add_bos_token": False}))):
+        assert len(served["ll"]) == len(reference["ll"]) == 48
+        worst = max(abs(served["ll"][k] - reference["ll"][k]) for k in reference["ll"])
+        assert worst < 1e-4, f"log-likelihoods differ from HF by up to {worst}"
+        assert served["acc"] == reference["acc"]
+    assert with_bos["ll"] != remote["ll"]  # the BOS does change them: the two pairs test different requests

@@ -62,3 +62,11 @@ def test_tokenize_messages_applies_the_chat_template(live_server):
 ])
 def test_tokenize_errors(live_server, path, body, status, param):
     assert_openai_error(post(live_server, path, body), status, param)
+
+
+def test_tokenizer_info(live_server):
+    from standin_artifact import CHAT_TEMPLATE
+
+    info = httpx.get(live_server.url + "/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and info["chat_template"] == CHAT_TEMPLATE
+    assert info["model_max_length"] == 256 and info["vocab_size"] == live_server.engine.tokenizer.vocab_size
