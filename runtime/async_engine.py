@@ -297,7 +297,7 @@ class AsyncLLMEngine:
                 observer.on_tokens(0, num_new)
             if state.finished:
                 observer.on_finished(now - tracked.arrival, state.seqs[0].finish_reason)
-            if delta.completions or delta.finished:
+            if delta.completions or delta.finished or delta.prompt_logprobs:
                 tracked.group.queue.put_nowait(delta)
 
     # Liveness ---------------------------------------------------------------------------------------------

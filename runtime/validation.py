@@ -32,6 +32,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         value = getattr(params, name)
         if value is not None and value > vocab:
             raise RequestError(f"{name}={value} exceeds the vocabulary size {vocab}")
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
     if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
         raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {max(params.stop_token_ids)}")
     thinking = params.thinking
