@@ -162,8 +162,8 @@ def test_errors(live_server, body, status, param):
 
 
 def test_text_format_goes_where_response_format_goes(live_server):
-    """text.format json_schema becomes chat's response_format (answered as chat answers it: refused until
-    structured output is wired into the server)."""
+    """text.format json_schema becomes chat's response_format and is answered as chat answers it (its output
+    validating against the schema: tests/structured/test_serve_structured.py)."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     response = post(live_server, {"input": "x", "text": {"format": {"type": "json_schema", "name": "obj",
                                                                      "schema": schema, "strict": True}}})

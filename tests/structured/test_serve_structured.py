@@ -106,6 +106,20 @@ def test_json_schema_validates_on_50_of_50_requests_at_temperature_1(client, ser
     server.wait_idle()
 
 
+def test_responses_text_format_json_schema_validates_streamed_and_whole(client):
+    """/v1/responses' text.format goes through the same grammar as chat's response_format."""
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+    for temperature in (1.0, 1.0, 0.0):
+        out = client.responses.create(model=MODEL, input=MESSAGES[0]["content"], text=fmt, max_output_tokens=400,
+                                      temperature=temperature)
+        assert out.status == "completed", out.status
+        jsonschema.validate(json.loads(out.output_text), PERSON)
+    streamed = "".join(e.delta for e in client.responses.create(
+        model=MODEL, input=MESSAGES[0]["content"], text=fmt, max_output_tokens=400, temperature=0.0,
+        stream=True) if e.type == "response.output_text.delta")
+    assert streamed == out.output_text  # the greedy one
+
+
 def test_streamed_and_whole_answers_agree(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, response_format=_schema_format(PERSON), max_tokens=400,
                   temperature=1.0, seed=11)
