@@ -286,7 +286,7 @@ class LoRAManager:
         return LoRABatch(self.slot_weights, segments)
 
 
-# The engine's side (engine.py calls these; each refusal a RequestError the API turns into a 4xx) -------------
+# The engine's side (EngineLoRA below; each refusal a RequestError the API turns into a 4xx) -------------
 def lora_manager(manifest: Mapping[str, Any], artifact_dir: Path, device: torch.device) -> LoRAManager | None:
     """The manager of an artifact compiled with `lora { }`, its compiled-in adapters loaded; else None."""
     section = manifest.get("lora")
@@ -327,6 +327,36 @@ def unload_adapter(manager: LoRAManager | None, name: str, seqs) -> None:
         raise RequestError(f"adapter {name!r} is in use by {busy} running or waiting completion(s); retry when "
                            "they are done")
     manager.unload(name)
+
+
+class EngineLoRA:
+    """EngineCore's LoRA side (engine.py): `lora`, the adapter manager of an artifact compiled with `lora { }`
+    (None without), the adapter id a request names, and loading/unloading adapters between steps."""
+
+    lora: LoRAManager | None = None
+
+    def attach_lora(self) -> None:
+        """The artifact's adapters, paged into the model runner's slots; the scheduler keeps the running
+        sequences' adapters within them."""
+        art = self.artifact
+        self.lora = lora_manager(art.manifest, art.path, art.device)
+        if self.lora is not None:
+            self.scheduler.max_loras = self.lora.max_loras
+            self.runner.lora = self.lora
+
+    def lora_request_id(self, name: str | None) -> int | None:
+        return lora_request_id(self.lora, name)
+
+    def list_lora_adapters(self) -> list[str]:
+        return self.lora.names() if self.lora is not None else []
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serves the PEFT adapter at `path` as `name` from the next request on (RequestError: refused)."""
+        load_adapter(self.lora, name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stops serving `name`; refused (RequestError) while a request still decodes with it."""
+        unload_adapter(self.lora, name, (s for r in self.requests.values() for s in r.seqs))
 
 
 def _refusal(fn):
