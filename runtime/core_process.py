@@ -80,6 +80,7 @@ class EngineCoreProc:
         self.clients: dict[str, _Client] = {}
         self._clients_lock = threading.Lock()
         self.utilities: dict[str, Callable[..., Any]] = {"stats": lambda e: e.stats()}
+        self.pollers: list[Callable[[], None]] = []  # run every loop iteration (plugins: runtime/disagg's roles)
         self._unscheduled: dict[str, float] = {}  # engine request id -> when it was added
         self.num_step_errors = 0
         self.latest = (0, CoreStats())  # (version, stats): one tuple, read by the heartbeat thread
@@ -107,6 +108,8 @@ class EngineCoreProc:
         engine, idle_ms = self.engine, int(self.config.heartbeat_interval * 1000)
         while True:
             received = self._receive(0 if engine.has_unfinished_requests() else idle_ms)
+            for poll in self.pollers:
+                poll()
             self._expire_clients()
             if engine.has_unfinished_requests():
                 self._step()

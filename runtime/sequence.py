@@ -18,6 +18,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted: holds no KV blocks
     RUNNING = "running"  # holds KV blocks for its first `num_computed_tokens` tokens
     SWAPPED = "swapped"  # preempted by swap: its computed tokens' K/V wait in CPU blocks `cpu_blocks`
+    REMOTE = "remote"  # its prompt's K/V is being prefilled elsewhere (runtime/disagg): in no queue, no blocks
     FINISHED = "finished"
 
 
