@@ -213,6 +213,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "kv_cache": _kv_cache_section(program),
         "scheduler": dataclasses.asdict(options.scheduler),
         "serve": {"host": options.serve.host, "port": options.serve.port, "served_name": options.serve.served_name},
+        # what `kiln serve --disaggregate` starts (runtime/disagg); null: the recipe has no disaggregate section
+        "disaggregate": dataclasses.asdict(options.disaggregate) if "disaggregate" in options.set_sections else None,
         "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), **(weights or {}),
                     "total_bytes": total_weight_bytes(program, (weights or {}).get("aliases"))},
         "tokenizer": {"dir": "tokenizer"} if has_tokenizer else None,

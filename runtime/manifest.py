@@ -196,6 +196,13 @@ class ServeSection(_Section):
     served_name: str | None  # None: the artifact directory's name
 
 
+class DisaggregateSection(_Section):
+    prefill: Annotated[int, Field(strict=True, ge=1, le=1)]  # one prefill and one decode core for now
+    decode: Annotated[int, Field(strict=True, ge=1, le=1)]
+    transport: Literal["auto", "tcp", "nixl"]
+    remote_prefill: Literal["always", "never"]
+
+
 class Manifest(_Section):
     schema_version: int
     kiln_version: str
@@ -210,6 +217,7 @@ class Manifest(_Section):
     tokenizer: TokenizerSection | None = None
     entry: EntrySection
     serve: ServeSection
+    disaggregate: DisaggregateSection | None = None  # `kiln serve --disaggregate` (runtime/disagg)
     cuda_graphs: CUDAGraphsSection | None = None  # targets that capture CUDA graphs
     drafts: dict[str, DraftSection] = Field(default_factory=dict)
     speculative: SpeculativeSection

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from ..async_engine import AsyncLLMEngine, PromptInput
+from ..async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput
 from ..core_protocol import AddResult, decode_params, encode_params
 from ..errors import KilnRuntimeError, RequestError
 from ..sampling_params import SamplingParams
@@ -117,14 +117,15 @@ class DisaggAsyncEngine(AsyncLLMEngine):
     """The router's engine over one decode core (`self`: its deltas are the requests' outputs) and one prefill
     core (`self.prefill`, an AsyncLLMEngine used for its utilities and liveness only)."""
 
-    def __init__(self, *args: Any, prefill: AsyncLLMEngine, remote_prefill: str = "always", lease_s: float = 30.0,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, prefill: AsyncLLMEngine, remote_prefill: str = "always", transport: str = "tcp",
+                 lease_s: float = 30.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if remote_prefill not in REMOTE_PREFILL:
             raise KilnRuntimeError(f"disaggregate.remote_prefill = {remote_prefill!r} (known: {', '.join(REMOTE_PREFILL)})")
         self.prefill = prefill
         self.remote_prefill = remote_prefill
         self.lease_s = lease_s
+        self.transport = transport
         self.transfers: dict[str, str] = {}  # request id -> transfer id, while its prefill may be in flight
         self.prefill_errors = 0
 
@@ -132,7 +133,7 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         await super().start()
         await self.prefill.start()
         self.prefill.on_dead.append(self._prefill_died)
-        decode = await self.call_utility("disagg_init", {"lease_s": self.lease_s})
+        decode = await self.call_utility("disagg_init", {"lease_s": self.lease_s, "transport": self.transport})
         prefill = await self.prefill.call_utility("disagg_init", {})
         if decode["layout"] != prefill["layout"]:
             raise KilnRuntimeError(f"the prefill and decode cores' KV layouts differ ({prefill['layout']} vs "
@@ -152,6 +153,8 @@ class DisaggAsyncEngine(AsyncLLMEngine):
             try:
                 desc = await self.call_utility("disagg_add", self.client_name + SEP + p.request_id,
                                                p.prompt_token_ids, raw, tid)
+            except EngineOverloadedError:  # the decode core is gone: 503
+                raise
             except KilnRuntimeError as e:  # the decode core refused it: all of the group or none
                 if added:
                     self.abort(added)
@@ -187,3 +190,32 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         logger.error("the prefill core is gone (%s): %d transfer(s) fall back to decode-side prefill", why, len(tids))
         if tids and self.is_running:
             self.loop.create_task(self.call_utility("disagg_fail", tids))
+
+
+def resolve_transport(kind: str) -> str:
+    return "tcp" if kind == "auto" else kind
+
+
+def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout: float = 10.0) -> DisaggAsyncEngine:
+    """`kiln serve --disaggregate`: starts a decode and a prefill core (each `config` plus its role's plugin;
+    the CPUs this process may use split between them unless `config.num_threads` is set) under `stack`, and
+    returns the router's engine over them (started by the server's lifespan)."""
+    import os
+
+    from ..artifact import open_tokenizer
+    from ..core_client import CoreProcess
+
+    threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // 2)
+    cores = {}
+    for role in ("decode", "prefill"):
+        cfg = msgspec.structs.replace(config, num_threads=threads, input_address="",
+                                      plugins=[*config.plugins, f"kiln.runtime.disagg.service:{role}_plugin"])
+        cores[role] = stack.enter_context(CoreProcess.start(cfg))
+    info = cores["decode"].info
+    tokenizer = open_tokenizer(info.tokenizer_dir, info.limits.vocab_size) if info.tokenizer_dir else None
+    prefill = AsyncLLMEngine(cores["prefill"].info, None, process=cores["prefill"], client_name="router-p",
+                             heartbeat_timeout=heartbeat_timeout)
+    return DisaggAsyncEngine(info, tokenizer, process=cores["decode"], prefill=prefill,
+                             remote_prefill=disaggregate.get("remote_prefill", "always"),
+                             transport=resolve_transport(disaggregate.get("transport", "auto")),
+                             lease_s=float(disaggregate.get("lease_s", 30.0)), heartbeat_timeout=heartbeat_timeout)

@@ -52,7 +52,8 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
 
 @pytest.mark.parametrize("extra, needle", [
     ("  lora { max_loras = 2 }", "LoRA adapters are not implemented yet"),
-    ("  disaggregate { prefill = 1 }", "prefill/decode disaggregation is not implemented yet"),
+    ("  disaggregate { prefill = 2 }", "disaggregate.prefill = 2: more than one prefill core is not implemented"),
+    ("  disaggregate { remote_prefill = auto }", "conditional disaggregation) is not implemented yet"),
     ("  kv_cache { offload = cpu(1GiB) }", "KV offload to CPU is not implemented yet"),
     ("  parallel { tp = 2 }", "parallel.tp > 1 is not implemented yet"),
     ("  speculative { method = ngram }", "speculative decoding method 'ngram' is not implemented yet"),
