@@ -67,6 +67,8 @@ class OpenAIServer:
         self.max_model_len = engine.info.limits.max_model_len
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(engine.tokenizer)
         self.metrics = ServerMetrics(model_name, lambda: self.async_engine.stats, engine.info.limits.block_size)
+        for collector in getattr(engine, "metrics_collectors", ()):  # a disaggregated router's (runtime/disagg)
+            self.metrics.registry.register(collector)
         self.async_engine = engine
         engine.observer = self.metrics
         self.created = int(time.time())

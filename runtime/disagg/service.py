@@ -11,6 +11,8 @@ those requests prefill there.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -128,6 +130,7 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         self.transport = transport
         self.transfers: dict[str, str] = {}  # request id -> transfer id, while its prefill may be in flight
         self.prefill_errors = 0
+        self.disagg_stats: dict[str, Any] = {}
 
     async def start(self) -> None:
         await super().start()
@@ -138,6 +141,19 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         if decode["layout"] != prefill["layout"]:
             raise KilnRuntimeError(f"the prefill and decode cores' KV layouts differ ({prefill['layout']} vs "
                                    f"{decode['layout']}); they must serve artifacts with the same KV layout")
+        self._tasks.append(asyncio.ensure_future(self._poll_stats()))
+
+    async def _poll_stats(self) -> None:
+        """The decode core's transfer counters and block states, for /metrics (read at scrape time)."""
+        while True:
+            if self.is_running:
+                with contextlib.suppress(Exception):
+                    self.disagg_stats = await self.call_utility("disagg_stats", timeout=5.0)
+            await asyncio.sleep(self.heartbeat_interval)
+
+    @property
+    def metrics_collectors(self) -> list:
+        return [_DisaggCollector(self)]
 
     async def shutdown(self) -> None:
         await self.prefill.shutdown()
@@ -190,6 +206,36 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         logger.error("the prefill core is gone (%s): %d transfer(s) fall back to decode-side prefill", why, len(tids))
         if tids and self.is_running:
             self.loop.create_task(self.call_utility("disagg_fail", tids))
+
+
+class _DisaggCollector:
+    """kiln:kv_transfer_{started,succeeded,failed,expired,aborted}_total, kiln:kv_transfer_bytes_total,
+    kiln:kv_blocks{state}, kiln:prefill_decisions_total{decision} (remote, local:<reason>, fallback:<state>)."""
+
+    def __init__(self, engine: DisaggAsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.engine.disagg_stats
+        transfers = s.get("transfers", {})
+        for what in ("started", "succeeded", "failed", "expired", "aborted"):
+            family = CounterMetricFamily(f"kiln:kv_transfer_{what}", f"KV transfers {what} (decode side).")
+            family.add_metric([], transfers.get(what, 0))
+            yield family
+        family = CounterMetricFamily("kiln:kv_transfer_bytes", "KV bytes written into leased blocks.")
+        family.add_metric([], s.get("bytes_received", 0))
+        yield family
+        family = GaugeMetricFamily("kiln:kv_blocks", "Decode-side KV blocks by state.", labels=["state"])
+        for state, n in s.get("blocks", {}).items():
+            family.add_metric([state], n)
+        yield family
+        family = CounterMetricFamily("kiln:prefill_decisions", "Where prompts were prefilled, and why.",
+                                     labels=["decision"])
+        for decision, n in s.get("decisions", {}).items():
+            family.add_metric([decision], n)
+        yield family
 
 
 def resolve_transport(kind: str) -> str:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from live_server import MODEL, LiveServer
+from test_core_process import _alive as alive
 
 BOUND_S = 10.0  # a request's end after a core is killed
 
@@ -34,18 +35,6 @@ def prompts(n: int = 12, seed: int = 3) -> list[list[int]]:
 
 def disagg_stats(server: LiveServer) -> dict:
     return asyncio.run_coroutine_threadsafe(server.engine.call_utility("disagg_stats"), server.engine.loop).result(10)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +66,11 @@ def test_disaggregated_server_answers_like_colocated(artifact_dir, colocated):
         assert stats["decisions"]["remote"] >= len(ps) - 1, stats
         assert stats["transfers"]["succeeded"] == stats["decisions"]["remote"], stats
         assert stats["leases"] == 0 and stats["blocks"]["leased"] == 0
+        deadline = time.monotonic() + 5
+        while server.metric("kiln:kv_transfer_succeeded_total") < stats["transfers"]["succeeded"]:
+            assert time.monotonic() < deadline, "the router's /metrics lag its decode core's counters"
+            time.sleep(0.1)
+        assert server.metric("kiln:prefill_decisions_total") == sum(stats["decisions"].values())
         # streaming: tokens come as the decode core makes them
         with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": ps[7], "max_tokens": 16, "temperature": 0.0,
