@@ -252,11 +252,12 @@ def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout:
     from ..core_client import CoreProcess
 
     threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // 2)
-    cores = {}
-    for role in ("decode", "prefill"):
-        cfg = msgspec.structs.replace(config, num_threads=threads, input_address="",
-                                      plugins=[*config.plugins, f"kiln.runtime.disagg.service:{role}_plugin"])
-        cores[role] = stack.enter_context(CoreProcess.start(cfg))
+    configs = {role: msgspec.structs.replace(config, num_threads=threads, input_address="",
+                                             plugins=[*config.plugins, f"kiln.runtime.disagg.service:{role}_plugin"])
+               for role in ("decode", "prefill")}
+    # One after the other, from this thread: a core dies with the *thread* that started it (PR_SET_PDEATHSIG
+    # follows the creating thread), so starting them from a pool's threads would kill them when those exit.
+    cores = {role: stack.enter_context(CoreProcess.start(cfg)) for role, cfg in configs.items()}
     info = cores["decode"].info
     tokenizer = open_tokenizer(info.tokenizer_dir, info.limits.vocab_size) if info.tokenizer_dir else None
     prefill = AsyncLLMEngine(cores["prefill"].info, None, process=cores["prefill"], client_name="router-p",

@@ -153,5 +153,5 @@ class LedgerMachine(RuleBasedStateMachine):
             self.ledger.check()
 
 
-LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+LedgerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestLedger = LedgerMachine.TestCase
