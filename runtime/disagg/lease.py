@@ -81,10 +81,7 @@ class TransferLedger:
         pinned = sum(1 for b in hit_blocks if bm.ref_counts[b] == 0)
         if num_blocks > bm.num_free_blocks - pinned:
             return None
-        for b in hit_blocks:
-            if bm.ref_counts[b] == 0:
-                bm.prefix_cache.touch(b)
-            bm.ref_counts[b] += 1
+        bm.pin(hit_blocks)
         blocks = [bm._take_free_block() for _ in range(num_blocks)]
         for b in blocks:
             self.generation[b] += 1
@@ -192,12 +189,7 @@ class TransferLedger:
         bm = self.bm
         for b in lease.blocks:
             self.generation[b] += 1  # frames still addressed to it are stale from now on
-            bm.ref_counts[b] = 0
-            bm._free.append(b)
-        for b in reversed(lease.hit_blocks):
-            bm.ref_counts[b] -= 1
-            if bm.ref_counts[b] == 0 and not bm.prefix_cache.release(b):
-                bm._free.append(b)
+        bm.unpin(reversed(lease.hit_blocks + lease.blocks))  # never published: the leased ones become free
         lease.released = True
         self._bury(lease)
 
