@@ -39,12 +39,13 @@ def collect(engine: EngineCore, between, max_steps: int = 10_000) -> dict[str, t
 
 class Pair:
     def __init__(self, prefill: EngineCore, decode: EngineCore, transport: Transport | None = None,
-                 receiver: Transport | None = None, **decode_kw) -> None:
+                 receiver: Transport | None = None, threaded: bool = False, **decode_kw) -> None:
         transport = transport or InProcTransport()
         self.transport = transport
         self.prefill, self.decode = prefill, decode
         self.decode_role = DecodeRole(decode, receiver or transport, **decode_kw)
-        self.prefill_role = PrefillRole(prefill, lambda endpoint: transport, threaded=False)
+        # threaded: sends from a thread while this one polls (a transport with flow control needs that)
+        self.prefill_role = PrefillRole(prefill, lambda endpoint: transport, threaded=threaded)
         self._ids = itertools.count()
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams):

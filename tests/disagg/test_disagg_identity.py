@@ -101,16 +101,17 @@ def test_identity_over_a_real_transport(artifact_dir, reference, kind):
     ps, ref = reference
     receiver = make_receiver(kind, KVLayout.of(engine(artifact_dir, num_kv_blocks=1)).block_bytes)
     sender = connect(receiver.endpoint)
+    pair = Pair(engine(artifact_dir), engine(artifact_dir), transport=sender, receiver=receiver, threaded=True)
     try:
-        pair = Pair(engine(artifact_dir), engine(artifact_dir), transport=sender, receiver=receiver)
         real_poll = pair.decode_role.poll
         pair.decode_role.poll = lambda timeout=0.0: real_poll(0.002)  # frames cross a real socket
         got = pair.run(ps, GREEDY)
         assert_same(got, ref, exact_logprobs=False)
         assert pair.decode_role.decisions["remote"] == len(ps) - 1
+        assert pair.decode_role.ledger.counts["succeeded"] == len(ps) - 1, pair.decode_role.decisions  # no fallback
         pair.decode_role.check()
     finally:
-        sender.close()
+        pair.prefill_role.close()  # its sender thread, and the sending end it used
         receiver.close()
 
 
