@@ -7,11 +7,14 @@ Builds the cpu kernel package (kernels/cpu.py, kernels/tvm.py, kernels/tvm_cpu/c
 shapes (hidden 256, 8 query / 4 KV heads, head_dim 32) and a ~100 M Llama's (hidden 576, 9 / 3 heads,
 head_dim 64), then times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
 `paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass),
-`add_rms_norm` and `silu_mul`; and the ~100 M model's GEMMs through torch against TVM's own CPU GEMV schedule. Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
+`add_rms_norm` and `silu_mul`; and the ~100 M model's GEMMs (fp32 and bf16, batch 1/16/64 and a 128-row
+prefill) through torch's F.linear against the TVM `linear` kernel, interleaved (`--gemms-only`: just those).
+Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
 
-`--offline` instead measures whole artifacts: `kiln.LLM.generate` output tokens per second at each batch size
-(random 128-token prompts, 64 greedy tokens each, ignore_eos; one warm-up batch first), and whether the
+`--offline` instead measures whole artifacts: `kiln.LLM.generate` output tokens per second (wall and per CPU
+second) at each batch size (random 128-token prompts, 64 greedy tokens each, ignore_eos; one warm-up batch
+first; `--rounds N`: N rounds, the artifacts alternating, all loaded in one process), and whether the
 artifact's TVM library loaded — compile a recipe once normally and once with KILN_TVM_ISA=none (torch kernels)
 to compare the two on the same model.
 """
@@ -38,14 +41,15 @@ CONTEXT = 160  # decode context: a 128-token prompt and 32 generated tokens
 CASES = [("decode", 1), ("decode", 16), ("decode", 64), ("prefill", 128)]
 
 
-def _package(root: Path, hidden: int, heads: int, kv_heads: int, head_dim: int):
+def _package(root: Path, hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: str = "float32",
+             kernels=("tvm.paged_attention", "tvm.add_rms_norm", "tvm.silu_mul")):
     from kiln.codegen.tvm_build import write_cpu_kernels
 
     params = {"target": "cpu", "head_dim": head_dim, "num_heads": heads, "num_kv_heads": kv_heads,
-              "block_size": BLOCK_SIZE, "dtype": "float32"}
-    kdir = root / f"kernels_{hidden}"
-    record = write_cpu_kernels(kdir, params, ("tvm.paged_attention", "tvm.add_rms_norm", "tvm.silu_mul"), kiln_version="bench")
-    name = f"_kiln_bench_kernels_{hidden}"
+              "block_size": BLOCK_SIZE, "dtype": dtype}
+    kdir = root / f"kernels_{hidden}_{dtype}_{len(kernels)}"
+    record = write_cpu_kernels(kdir, params, kernels, kiln_version="bench")
+    name = f"_kiln_bench_kernels_{hidden}_{dtype}_{len(kernels)}"
     spec = importlib.util.spec_from_file_location(name, kdir / "__init__.py", submodule_search_locations=[str(kdir)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -124,73 +128,95 @@ def run(repeats: int) -> list[dict]:
     return rows
 
 
-def _dlight_linear(m: int, k: int, n: int, isa: str):
-    """y[m, n] = x[m, k] @ w[n, k].T as TVM's own CPU GEMV schedule (s_tir.dlight.cpu.GEMV) builds it: the
-    measured alternative to keeping GEMMs on torch (MKL/oneDNN). Not a kiln kernel; benchmark only."""
-    import tvm
-    from tvm import te
-    from tvm.s_tir import dlight
+def _time_ab(fns: dict, repeats: int) -> dict:
+    """Median µs per call of each of `fns`, timed interleaved (one call of each per round, after 3 warm-up
+    rounds), so load that comes and goes on a shared machine hits every candidate alike."""
+    for _ in range(3):
+        for fn in fns.values():
+            fn()
+    samples: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
-    x, w = te.placeholder((m, k), "float32", name="x"), te.placeholder((n, k), "float32", name="w")
-    r = te.reduce_axis((0, k), "r")
-    y = te.compute((m, n), lambda i, j: te.sum(x[i, r] * w[j, r], axis=r), name="y")
-    target = tvm.target.Target({"kind": "llvm", "mcpu": isa, "fast-math-reassoc": True, "fast-math-contract": True,
-                                "num-cores": torch.get_num_threads()})
-    mod = tvm.IRModule({"linear": te.create_prim_func([x, w, y]).with_attr("global_symbol", "linear")})
-    with target:
-        mod = dlight.ApplyDefaultSchedule(dlight.cpu.GEMV())(mod)
-    return tvm.compile(mod, target=target)["linear"]
+
+# the ~100 M Llama's GEMMs (K -> N): fused q/k/v, o, fused gate/up, down, and the (tied) LM head
+GEMMS = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4096)]
 
 
 def gemm_rows(repeats: int) -> list[dict]:
-    """The ~100 M model's MLP and LM-head GEMMs at decode batch 1 and 16: torch F.linear vs dlight's GEMV."""
-    from kiln.codegen.tvm_build import host_isa
-
+    """The ~100 M model's GEMMs at decode batch 1, 16, 64 and a 128-row prefill: torch F.linear (MKL; bf16:
+    oneDNN) against the TVM `linear` kernel (packed weights), fp32 and bf16, interleaved. `GB/s` is the weight
+    bytes each call reads over its time: at batch 1 the step is bound by streaming the weights."""
     rows = []
-    for m, k, n in [(1, 576, 1536), (1, 1536, 576), (1, 576, 4096), (16, 576, 1536)]:
-        x, w, y = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
-        kernel = _dlight_linear(m, k, n, host_isa().mcpu)
-        case = f"decode {m} [{k}->{n}]"
-        rows.append({"model": "llama-100M", "kernel": "linear", "case": case, "impl": "cpu",
-                     "us": _time(functools.partial(torch.nn.functional.linear, x, w), repeats)})
-        rows.append({"model": "llama-100M", "kernel": "linear", "case": case, "impl": "tvm",
-                     "us": _time(functools.partial(kernel, x, w, y), repeats)})
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        for dtype in ("float32", "bfloat16"):
+            tvm = _package(Path(tmp), 576, 9, 3, 64, dtype=dtype, kernels=("tvm.linear",))[0]
+            torch_dtype = getattr(torch, dtype)
+            for m in (1, 16, 64, 128):
+                for k, n in GEMMS:
+                    x, w = torch.randn(m, k).to(torch_dtype), (torch.randn(n, k) / k ** 0.5).to(torch_dtype)
+                    us = _time_ab({"cpu": functools.partial(torch.nn.functional.linear, x, w),
+                                   "tvm": functools.partial(tvm.linear, x, w)}, repeats)
+                    case = f"{'decode' if m < 128 else 'prefill'} {m} [{k}->{n}]"
+                    for impl, t in us.items():
+                        rows.append({"model": f"llama-100M {dtype}", "kernel": "linear", "case": case, "impl": impl,
+                                     "us": t, "weight_GB_s": w.numel() * w.element_size() / t / 1e3})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | kernel | step | torch µs | TVM µs | speed-up |", "|---|---|---|---|---|---|"]
-    keyed = {}
+    out = ["| model | kernel | step | torch µs | TVM µs | speed-up | weight GB/s, torch / TVM |",
+           "|---|---|---|---|---|---|---|"]
+    keyed, rate = {}, {}
     for r in rows:
-        keyed.setdefault((r["model"], r["kernel"], r["case"]), {})[r["impl"].rsplit(".", 1)[-1]] = r["us"]
-    for (model, kernel, case), t in keyed.items():
-        out.append(f"| {model} | {kernel} | {case} | {t['cpu']:.1f} | {t['tvm']:.1f} | {t['cpu'] / t['tvm']:.1f}x |")
+        impl = r["impl"].rsplit(".", 1)[-1]
+        keyed.setdefault((r["model"], r["kernel"], r["case"]), {})[impl] = r["us"]
+        if "weight_GB_s" in r:
+            rate.setdefault((r["model"], r["kernel"], r["case"]), {})[impl] = r["weight_GB_s"]
+    for key, t in keyed.items():
+        gbs = f"{rate[key]['cpu']:.1f} / {rate[key]['tvm']:.1f}" if key in rate else ""
+        out.append(f"| {' | '.join(key)} | {t['cpu']:.1f} | {t['tvm']:.1f} | {t['cpu'] / t['tvm']:.1f}x | {gbs} |")
     return "\n".join(out)
 
 
-def offline(artifacts: list[str], batch_sizes: list[int], prompt_len: int = 128, output_len: int = 64) -> list[dict]:
+def offline(artifacts: list[str], batch_sizes: list[int], prompt_len: int = 128, output_len: int = 64,
+            rounds: int = 1) -> list[dict]:
+    """Each artifact's LLM.generate at each batch size, all artifacts loaded in this process and timed in
+    alternating rounds (order reversed every other round), so load that comes and goes hits each alike. Per
+    round: output tokens per wall second and per CPU second of this process (with one thread, time lost to other
+    jobs' scheduling does not count in the latter)."""
     from kiln.runtime.artifact import read_manifest
 
     import kiln
 
-    rows = []
+    llms, loaded = {}, {}
     for art in artifacts:
-        vocab = read_manifest(art)["runtime"]["vocab_size"]
-        llm = kiln.LLM(art)
+        llms[art] = kiln.LLM(art)
         wrapper = str(Path(art).resolve() / "kernels" / "tvm.py")
-        tvm_loaded = any(getattr(m, "__file__", None) == wrapper and getattr(m, "LIBRARY", None) is not None
-                         for m in list(sys.modules.values()))
-        params = kiln.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        g = torch.Generator().manual_seed(0)
-        for n in batch_sizes:
-            prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
+        loaded[art] = any(getattr(m, "__file__", None) == wrapper and getattr(m, "LIBRARY", None) is not None
+                          for m in list(sys.modules.values()))
+    vocab = read_manifest(artifacts[0])["runtime"]["vocab_size"]
+    params = kiln.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in batch_sizes:
+        prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(n)]
+        for llm in llms.values():
             llm.generate(prompts[:max(1, n // 4)], kiln.SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            dt = time.perf_counter() - t0
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows.append({"artifact": art, "tvm": tvm_loaded, "batch": n, "seconds": dt, "output_tok_s": tokens / dt})
-            print(f"{art}  tvm={tvm_loaded}  batch {n}: {tokens / dt:.1f} output tok/s ({dt:.2f} s)", flush=True)
+        for r in range(rounds):
+            for art in (artifacts if r % 2 == 0 else artifacts[::-1]):
+                c0, t0 = time.process_time(), time.perf_counter()
+                outs = llms[art].generate(prompts, params)
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+                tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                rows.append({"artifact": art, "tvm": loaded[art], "batch": n, "round": r, "seconds": dt,
+                             "cpu_seconds": cpu, "output_tok_s": tokens / dt, "output_tok_cpu_s": tokens / cpu})
+                print(f"{art}  tvm={loaded[art]}  batch {n} round {r}: {tokens / dt:.1f} output tok/s "
+                      f"({dt:.2f} s), {tokens / cpu:.1f} per CPU second", flush=True)
     return rows
 
 
@@ -200,19 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the raw rows here")
     ap.add_argument("--offline", nargs="+", metavar="ART", help="measure these artifacts' LLM.generate instead")
     ap.add_argument("--batch-sizes", default="1,16,64")
+    ap.add_argument("--gemms-only", action="store_true", help="time only the GEMMs (torch vs the TVM linear)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads, and so TVM's pool (default: torch's)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="--offline: timed rounds per batch size, artifacts alternating")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)  # the TVM library sizes its pool from this when it loads
     if args.offline:
-        rows = offline(args.offline, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.output_len)
+        rows = offline(args.offline, [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.output_len,
+                       args.rounds)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0
-    rows = run(args.repeats) + gemm_rows(args.repeats)
-    print(f"torch threads {torch.get_num_threads()}; decode context {CONTEXT}; KV block {BLOCK_SIZE}; fp32")
+    rows = ([] if args.gemms_only else run(args.repeats)) + gemm_rows(args.repeats)
+    print(f"torch threads {torch.get_num_threads()}; decode context {CONTEXT}; KV block {BLOCK_SIZE}; "
+          "fp32 unless the model says bf16")
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -112,7 +112,7 @@ def engine_round(artifact: Path, backend, compiled, batch: int, steps: int, cons
         times.append(time.perf_counter() - t0)
     for k in range(batch):
         engine.abort_request(f"r{k}")
-    engine._drain_aborted()
+    engine.drain_aborted()
     return statistics.fmean(times)
 
 

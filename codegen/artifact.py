@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -20,9 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.ir import Attrs, Program, TensorType
-from kiln.compiler.kv_layout import FP8_KV, kv_cache_nodes, kv_layout
+from kiln.compiler.kv_layout import FP8_KV, kv_cache_nodes
 from kiln.compiler.options import CUDA_GRAPH_PLAN as PLAN
 from kiln.compiler.options import DEFAULT_MAX_MODEL_LEN, RecipeOptions
+from kiln.compiler.placement import (
+    collectives,
+    local_kv_layout,
+    local_shape,
+    mesh_of,
+    param_placement,
+    placement_of,
+    rank_param_bytes,
+)
 from kiln.compiler.targets import Target, TargetError, get_target
 from kiln.compiler.text import print_program
 from kiln.dsl.errors import KilnError
@@ -31,7 +41,7 @@ from .emitters import KERNEL_MODULES
 from .errors import CodegenError, TokenizerError
 from .render import kernels_used, render_model, template_env, vocab_size
 from .tvm_build import build_library
-from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, total_weight_bytes
+from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, rank_weights_dir, total_weight_bytes
 
 SCHEMA_VERSION = 2  # runtime/manifest.py defines what a version holds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -104,7 +114,7 @@ def _target(program: Program) -> Target:
 def _kv_cache_section(program: Program) -> dict[str, Any]:
     """compiler/kv_layout.py's geometry in the manifest's words. fp8 caches are e4m3 with scales: per layer and
     KV head (params `*.k_scale`, `*.v_scale`), or one per MLA layer (`*.kv_scale`)."""
-    kv = kv_layout(program)
+    kv = local_kv_layout(program)  # what each rank allocates: its KV heads (the whole layout on one device)
     dtype = "float8_e4m3fn" if kv.dtype == FP8_KV else TORCH_DTYPE_NAMES[program.dtype]
     if kv.kind == "mla":
         geometry = {"kv_lora_rank": kv.kv_lora_rank, "qk_rope_head_dim": kv.rope_dim, "latent_dim": kv.latent_dim,
@@ -132,10 +142,13 @@ def kernel_params(program: Program) -> dict[str, Any]:
     """What kernel templates are rendered for: the target, the attention shape (first GQA/MHA attention; the
     triton library picks its tiles from it) and the activation dtype. Extra keys are ignored by a template."""
     heads = None
+    mesh = mesh_of(program)
     for graph, node in kv_cache_nodes(program):
-        q, k = graph.node(node.inputs[0]).out, graph.node(node.inputs[1]).out
-        if node.op == "attention" and isinstance(q, TensorType) and isinstance(k, TensorType):
-            heads = (int(q.shape[-1]), int(q.shape[-2]), int(k.shape[-2]))
+        qn, kn = graph.node(node.inputs[0]), graph.node(node.inputs[1])
+        if node.op == "attention" and isinstance(qn.out, TensorType) and isinstance(kn.out, TensorType):
+            # a rank's heads: the kernels of a parallel artifact run on its shards
+            q, k = (local_shape(n.out.shape, placement_of(n), mesh) for n in (qn, kn))
+            heads = (int(q[-1]), int(q[-2]), int(k[-2]))
             break
     head_dim, num_heads, num_kv_heads = heads or (128, 1, 1)
     target = _target(program)
@@ -193,11 +206,33 @@ def weights_index(wdir: Path, files: list[str]) -> dict[str, Any]:
     return {"sha256": digests, "tensors": dict(sorted(tensors.items()))}
 
 
+def _parallel_section(program: Program, ranks: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The mesh, every param's global shape, placement and per-rank shape, the experts each rank holds, the
+    collectives of the layer schedule, and each rank's weight files (`ranks[r]`: weights/rank{r}/)."""
+    mesh = mesh_of(program)
+    params = {}
+    for spec in program.params.values():
+        placement = param_placement(program, spec.name)
+        params[spec.name] = {"shape": list(spec.shape), "placement": str(placement),
+                             "local_shape": list(local_shape(spec.shape, placement, mesh))}
+    vocab = vocab_size(program)
+    padded = max((seg.total_units for spec in program.params.values()
+                  for shard in param_placement(program, spec.name).shards for seg in shard.segments
+                  if seg.padded), default=vocab)
+    from .render import expert_placement
+
+    return {**mesh.to_json(), "vocab": {"size": vocab, "padded": padded}, "params": params,
+            "experts": expert_placement(program), "collectives": [c.to_json() for c in collectives(program)],
+            "rank_weight_bytes": rank_param_bytes(program, mesh), "ranks": ranks or []}
+
+
 def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
                    hf_config: dict, gen_config: dict, weight_files: list[str], has_tokenizer: bool,
-                   pass_log: list[dict], weights: dict[str, Any] | None = None) -> dict[str, Any]:
+                   pass_log: list[dict], weights: dict[str, Any] | None = None,
+                   rank_weights: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The manifest of `program` (runtime/manifest.py is its schema). `weights`: `weights_index` of the written
-    files, and `aliases` when some tensors are stored once under another name."""
+    files, and `aliases` when some tensors are stored once under another name. A parallel program: `weights`
+    is rank 0's, `rank_weights` every rank's (the `parallel` section)."""
     if program.dtype not in TORCH_DTYPE_NAMES:
         raise CodegenError(f"program dtype {program.dtype} is not one of {', '.join(TORCH_DTYPE_NAMES)}", None)
     options = _options(program)
@@ -213,10 +248,15 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "kv_cache": _kv_cache_section(program),
         "scheduler": dataclasses.asdict(options.scheduler),
         "serve": {"host": options.serve.host, "port": options.serve.port, "served_name": options.serve.served_name},
-        # what `kiln serve --disaggregate` starts (runtime/disagg); null: the recipe has no disaggregate section
-        "disaggregate": dataclasses.asdict(options.disaggregate) if "disaggregate" in options.set_sections else None,
+        # what `kiln serve --disaggregate` starts (runtime/disagg); absent when the recipe has no disaggregate
+        # section (so such artifacts are byte-identical to those of a kiln without disaggregation)
+        **({"disaggregate": dataclasses.asdict(options.disaggregate)} if "disaggregate" in options.set_sections
+           else {}),
         "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), **(weights or {}),
-                    "total_bytes": total_weight_bytes(program, (weights or {}).get("aliases"))},
+                    "total_bytes": total_weight_bytes(program, (weights or {}).get("aliases")) if mesh_of(program).world == 1
+                    else _index_bytes(weights or {"tensors": {}})},
+        # a parallel program: the mesh and what every rank holds (compiler/placement.py)
+        **({"parallel": _parallel_section(program, rank_weights)} if mesh_of(program).world > 1 else {}),
         "tokenizer": {"dir": "tokenizer"} if has_tokenizer else None,
         "entry": {"module": "model", "class": "Model"},
         "params": [{"name": s.name, "shape": list(s.shape), "dtype": TORCH_DTYPE_NAMES.get(s.dtype, s.dtype),
@@ -233,6 +273,14 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "quantization": {"weights": options.quantize.spelling.get("weights"),
                          "kv_cache": options.quantize.spelling.get("kv_cache")},
     }
+
+
+_SAFETENSORS_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8, "U8": 1, "I8": 1}
+
+
+def _index_bytes(index: Mapping[str, Any]) -> int:
+    """Bytes of the tensors a `weights_index` lists (one rank's files)."""
+    return sum(math.prod(t["shape"]) * _SAFETENSORS_BYTES[t["dtype"]] for t in index["tensors"].values())
 
 
 def _write(path: Path, text: str) -> None:
@@ -359,10 +407,19 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
         aliases: dict[str, str] = {}  # tensors stored once under another name (e.g. DeepSeek MTP's embedding)
         files = convert_weights(program, ckpt, tmp, seed=seed, progress=progress, aliases=aliases)
         index = weights_index(tmp / WEIGHTS_DIR, files)
+        aliases = dict(sorted(aliases.items()))
+        world = mesh_of(program).world
+        ranks = None
+        if world > 1:
+            ranks = []
+            for r in range(world):
+                rank_index = weights_index(tmp / rank_weights_dir(r), files)
+                ranks.append({"dir": rank_weights_dir(r), "files": list(files), **rank_index, "aliases": aliases,
+                              "total_bytes": _index_bytes(rank_index)})
         manifest = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                                   hf_config=hf_config, gen_config=gen_config, weight_files=files,
                                   has_tokenizer=bool(tok_files), pass_log=pass_log,
-                                  weights={**index, "aliases": dict(sorted(aliases.items()))})
+                                  weights={**index, "aliases": aliases}, rank_weights=ranks)
         _write(tmp / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700; an artifact is an ordinary directory
         _install(tmp, out)

@@ -3,7 +3,9 @@
 A template is a `str.format` string over:
   {0}, {1}, ...  the node's inputs (local names or expressions), {args} all of them comma-separated;
   {eps}, ...     the node's attributes as Python literals (op-table defaults filled in);
-  {kv_cache}, {rope_cache}, {fused_rope}, {scale}  context fields codegen derives for the node (see render.CONTEXT_FIELDS).
+  {kv_cache}, {rope_cache}, {fused_rope}, {scale}, {expert_map}, {gathered_size}, {dp_counts}  context fields
+                 codegen derives for the node (see render.CONTEXT_FIELDS).
+Collective kernels take the rank's communicator (`self.comm`, bound by the runtime; parallel artifacts only).
 Adding a kernel is one row here (plus its function in a kernels template), never a branch in the renderer.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ EMITTERS: dict[str, str] = {
     "cpu.silu": "K.silu({0})",
     "cpu.silu_mul": "K.silu_mul({0})",
     "cpu.add": "K.add({0}, {1})",
+    "cpu.bias_add": "K.add({0}, {1})",  # torch broadcasts the bias over the rows
     "cpu.mul": "K.mul({0}, {1})",
     "cpu.concat": "K.concat({0}, {1})",
     "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",
@@ -41,7 +44,14 @@ EMITTERS: dict[str, str] = {
     "cpu.moe_topk_grouped": ("K.moe_topk_grouped({args}, top_k={top_k}, n_group={n_group}, topk_group={topk_group}, "
                              "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
                              "group_score={group_score})"),
-    "cpu.moe_experts": "K.moe_experts({args})",
+    "cpu.moe_experts": "K.moe_experts({args}{expert_map})",
+    # collectives (parallel programs): through the rank's communicator
+    "cpu.all_reduce": "K.all_reduce({0}, self.comm)",
+    "cpu.all_gather": "K.all_gather({0}, self.comm, dim={dim}, size={gathered_size})",
+    "cpu.dp_gather": "K.dp_gather({0}, self.comm, {dp_counts})",
+    "cpu.dp_scatter": "K.dp_scatter({0}, self.comm, batch.dp_num_tokens)",
+    "cpu.all_reduce_add_rms_norm": "K.all_reduce_add_rms_norm({0}, {1}, {2}, self.comm, eps={eps})",
+    "cpu.vocab_parallel_embedding": "K.vocab_parallel_embedding({0}, {1}, self.rank)",
 }
 
 # cpu target, kernels built with apache-tvm (kernels/tvm.py, imported as K): the cpu library's signatures.
@@ -49,6 +59,9 @@ EMITTERS.update({
     "tvm.paged_attention": EMITTERS["cpu.paged_attention"],
     "tvm.add_rms_norm": EMITTERS["cpu.add_rms_norm"],
     "tvm.silu_mul": EMITTERS["cpu.silu_mul"],
+    "tvm.linear": EMITTERS["cpu.linear"],
+    "tvm.logits": EMITTERS["cpu.logits"],
+    "tvm.all_reduce_add_rms_norm": EMITTERS["cpu.all_reduce_add_rms_norm"],
 })
 
 # GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.
@@ -60,7 +73,8 @@ EMITTERS.update({
     "triton.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "triton.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
                                "sliding_window={sliding_window}{kv_scales}{fused_rope})"),
-    "triton.moe_experts": "K.moe_experts({args})",
+    "triton.moe_experts": "K.moe_experts({args}{expert_map})",
+    "triton.all_reduce_add_rms_norm": "K.all_reduce_add_rms_norm({0}, {1}, {2}, self.comm, eps={eps})",
     "triton.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
                              "absorb={absorb}{kv_scales})"),
     "triton.linear_fp8": "K.linear_fp8({args}, granularity={granularity}, block={block}, act={act})",

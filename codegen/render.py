@@ -19,6 +19,8 @@ import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
 from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
 from kiln.compiler.ops import OPS, REQUIRED
+from kiln.compiler.placement import PlacementTable, local_slice, units_of
+from kiln.compiler.placement import R as REPLICATED
 from kiln.compiler.targets import get_target
 
 from .emitters import EMITTERS, STRUCTURAL_OPS
@@ -29,7 +31,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 # Names model.py itself uses: a value id never becomes one of these.
 _RESERVED = frozenset({
     "self", "layer", "batch", "kv_caches", "weights", "device", "K", "torch", "Tensor", "ForwardBatch",
-    "MAX_MODEL_LEN", "TYPE_CHECKING", "annotations", "range", "i", "_",
+    "MAX_MODEL_LEN", "TYPE_CHECKING", "annotations", "range", "i", "_", "rank", "comm", "MESH", "EXPERTS",
 })
 
 
@@ -165,10 +167,15 @@ class _Model:
     method_of_graph: dict[str, str] = field(default_factory=dict)
     rope_caches: dict[tuple, str] = field(default_factory=dict)  # rope_key -> self.<attr>
     init_lines: list[str] = field(default_factory=list)
+    # parallel programs: placements, and the expert map of each moe_experts whose experts are split over ranks
+    placements: PlacementTable = field(init=False)
+    expert_maps: dict[str, str] = field(default_factory=dict)  # expert-stack param name -> self.<attr>
+    experts_by_rank: dict[str, list[list[int]]] = field(default_factory=dict)  # that param -> each rank's experts
 
     def __post_init__(self) -> None:
         program = self.program
-        taken = {"forward", "device"}
+        self.placements = PlacementTable(program)
+        taken = {"forward", "device", "rank", "comm"}
         graphs = used_graphs(program)
         for g in graphs[1:]:
             self.method_of_graph[g] = identifier(g, taken)
@@ -176,12 +183,31 @@ class _Model:
                 raise CodegenError(f"forward '{g}' cannot be a model.py method name (it is reserved)", None)
         for spec in program.params.values():
             self.attr_of_param[spec.name] = identifier(spec.name, taken)
+        self._expert_maps(graphs, taken)
         ropes = [rope_key(program.graphs[g], vid, n) for g in graphs
                  for vid, n in program.graphs[g].items() if _has_rope(n)]
         distinct = list(dict.fromkeys(ropes))
         for k, key in enumerate(distinct):
             self.rope_caches[key] = identifier("rope_cache" if len(distinct) == 1 else f"rope_cache_{k}", taken)
         self._init_lines()
+
+    def _expert_maps(self, graphs: list[str], taken: set[str]) -> None:
+        """Experts placed on ep groups: every rank's global expert ids (EXPERTS in model.py) and a map tensor
+        global id -> local index (-1: another rank's) built at load for the rank."""
+        mesh = self.placements.mesh
+        for g in graphs:
+            for _, node in self.program.graphs[g].items():
+                if node.op != "moe_experts":
+                    continue
+                down = self.program.graphs[g].node(node.inputs[-1])
+                spec = self.program.params[down.attrs["name"]]
+                shard = (self.placements.of(self.program.graphs[g], node.inputs[-1]) or REPLICATED).shard(0)
+                if shard is None or spec.name in self.expert_maps:
+                    continue
+                seg = shard.segments[0]
+                self.experts_by_rank[spec.name] = [
+                    units_of(seg, mesh.ep, mesh.coord("ep", r), shard.order) for r in range(mesh.world)]
+                self.expert_maps[spec.name] = identifier(f"experts_{spec.block or 'top'}", taken)
 
     def _init_lines(self) -> None:
         program, lines = self.program, self.init_lines
@@ -198,6 +224,10 @@ class _Model:
                 assert "{" not in spec.name and '"' not in spec.name, f"odd param name {spec.name!r}"
                 lines.append(f'self.{self.attr_of_param[spec.name]} = [weights[f"{name}"] '
                              f"for i in range({block.count})]")
+        for name, attr in self.expert_maps.items():
+            experts = program.params[name].shape[0]
+            lines.append(f"# {name}: this rank's experts of {experts} (global id -> local index, -1: another rank's)")
+            lines.append(f"self.{attr} = K.expert_map(EXPERTS[{json.dumps(name)}][rank], {experts}, self.device)")
         if self.rope_caches:
             lines.append("# rotary cos/sin tables, one per distinct rope configuration")
         defaults = OPS["rope"].attrs
@@ -252,8 +282,28 @@ def _fused_rope_field(fn: _Function, vid: str, node: Node) -> str:
     return f", rope_cache={_rope_cache_field(fn, vid, node)}" if _has_rope(node) else ""
 
 
+def _expert_map_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, local_experts=self.<map>` for a moe_experts whose experts are split over ranks, else nothing."""
+    down = fn.graph.node(node.inputs[-1])
+    attr = fn.model.expert_maps.get(down.attrs.get("name")) if down.op == "param" else None
+    return f", local_experts=self.{attr}" if attr else ""
+
+
+def _gathered_size_field(fn: _Function, vid: str, node: Node) -> str:
+    """The global size of an all_gather's dim: what is left of the gathered parts once padding is dropped."""
+    return literal(int(_type_of(fn.graph, vid).shape[node.attrs["dim"]]))
+
+
+def _dp_counts_field(fn: _Function, vid: str, node: Node) -> str:
+    """The batch's per-rank row counts a data-parallel gather/scatter splits by: tokens, or logits rows."""
+    return "batch.dp_num_rows" if node.attrs.get("rows") == "logits" else "batch.dp_num_tokens"
+
+
 # Fields a kernel template may name besides inputs and attributes, and how codegen derives each.
 CONTEXT_FIELDS: dict[str, ContextField] = {
+    "dp_counts": _dp_counts_field,  # data-parallel attention: the ranks' row counts of this step
+    "expert_map": _expert_map_field,  # experts split over ranks: this rank's global -> local expert map
+    "gathered_size": _gathered_size_field,  # all_gather: the global (unpadded) size of the gathered dim
     "fused_rope": _fused_rope_field,  # the cos/sin table of an attention with a fused rope, as a keyword
     "kv_scales": _kv_scales_field,  # an fp8 KV cache's per-head scales, as keyword arguments
     "kv_cache": _kv_cache_field,  # this attention's KV tensor: running index over the layer schedule
@@ -317,10 +367,20 @@ class _Function:
         self.lines.append(f"{self._local(vid)} = {rhs}")
 
     def _view(self, vid: str, node: Node) -> None:
-        self._assign(vid, f"{self.expr[node.inputs[0]]}.unflatten(-1, {literal(tuple(node.attrs['shape']))})")
+        shape = tuple(node.attrs["shape"])
+        local = self.model.placements.local(self.graph, vid)  # a rank's heads of a sharded projection
+        if local is not None and self.model.placements.parallel:
+            shape = tuple(local.shape[-len(shape):])
+        self._assign(vid, f"{self.expr[node.inputs[0]]}.unflatten(-1, {literal(shape)})")
 
     def _slice(self, vid: str, node: Node) -> None:
-        self._assign(vid, f"{self.expr[node.inputs[0]]}[..., {node.attrs['start']}:{node.attrs['stop']}]")
+        start, stop = node.attrs["start"], node.attrs["stop"]
+        src = self.model.placements.of(self.graph, node.inputs[0])
+        last = _type_of(self.graph, node.inputs[0]).rank - 1
+        shard = src.shard(last) if src is not None and src.kind == "S" else None
+        if shard is not None:  # a segment of a sharded fused output (q of [q | k | v]): where it is on this rank
+            start, stop = local_slice(shard, start, stop, self.model.placements.mesh)
+        self._assign(vid, f"{self.expr[node.inputs[0]]}[..., {start}:{stop}]")
 
     def _getitem(self, vid: str, node: Node) -> None:
         self._assign(vid, f"{self.expr[node.inputs[0]]}[{node.attrs['index']}]")
@@ -411,6 +471,15 @@ def _forwards(model: _Model, kv_base: int) -> Iterator[dict[str, Any]]:
         kv_base += num_kv
 
 
+def expert_placement(program: Program) -> dict[str, list[list[int]]]:
+    """Expert stacks split over ranks: each rank's global expert ids, in local order (the manifest and model.py
+    record the same)."""
+    model = _Model.__new__(_Model)
+    model.program, model.placements, model.expert_maps, model.experts_by_rank = program, PlacementTable(program), {}, {}
+    model._expert_maps(used_graphs(program), set())
+    return model.experts_by_rank
+
+
 def vocab_size(program: Program) -> int:
     """The width of the logits: the entry graph's first output's last dimension, else the config's vocab."""
     out = program.entry.node(program.entry.outputs[0]).out
@@ -449,6 +518,8 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         forwards=forwards,
         methods=list(_methods(model)),
         kernels_module=get_target(str(program.meta.get("target", "cpu"))).kernel_modules[0],
+        mesh=json.dumps(model.placements.mesh.to_json(), sort_keys=True) if model.placements.parallel else None,
+        experts=json.dumps(model.experts_by_rank, sort_keys=True) if model.experts_by_rank else None,
     )
 
 

@@ -52,6 +52,8 @@ TVM_KERNELS: dict[str, TVMKernel] = {
     "tvm.paged_attention": TVMKernel("tvm/paged_attention.py.j2", ("paged_attention", "kv_write", "rope_kv_write")),
     "tvm.add_rms_norm": TVMKernel("tvm/norm.py.j2", ("add_rms_norm", "add_rms_norm_serial")),
     "tvm.silu_mul": TVMKernel("tvm/norm.py.j2", ("silu_mul", "silu_mul_serial")),
+    "tvm.linear": TVMKernel("tvm/linear.py.j2", ("linear",)),
+    "tvm.logits": TVMKernel("tvm/linear.py.j2", ("linear",)),  # the LM head: the same packed GEMM
 }
 
 

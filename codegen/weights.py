@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from kiln.compiler.ir import DTYPE_BYTES, EXPERT_INDEX, ParamSpec, Program
+from kiln.compiler.placement import Mesh, local_shape, mesh_of, param_placement, shard_tensor
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -32,6 +33,11 @@ QUANT_DTYPES = {"fp8e4m3": torch.float8_e4m3fn, "i32": torch.int32}  # quantized
 TORCH_DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 SHARD_BYTES = 2 * 1024**3
 WEIGHTS_DIR = "weights/rank0"
+
+
+def rank_weights_dir(rank: int) -> str:
+    """Where rank `rank`'s shards live in the artifact (rank 0: WEIGHTS_DIR)."""
+    return f"weights/rank{rank}"
 INDEX_FILE = "model.safetensors.index.json"
 INIT_STD = 0.02
 
@@ -131,6 +137,13 @@ class _Entry:
     def nbytes(self) -> int:
         n = DTYPE_BYTES[self.spec.dtype]
         for d in self.spec.shape:
+            n *= d
+        return n
+
+    def local_nbytes(self, program: Program, mesh: Mesh) -> int:
+        """Bytes of one rank's shard (all ranks' shards are alike)."""
+        n = DTYPE_BYTES[self.spec.dtype]
+        for d in local_shape(self.spec.shape, param_placement(program, self.spec.name), mesh):
             n *= d
         return n
 
@@ -249,15 +262,17 @@ def _random(entry: _Entry, role: str | None, seed: int) -> torch.Tensor:
 # ---------------------------------------------------------------- writing
 
 
-def _shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+def _shards(entries: list[_Entry], max_bytes: int, sizes: list[int] | None = None) -> list[list[_Entry]]:
+    """Consecutive entries in files of at most `max_bytes` (`sizes`: each entry's bytes in the file, a rank's
+    shard; default its whole tensor)."""
     shards: list[list[_Entry]] = [[]]
     size = 0
-    for e in entries:
-        if shards[-1] and size + e.nbytes > max_bytes:
+    for e, n in zip(entries, sizes or [e.nbytes for e in entries], strict=True):
+        if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
         shards[-1].append(e)
-        size += e.nbytes
+        size += n
     return shards
 
 
@@ -316,6 +331,10 @@ def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir
                     aliases: dict[str, str] | None = None) -> list[str]:
     """Writes every param of `program` for every layer to `out_dir/weights/rank0/`; returns the file names.
 
+    A parallel program (compiler/placement.py) writes each rank r's shards to `weights/rank{r}/` instead: every
+    tensor is built whole, as for one device, then cut by its param's placement (a vocabulary padded with zero
+    rows); the ranks' files hold the same tensors under the same names, split into files alike.
+
     A top-level tensor identical to one written before it is stored once: `aliases` (when given) receives
     {dropped name: stored name}, which the manifest lists for the loader.
 
@@ -333,9 +352,12 @@ def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir
             quant.check(e)
         elif ckpt is not None:
             check_sources(e, ckpt)
-    wdir = Path(out_dir) / WEIGHTS_DIR
-    wdir.mkdir(parents=True, exist_ok=True)
-    shards = _shards(entries, max_shard_bytes)
+    mesh = mesh_of(program)
+    wdirs = [Path(out_dir) / rank_weights_dir(r) for r in range(mesh.world)]
+    for wdir in wdirs:
+        wdir.mkdir(parents=True, exist_ok=True)
+    placements = {e.name: param_placement(program, e.spec.name) for e in entries} if mesh.world > 1 else {}
+    shards = _shards(entries, max_shard_bytes, [e.local_nbytes(program, mesh) for e in entries])
     names = shard_names(len(shards))
     aliases = {} if aliases is None else aliases
     shapes = [(e.spec.shape, TORCH_DTYPES.get(e.spec.dtype)) for e in entries if e.layer is None]
@@ -346,8 +368,12 @@ def convert_weights(program: Program, checkpoint_dir: str | Path | None, out_dir
               disable=not show) as bar:
         ready = _calibrated(program, entries, ckpt, roles, seed, bar, quant, checkpoint_dir)
         for shard, name in zip(shards, names, strict=True):
-            tensors = dict(_materialise(shard, ckpt, roles, seed, bar, quant, ready))
-            save_file(_dedup(tensors, shard, seen, aliases, candidates), str(wdir / name), metadata={"format": "pt"})
+            tensors = _dedup(dict(_materialise(shard, ckpt, roles, seed, bar, quant, ready)), shard, seen, aliases,
+                             candidates)
+            for rank, wdir in enumerate(wdirs):
+                part = tensors if not placements else {
+                    n: shard_tensor(t, placements[n], mesh, rank) for n, t in tensors.items()}
+                save_file(part, str(wdir / name), metadata={"format": "pt"})
     return names
 
 
@@ -379,6 +405,7 @@ __all__ = [
     "TORCH_DTYPE_NAMES",
     "WEIGHTS_DIR",
     "Checkpoint",
+    "rank_weights_dir",
     "WeightError",
     "convert_weights",
     "param_roles",

@@ -399,6 +399,18 @@ def _infer_binary(ins: list[TensorType], a: Attrs) -> TensorType:
 
 
 register_op(OpDef("add", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: x + y, cost=_elementwise_cost(1)))
+
+
+def _infer_bias_add(ins: list[TensorType], a: Attrs) -> TensorType:
+    x, b = ins
+    _check(b.rank == 1 and _same(b.shape[0], x.shape[-1]), f"bias_add needs a bias [last dim of {x}], got {b}")
+    _check(x.dtype == b.dtype, f"operands differ in dtype: {x} vs {b}")
+    return x
+
+
+register_op(OpDef("bias_add", 2, 2, infer=_infer_bias_add, reference=lambda ctx, x, b: x + b,
+                  cost=_elementwise_cost(1),
+                  doc="x + b, b broadcast over the rows: a row-parallel linear's bias, added once after its reduction."))
 register_op(OpDef("mul", 2, 2, infer=_infer_binary, reference=lambda ctx, x, y: x * y, cost=_elementwise_cost(1)))
 
 
@@ -824,3 +836,54 @@ register_op(OpDef(
     doc="Routed SwiGLU experts: moe_experts(x, weights, ids, w_gate_up [E, 2F, H], w_down [E, H, F]) or with "
         "separate w_gate, w_up [E, F, H] (what checkpoints store; fuse_expert_gate_up merges them). "
         "Σ_k weights[:, k] · down_e(silu(gate_e(x)) · up_e(x)) for e = ids[:, k]."))
+
+
+# ---------------------------------------------------------------- collectives (parallel programs)
+#
+# The IR keeps global shapes: a collective's meaning on the global values is the identity (an all-reduce of a
+# partial value *is* the value; gathering a sharded one *is* it), so the reference interpreter runs a placed
+# program as it runs the unplaced one. What each rank holds, and so what the kernels exchange, is the
+# placement's business (compiler/placement.py).
+
+
+def _identity(ctx: RefContext | None, x: torch.Tensor, **attrs: Any) -> torch.Tensor:
+    return x
+
+
+def _collective_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
+    return Cost(0, _nbytes(ins[0]) + _nbytes(out))
+
+
+register_op(OpDef("all_reduce", 1, 1, infer=_infer_unary, reference=_identity, cost=_collective_cost,
+                  doc="Sum of every rank's partial value (a row-parallel GEMM's, a masked embedding lookup's, a "
+                      "sharded MoE's), replicated on every rank."))
+
+
+def _infer_all_gather(ins: list[TensorType], a: Attrs) -> TensorType:
+    _check(isinstance(a.get("dim"), int) and 0 <= a["dim"] < ins[0].rank, f"all_gather dim {a.get('dim')} out of "
+           f"range for {ins[0]}")
+    return ins[0]
+
+
+register_op(OpDef("all_gather", 1, 1, infer=_infer_all_gather, reference=_identity, cost=_collective_cost,
+                  attrs={"dim": REQUIRED},
+                  doc="Every rank's part of a value sharded on `dim`, concatenated (padding dropped): the "
+                      "vocab-parallel LM head's logits."))
+
+
+def _infer_dp_gather(ins: list[TensorType], a: Attrs) -> TensorType:
+    _check(a.get("rows", "tokens") in ("tokens", "logits"), f"dp_gather rows={a.get('rows')!r}: tokens or logits")
+    return ins[0]
+
+
+register_op(OpDef("dp_gather", 1, 1, infer=_infer_dp_gather, reference=_identity, cost=_collective_cost,
+                  attrs={"rows": "tokens"},
+                  doc="Data-parallel attention: every rank's rows (its sequences' tokens, or their logits rows), "
+                      "concatenated in rank order on every rank (an all-gather of ragged row counts)."))
+register_op(OpDef("dp_scatter", 1, 1, infer=_infer_unary, reference=_identity, cost=_collective_cost,
+                  doc="Data-parallel attention: the sum of every rank's partial value over all ranks' rows, each "
+                      "rank keeping its own rows (a reduce-scatter of ragged row counts)."))
+register_op(OpDef("all_reduce_add_rms_norm", 3, 3, infer=_infer_add_rms_norm, reference=_ref_add_rms_norm,
+                  cost=_elementwise_cost(5), attrs={"eps": 1e-6},
+                  doc="(rms_norm(all_reduce(x) + residual), all_reduce(x) + residual): the reduction of a "
+                      "row-parallel GEMM fused with the residual add and the norm that follow it."))

@@ -399,7 +399,7 @@ class SchedulerOptions:
     max_seqs: int = opt(256, _pos_int)
     max_batched_tokens: int = opt(8192, _pos_int)
     chunked_prefill: int | None = opt(512, _chunked_prefill)  # prompt tokens of a sequence per step; None: no limit
-    policy: str = opt("fcfs", _choice("fcfs", "priority"))
+    policy: str = opt("fcfs", _choice("fcfs", "priority", "effort"))
     prefix_cache: str = opt("radix", _choice("radix", "none"))
     preemption: str = opt("recompute", _choice("recompute", "swap"))
     swap_space: int = opt(4 * GiB, _size)  # bytes of CPU memory for swapped-out KV blocks
@@ -415,10 +415,17 @@ class QuantizeOptions:
 
 @dataclass(frozen=True)
 class ParallelOptions:
+    """The device mesh (compiler/placement.py `Mesh`): tp x dp ranks; experts in ep groups of whole experts."""
+
     tp: int = opt(1, _pos_int)
-    dp: int = opt(1, _pos_int)
+    dp: int = opt(1, _pos_int)  # data-parallel attention (each rank its own sequences); MLPs sharded over tp x dp
     ep: int = opt(1, _pos_int)
-    pp: int = opt(1, _pos_int)
+    pp: int = opt(1, _pos_int)  # pipeline parallelism: not built (Target.supports refuses pp > 1)
+    expert_placement: str = opt("contiguous", _choice("contiguous", "round_robin"))  # experts -> ep groups
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
 
 
 @dataclass(frozen=True)

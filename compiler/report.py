@@ -86,19 +86,19 @@ def expert_param_bytes(program: Program) -> tuple[int, int]:
 
 
 def kv_pool_plan(program: Program, target: Target, *, memory_fraction: float | None = None,
-                 weight_bytes: int | None = None) -> KVPoolPlan:
+                 weight_bytes: int | None = None, kv: KVLayout | None = None) -> KVPoolPlan:
     """The KV pool the runtime will allocate for this program on `target` (the manifest records the same
     decision: codegen/artifact.py). On a GPU target the device's memory is the datasheet's and the activation
     peak (measured at load) an estimate from the IR."""
     options = RecipeOptions.from_meta(program.meta)
-    kv, sched = options.kv_cache, options.scheduler
-    fraction = float(kv.memory_fraction if memory_fraction is None else memory_fraction)
+    kv_opts, sched = options.kv_cache, options.scheduler
+    fraction = float(kv_opts.memory_fraction if memory_fraction is None else memory_fraction)
     tokens = sched.max_batched_tokens
     size = max(1, min(sched.chunked_prefill or tokens, tokens))
     rows = min(-(-tokens // size), sched.max_seqs)  # sequences of the runtime's profile prefill
     plan = program.meta.get(CUDA_GRAPH_PLAN) or {}
-    return plan_kv_pool(kv_layout(program), block_size=kv.block_size, num_blocks=kv.num_blocks,
-                        pool_bytes=target.kv_pool_bytes if kv.num_blocks is None else None, memory_fraction=fraction,
+    return plan_kv_pool(kv_layout(program) if kv is None else kv, block_size=options.kv_cache.block_size, num_blocks=kv_opts.num_blocks,
+                        pool_bytes=target.kv_pool_bytes if kv_opts.num_blocks is None else None, memory_fraction=fraction,
                         device_memory=target.memory_bytes,
                         weight_bytes=_param_count(program)[1] if weight_bytes is None else weight_bytes,
                         activation_peak=step_activation_bytes(program, tokens, rows),
@@ -213,5 +213,44 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
         f" {cap.tpot_floor_ctx_s * 1e3:.3f} ms at {cap.context} tokens of context",
         f"  decode compute-bound   from batch ~{cap.compute_bound_batch:.0f} "
         f"(peak {target.bf16_flops / 1e12:.3g} TFLOP/s / {target.bandwidth / 1e12:.3g} TB/s x bytes per param / 2)",
+        *_parallel_lines(program, target, memory_fraction),
     ]
     return "\n".join(out) + "\n"
+
+
+def _parallel_lines(program: Program, target: Target, memory_fraction: float | None) -> list[str]:
+    """A parallel program's plan per rank (every rank holds alike): its weights, its KV pool, the collectives of
+    a decode step with their bytes, and the step's communication floor at the target's interconnect bandwidth
+    beside its memory-bandwidth floor (where tensor parallelism stops paying: the first outgrows the second)."""
+    from kiln.compiler.placement import collectives, local_kv_layout, mesh_of, rank_param_bytes
+
+    mesh = mesh_of(program)
+    if mesh.world == 1:
+        return []
+    rank_bytes = rank_param_bytes(program, mesh)
+    kv = local_kv_layout(program)
+    pool = kv_pool_plan(program, target, memory_fraction=memory_fraction, weight_bytes=rank_bytes, kv=kv)
+    attention = ("data-parallel (each rank its own sequences and their KV)" if mesh.attention == "dp"
+                 else "tensor-parallel (each rank its heads)")
+    out = ["", f"parallel plan (tp = {mesh.tp}, dp = {mesh.dp}, ep = {mesh.ep}: {mesh.world} ranks; attention "
+               f"{attention}), per rank:",
+           f"  parameter bytes        {rank_bytes:,} B ({_gb(rank_bytes)})",
+           f"  KV bytes per token     {kv.bytes_per_token:,} B  (= {kv.formula()} x {kv.elem_bytes} B)",
+           f"  KV tokens that fit     {pool.tokens:,}  ({_gib(pool.bytes)} = {pool.blocks:,} blocks)",
+           "  collectives            (bytes each rank contributes per token; ring: all-reduce sends 2(n-1)/n of it,"
+           " a gather (n-1)/n)"]
+    colls = collectives(program)
+    wire = 0.0
+    for c in colls:
+        where = f"{c.graph} x{c.count}" if c.count > 1 else c.graph
+        out.append(f"    {where:<20} {c.op:<24} %{c.value:<22} {c.bytes_per_token:>10,} B per {c.per}")
+        wire += c.wire_bytes(mesh) * c.count
+    calls = sum(c.count for c in colls)
+    mem = rank_bytes / target.bandwidth
+    if target.interconnect_bandwidth:
+        comm = wire / target.interconnect_bandwidth
+        out.append(f"  decode step, batch 1   communication floor {comm * 1e6:,.2f} us ({wire:,.0f} B over "
+                   f"{target.interconnect} at {target.interconnect_bandwidth / 1e9:,.0f} GB/s; {calls} collectives, "
+                   f"each also a latency) vs memory floor {mem * 1e6:,.2f} us (rank weights / "
+                   f"{target.bandwidth / 1e12:.2f} TB/s); communication grows with the batch, weights do not")
+    return out

@@ -42,7 +42,11 @@ class Target:
     weight_schemes: frozenset[str] = frozenset({"fp8", "awq", "gptq"})  # quantize.weights kinds
     kv_schemes: frozenset[str] = frozenset({"fp8"})  # quantize.kv_cache
     draft_methods: Mapping[str, int] = field(default_factory=lambda: {"mtp": 1})  # method -> tokens it proposes
-    max_devices: int = 1  # parallel.tp/dp/ep/pp: devices one artifact spans
+    max_devices: int = 1  # parallel: ranks (tp x dp) one artifact spans
+    # bytes/s one device sends to the others (NVLink; on cpu, gloo over loopback): the report's communication
+    # floor per decode step (compiler/report.py)
+    interconnect_bandwidth: float = 0.0
+    interconnect: str = ""
 
     @property
     def gpu(self) -> bool:
@@ -70,11 +74,7 @@ class Target:
                    "always or never", "disaggregate.remote_prefill")
         if options.kv_cache.offload is not None:
             refuse("KV offload to CPU is not implemented yet", "kv_cache.offload")
-        par = options.parallel
-        for axis in ("tp", "dp", "ep", "pp"):
-            if getattr(par, axis) > self.max_devices:
-                refuse(f"parallel.{axis} > {self.max_devices} is not implemented yet (single device only)",
-                       f"parallel.{axis}")
+        self._supports_mesh(options, refuse)
         q = options.quantize
         if q.weights is not None:
             if q.weights.kind not in self.weight_schemes:
@@ -92,6 +92,9 @@ class Target:
             if spec.tokens != self.draft_methods[spec.method]:
                 refuse(f"speculative.tokens = {spec.tokens}: an {spec.method.upper()} head proposes "
                        f"{self.draft_methods[spec.method]} token a step", "speculative.tokens")
+        if options.parallel.world > 1 and (spec.method is not None) and options.parallel.dp > 1:
+            refuse("speculative decoding with data-parallel attention (parallel.dp > 1) is not implemented yet",
+                   "speculative.method")
         if "cuda_graphs" in options.set_sections:
             if not self.cuda_graphs:
                 capture = ", ".join(t.name for t in TARGETS.values() if t.cuda_graphs)
@@ -101,6 +104,30 @@ class Target:
                 options.cuda_graphs.buckets(options.scheduler.max_seqs)
             except ValueError as e:
                 refuse(f"cuda_graphs.batch_sizes: {e}", "cuda_graphs.batch_sizes")
+
+
+    def _supports_mesh(self, options: RecipeOptions, refuse) -> None:
+        """`parallel { tp; dp; ep; pp }`: tp x dp ranks up to max_devices, ep dividing them; pipeline parallelism
+        and tensor parallelism inside data-parallel attention groups are not built."""
+        par = options.parallel
+        if par.pp > 1:
+            refuse(f"parallel.pp = {par.pp}: pipeline parallelism is not implemented (kiln places layers on one "
+                   "rank each step; it builds tensor (tp), expert (ep) and data-parallel attention (dp) meshes)",
+                   "parallel.pp")
+        if par.tp > 1 and par.dp > 1:
+            refuse(f"parallel: tp = {par.tp} with dp = {par.dp} (tensor-parallel attention inside data-parallel "
+                   "groups) is not implemented yet; use tp or dp (MLPs are sharded over all tp x dp ranks)",
+                   "parallel.dp")
+        if par.world > self.max_devices:
+            key = "parallel.tp" if par.tp > 1 else "parallel.dp"
+            refuse(f"parallel: {par.world} ranks (tp x dp) exceed target {self.name}'s {self.max_devices} devices",
+                   key)
+        if par.world % par.ep:
+            refuse(f"parallel.ep = {par.ep} must divide the {par.world} ranks (tp x dp = {par.tp} x {par.dp}): "
+                   "experts are placed on ep groups of world / ep ranks", "parallel.ep")
+        if par.world > 1 and options.quantize.weights is not None:
+            refuse(f"quantize.weights = {options.quantize.weights.kind} with parallel (tp x dp = {par.world}) is "
+                   "not implemented yet: quantized weights and their scales are not sharded", "quantize.weights")
 
 
 # Recipe sections kiln parses but cannot build on any target yet: an error at the section, never ignored.
@@ -120,13 +147,18 @@ def register_target(target: Target) -> Target:
 
 # Datasheet numbers (dense, no sparsity): NVIDIA H100 SXM5 80GB and H200 SXM 141GB. Triton kernels, and the
 # cpu (torch) library for what they have no kernel for.
+# NVLink 4 (900 GB/s per GPU) across the 8 GPUs of one HGX node.
 register_target(Target("h100", "NVIDIA H100 SXM (sm_90)", 80 * 10**9, 3.35e12, 989e12, 1979e12, device="cuda",
-                       kernel_modules=("triton", "cpu"), cuda_graphs=True))
+                       kernel_modules=("triton", "cpu"), cuda_graphs=True, max_devices=8,
+                       interconnect_bandwidth=900e9, interconnect="NVLink"))
 register_target(Target("h200", "NVIDIA H200 SXM (sm_90)", 141 * 10**9, 4.8e12, 989e12, 1979e12, device="cuda",
-                       kernel_modules=("triton", "cpu"), cuda_graphs=True))
-# A nominal small CPU host (the machines kiln's CI runs on): 2 cores, 24 GiB, ~20 GB/s, ~0.2 TFLOP/s fp32.
+                       kernel_modules=("triton", "cpu"), cuda_graphs=True, max_devices=8,
+                       interconnect_bandwidth=900e9, interconnect="NVLink"))
+# A nominal small CPU host (the machines kiln's CI runs on): 2 cores, 24 GiB, ~20 GB/s, ~0.2 TFLOP/s fp32. Ranks are
+# processes on the host talking gloo over loopback TCP (nominal 5 GB/s).
 register_target(Target("cpu", "CPU (apache-tvm kernels + torch; nominal 2-core host)", 24 * 2**30, 20e9, 0.2e12, 0.2e12,
-                       device="cpu", kernel_modules=("tvm", "cpu"), kv_pool_bytes=256 * 2**20))
+                       device="cpu", kernel_modules=("tvm", "cpu"), kv_pool_bytes=256 * 2**20, max_devices=8,
+                       interconnect_bandwidth=5e9, interconnect="gloo (loopback TCP)"))
 
 
 def get_target(name: str) -> Target:

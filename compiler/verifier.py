@@ -4,6 +4,7 @@ from __future__ import annotations
 import networkx as nx
 from kiln.compiler.ir import Graph, Program, TupleType
 from kiln.compiler.ops import OPS, REQUIRED, ShapeError
+from kiln.compiler.placement import PlacementError, check_placements
 
 
 class VerifyError(Exception):
@@ -77,6 +78,10 @@ def verify_program(program: Program, *, require_types: bool = False) -> None:
                     if tuple(node.out.shape) != tuple(spec.shape):
                         raise VerifyError(f"graph {g.name!r}: %{vid} types param {spec.name!r} as {node.out}, "
                                           f"but the param is {list(spec.shape)}")
+        try:  # a parallel program: every value placed as its op's rule gives; no partial reaches a non-reduction
+            check_placements(program)
+        except PlacementError as e:
+            raise VerifyError(str(e)) from None
 
 
 def _verify_layer_schedule(program: Program) -> None:

@@ -332,7 +332,7 @@ def _timed_step(engine: Any, clock: Any) -> dict[str, float]:
     t4 = clock()
     grown = engine.scheduler.update(batch, sampled.sampled)
     t5 = clock()
-    engine._process(batch, sampled, grown)
+    engine.update(batch, sampled, grown)
     t6 = clock()
     return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)))
 

@@ -14,11 +14,11 @@ _STRUCTURAL = ("input", "param", "block", "getitem", "view", "slice")
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """A kernel that runs an op only on the nodes `when` accepts (dtype, attributes); a table lists choices
-    before the kernel that runs every other node of the op."""
+    """A kernel that runs an op only on the nodes `when(node, input_types)` accepts (dtypes, attributes); a table
+    lists choices before the kernel that runs every other node of the op."""
 
     kernel: str
-    when: Callable[[Node], bool]
+    when: Callable[[Node, tuple], bool]
 
 
 # An op's entry: one kernel id, or candidates in order of preference, the last one unconditional.
@@ -36,33 +36,46 @@ def register_kernels(target: str, table: Mapping[str, Entry]) -> None:
     KERNEL_TABLES[target] = {**dict.fromkeys(_STRUCTURAL, INLINE), **table}
 
 
-def select(entry: Entry, node: Node) -> str:
-    """The kernel id `entry` gives `node`: the first choice whose condition holds."""
+def select(entry: Entry, node: Node, ins: tuple = ()) -> str:
+    """The kernel id `entry` gives `node` (whose inputs have types `ins`): the first choice whose condition holds."""
     if isinstance(entry, str):
         return entry
     for choice in entry:
         if isinstance(choice, str):
             return choice
-        if choice.when(node):
+        if choice.when(node, ins):
             return choice.kernel
     raise AssertionError("unreachable: the last choice is unconditional")
 
 
-def _dtype_in(*dtypes: str) -> Callable[[Node], bool]:
+def _dtype_in(*dtypes: str) -> Callable[[Node, tuple], bool]:
     """The node's output (all of a tuple's) is a tensor of one of `dtypes`."""
-    def check(node: Node) -> bool:
+    def check(node: Node, ins: tuple) -> bool:
         outs = node.out.items if isinstance(node.out, TupleType) else (node.out,)
         return all(isinstance(t, TensorType) and t.dtype in dtypes for t in outs)
     return check
 
 
-def _tvm_attention(node: Node) -> bool:
+def _inputs_in(*dtypes: str) -> Callable[[Node, tuple], bool]:
+    """Every input of the node is a tensor of one of `dtypes`, all of one dtype (the LM head: its output is fp32
+    whatever it reads)."""
+    def check(node: Node, ins: tuple) -> bool:
+        return bool(ins) and all(isinstance(t, TensorType) and t.dtype == ins[0].dtype in dtypes for t in ins)
+    return check
+
+
+def _vocab_parallel(node: Node, ins: tuple) -> bool:
+    """An embedding over a vocab-sharded table: its output is a partial (masked) lookup."""
+    return node.attrs.get("placement") == "P"
+
+
+def _tvm_attention(node: Node, ins: tuple) -> bool:
     """tvm.paged_attention: fp32 or bf16 K/V in the activation dtype (an fp8 cache stays on torch)."""
-    return not node.attrs.get("kv_dtype") and _dtype_in("f32", "bf16")(node)
+    return not node.attrs.get("kv_dtype") and _dtype_in("f32", "bf16")(node, ins)
 
 
 # The cpu target's torch kernels (kernels/cpu.py); the GPU tables below derive from it.
-_CPU_TORCH: dict[str, str] = {
+_CPU_TORCH: dict[str, Entry] = {
     "embedding": "cpu.embedding",
     "rms_norm": "cpu.rms_norm",
     "add_rms_norm": "cpu.add_rms_norm",
@@ -72,6 +85,7 @@ _CPU_TORCH: dict[str, str] = {
     "silu": "cpu.silu",
     "silu_mul": "cpu.silu_mul",
     "add": "cpu.add",
+    "bias_add": "cpu.bias_add",
     "mul": "cpu.mul",
     "concat": "cpu.concat",
     "logits": "cpu.logits",
@@ -84,14 +98,25 @@ _CPU_TORCH: dict[str, str] = {
     "moe_topk_softmax": "cpu.moe_topk_softmax",
     "moe_topk_grouped": "cpu.moe_topk_grouped",
     "moe_experts": "cpu.moe_experts",
+    # collectives (parallel programs, compiler/placement.py): through the communicator model.py is given
+    "all_reduce": "cpu.all_reduce",
+    "all_gather": "cpu.all_gather",
+    "dp_gather": "cpu.dp_gather",
+    "dp_scatter": "cpu.dp_scatter",
+    "all_reduce_add_rms_norm": "cpu.all_reduce_add_rms_norm",
 }
 # Kernels built with apache-tvm (kernels/tvm.py + tvm_cpu/cpu.so) where benchmarks/cpu_kernels.py measured them
 # faster than the torch kernel (figures in docs/performance.md); every other op stays on torch.
+_CPU_TORCH["embedding"] = (KernelChoice("cpu.vocab_parallel_embedding", _vocab_parallel), "cpu.embedding")
 register_kernels("cpu", {
     **_CPU_TORCH,
     "attention": (KernelChoice("tvm.paged_attention", _tvm_attention), "cpu.paged_attention"),
     "add_rms_norm": (KernelChoice("tvm.add_rms_norm", _dtype_in("f32", "bf16")), "cpu.add_rms_norm"),
     "silu_mul": (KernelChoice("tvm.silu_mul", _dtype_in("f32", "bf16")), "cpu.silu_mul"),
+    "linear": (KernelChoice("tvm.linear", _dtype_in("f32", "bf16")), "cpu.linear"),
+    "logits": (KernelChoice("tvm.logits", _inputs_in("f32", "bf16")), "cpu.logits"),
+    "all_reduce_add_rms_norm": (KernelChoice("tvm.all_reduce_add_rms_norm", _dtype_in("f32", "bf16")),
+                                "cpu.all_reduce_add_rms_norm"),
 })
 
 # GPU targets: Triton kernels (codegen/templates/triton/), GEMMs on cuBLAS through torch, and every other op
@@ -110,7 +135,15 @@ _TRITON_KERNELS = {
     "linear": "torch.linear",
     "logits": "torch.logits",
 }
-_GPU_TABLE = {op: _TRITON_KERNELS.get(op, "torch." + kernel.split(".", 1)[1]) for op, kernel in _CPU_TORCH.items()}
+def _on_gpu(entry: Entry) -> Entry:
+    if isinstance(entry, str):
+        return "torch." + entry.split(".", 1)[1]
+    return tuple(KernelChoice(_on_gpu(c.kernel), c.when) if isinstance(c, KernelChoice) else _on_gpu(c) for c in entry)
+
+
+_GPU_TABLE = {op: _TRITON_KERNELS.get(op, _on_gpu(kernel)) for op, kernel in _CPU_TORCH.items()}
+_GPU_TABLE["embedding"] = (KernelChoice("torch.vocab_parallel_embedding", _vocab_parallel), "triton.embedding")
+_GPU_TABLE["all_reduce_add_rms_norm"] = "triton.all_reduce_add_rms_norm"
 register_kernels("h100", _GPU_TABLE)
 register_kernels("h200", _GPU_TABLE)
 
@@ -148,7 +181,7 @@ class KernelSelection(Pass):
                 if entry is None:
                     raise KernelSelectionError(f"graph {name!r}: %{vid} = {node.op}: no {target!r} kernel for "
                                                f"op {node.op!r}" + (f" (at {node.loc})" if node.loc else ""))
-                kernel = select(entry, node)
+                kernel = select(entry, node, tuple(graph.node(i).out for i in node.inputs))
                 used[kernel] += 1
                 if node.attrs.get("kernel") != kernel:
                     g = g or graph.copy()

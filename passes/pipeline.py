@@ -8,6 +8,7 @@ from kiln.compiler.targets import Target
 from kiln.passes.cuda_graph_plan import CUDAGraphPlan
 from kiln.passes.dead_code_elimination import DeadCodeElimination
 from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
+from kiln.passes.fuse_all_reduce_add_rms_norm import FuseAllReduceAddRMSNorm
 from kiln.passes.fuse_dequant_linear import FuseDequantLinear
 from kiln.passes.fuse_expert_gate_up import FuseExpertGateUp
 from kiln.passes.fuse_gate_up import FuseGateUp
@@ -16,6 +17,7 @@ from kiln.passes.fuse_rope_kv_write import FuseRopeKVWrite
 from kiln.passes.fuse_silu_mul import FuseSiLUMul
 from kiln.passes.kernel_selection import KERNEL_TABLES, KernelSelection
 from kiln.passes.mla_absorption import MLAAbsorption
+from kiln.passes.place_parallel import PlaceParallel
 from kiln.passes.quantize_kv_cache import QuantizeKVCache
 from kiln.passes.quantize_weights import QuantizeWeights
 from kiln.passes.shape_inference import ShapeInference
@@ -40,11 +42,15 @@ def _llm(target: Target) -> list[Pass]:
         FuseDequantLinear(),  # linear(x, dequant(w_q...)) -> one quantized GEMM
         QuantizeKVCache(),  # after fuse_qkv, which matches the plain three-input attention
         FuseRopeKVWrite(),  # after quantize_kv_cache: fp8 KV calibration observes the attention's roped k
-        # Phase 3: cleanup (fusions keep the IR typed, so shape inference need not run again)
+        # Phase 3: parallelism placement (recipe `parallel { }`; no-ops on one device). After fusion: fused
+        # q/k/v and gate/up projections are sharded per segment
+        PlaceParallel(),
+        FuseAllReduceAddRMSNorm(),  # the row-parallel reduction with the residual add + RMSNorm after it
+        # Phase 4: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
-        # Phase 4: lowering, on targets with a kernel table
+        # Phase 5: lowering, on targets with a kernel table
         *([KernelSelection(target.name)] if target.name in KERNEL_TABLES else []),
-        # Phase 5: runtime planning (targets that capture CUDA graphs: buckets and static buffers for decode)
+        # Phase 6: runtime planning (targets that capture CUDA graphs: buckets and static buffers for decode)
         *([CUDAGraphPlan()] if target.cuda_graphs else []),
     ]
 

@@ -42,6 +42,12 @@ class LoadedArtifact:
     kv_cache_config: KVCacheConfig
     scheduler_config: SchedulerConfig
     cuda_graph_config: CUDAGraphConfig | None = None  # GPU artifacts: the decode capture plan
+    rank: int = 0  # a parallel artifact: the rank whose weights (weights/rank{r}/) `model` holds
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the artifact's mesh (1: a single-device artifact)."""
+        return int((self.manifest.get("parallel") or {}).get("world_size", 1))
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -60,18 +66,26 @@ def read_manifest(path: str | Path) -> dict:
 
 
 def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
-                  load_tokenizer: bool = True) -> LoadedArtifact:
+                  load_tokenizer: bool = True, rank: int = 0) -> LoadedArtifact:
     """Loads an artifact, refusing (ArtifactError) what would fail later: a manifest outside the schema, a
     generated model that disagrees with it, weight files that are not the ones compiled (sha256 per file) or
-    whose tensors differ from the manifest's names, dtypes and shapes, a tokenizer that does not load."""
+    whose tensors differ from the manifest's names, dtypes and shapes, a tokenizer that does not load.
+
+    A parallel artifact (manifest `parallel`): `rank`'s model, from its own shards (weights/rank{rank}/, checked
+    against `parallel.ranks[rank]`); no other rank's file is opened. Its communicator is bound by the
+    executor that runs the ranks (runtime/distributed/), before the first forward."""
     art = Path(path).resolve()
     manifest = read_manifest(art)
     device = torch.device(device)
     _check_device(art, manifest, device)
+    world = int((manifest.get("parallel") or {}).get("world_size", 1))
+    if not 0 <= rank < world:
+        raise ArtifactError(f"{art}: rank {rank} of an artifact compiled for {world} rank(s)")
     model_cls = _import_entry(art, manifest)
-    weights = _load_weights(art, manifest, device)
+    section = manifest["parallel"]["ranks"][rank] if world > 1 else manifest["weights"]
+    weights = _load_weights(art, section, device)
     try:
-        model = model_cls(weights, device)
+        model = model_cls(weights, device, rank=rank) if world > 1 else model_cls(weights, device)
     except Exception as e:  # generated code failing on its own weights is an artifact problem
         raise ArtifactError(f"{art}: Model(weights) failed: {type(e).__name__}: {e}") from e
     tokenizer = None
@@ -82,7 +96,7 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
                           model_config=model_config_from_manifest(manifest),
                           kv_cache_config=kv_cache_config_from_manifest(manifest),
                           scheduler_config=scheduler_config_from_manifest(manifest),
-                          cuda_graph_config=cuda_graph_config_from_manifest(manifest))
+                          cuda_graph_config=cuda_graph_config_from_manifest(manifest), rank=rank)
 
 
 def open_tokenizer(tok_dir: str | Path, vocab_size: int) -> Any:
@@ -147,14 +161,19 @@ def _import_entry(art: Path, manifest: dict) -> type:
     if isinstance(vocab, int) and rt["vocab_size"] != vocab:
         raise ArtifactError(f"{art}: manifest.json runtime.vocab_size = {rt['vocab_size']}, but the model's logits "
                             f"have {vocab} rows ({module_name}.py VOCAB_SIZE)")
+    mesh = getattr(module, "MESH", {"world_size": 1})
+    world = int((manifest.get("parallel") or {}).get("world_size", 1))
+    if mesh.get("world_size") != world:
+        raise ArtifactError(f"{art}: manifest.json describes {world} rank(s), but {module_name}.py was generated for "
+                            f"{mesh.get('world_size')} (MESH); recompile the recipe")
     return cls
 
 
-def _load_weights(art: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor]:
+def _load_weights(art: Path, wcfg: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of one weights section (`weights`, or a rank's `parallel.ranks[r]`), checked against it."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    wcfg = manifest["weights"]
     wdir = art / wcfg["dir"]
     expected: dict[str, dict[str, dict]] = {name: {} for name in wcfg["files"]}
     for tensor, meta in wcfg["tensors"].items():

@@ -81,6 +81,23 @@ class RequestGroup:
                 self.unfinished.discard(delta.request_id)
             yield delta
 
+    async def batches(self) -> AsyncIterator[list[RequestDelta]]:
+        """Like iterating, but each item is every delta waiting at that moment (at least one), in order."""
+        queue = self.queue
+        while self.unfinished:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            for i, delta in enumerate(batch):
+                if delta.error is not None:
+                    if i:
+                        yield batch[:i]
+                    self.abort()
+                    raise delta.error
+                if delta.finished:
+                    self.unfinished.discard(delta.request_id)
+            yield batch
+
     def abort(self) -> None:
         if self.unfinished:
             self._engine.abort(list(self.unfinished))
@@ -284,7 +301,7 @@ class AsyncLLMEngine:
                 observer.on_tokens(0, num_new)
             if state.finished:
                 observer.on_finished(now - tracked.arrival, state.seqs[0].finish_reason)
-            if delta.completions or delta.finished:
+            if delta.completions or delta.finished or delta.prompt_logprobs:
                 tracked.group.queue.put_nowait(delta)
 
     # Liveness ---------------------------------------------------------------------------------------------

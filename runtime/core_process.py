@@ -51,6 +51,7 @@ from .core_protocol import (
     encode,
 )
 from .errors import KilnRuntimeError, RequestError
+from .executor import ExecutorError
 from .sequence import SequenceStatus
 
 logger = logging.getLogger("kiln.core")
@@ -83,6 +84,7 @@ class EngineCoreProc:
         self.pollers: list[Callable[[], None]] = []  # run every loop iteration (plugins: runtime/disagg's roles)
         self._unscheduled: dict[str, float] = {}  # engine request id -> when it was added
         self.num_step_errors = 0
+        self.executor_failure: str | None = None  # set by a mesh executor's watcher thread (a rank died)
         self.latest = (0, CoreStats())  # (version, stats): one tuple, read by the heartbeat thread
         art = engine.artifact
         manifest = art.manifest
@@ -106,11 +108,16 @@ class EngineCoreProc:
     def run(self) -> None:
         threading.Thread(target=self._heartbeats, name="kiln-core-heartbeat", daemon=True).start()
         engine, idle_ms = self.engine, int(self.config.heartbeat_interval * 1000)
+        watch = getattr(engine.runner, "on_failure", None)  # a mesh executor reports a rank dying while idle too
+        if watch is not None:
+            watch(lambda reason: setattr(self, "executor_failure", reason))
         while True:
             received = self._receive(0 if engine.has_unfinished_requests() else idle_ms)
             for poll in self.pollers:
                 poll()
             self._expire_clients()
+            if self.executor_failure is not None:
+                self._executor_died(ExecutorError(f"the model's ranks cannot run: {self.executor_failure}"))
             if engine.has_unfinished_requests():
                 self._step()
             elif received:  # aborts may have emptied the engine: the heartbeats' stats say so
@@ -132,6 +139,8 @@ class EngineCoreProc:
         start = time.monotonic()
         try:
             deltas = self.engine.step()
+        except ExecutorError as e:  # the model's ranks are gone: no step can run again
+            self._executor_died(e)
         except Exception as e:  # fails the requests in flight, never the loop
             logger.exception("engine step failed; failing %d request(s)", len(self.engine.requests))
             self.num_step_errors += 1
@@ -139,6 +148,17 @@ class EngineCoreProc:
         scheduled = self._newly_scheduled(start)
         self._update_stats()
         self._publish(deltas, scheduled)
+
+    def _executor_died(self, error: ExecutorError) -> None:
+        """Every request in flight fails with the reason, then the core exits 1: its API servers see it gone (a
+        server stops, exit status non-zero). The worker ranks are stopped first."""
+        logger.error("%s; failing %d request(s) and exiting", error, len(self.engine.requests))
+        self._publish(self._fail_all(str(error)), [])
+        try:
+            self.engine.runner.shutdown()
+        finally:
+            time.sleep(0.2)  # the PUSH sockets flush the failures (linger) before the process goes
+            os._exit(1)
 
     def _publish(self, deltas: list[SeqDelta], scheduled: list[tuple[str, float]]) -> None:
         """One StepOutputs per client that has anything in this step; ids back to the client's own."""
@@ -176,11 +196,11 @@ class EngineCoreProc:
         engine = self.engine
         for request_id in list(engine.requests):
             try:
-                engine._end_request(request_id, "error", error)
+                engine.end_request(request_id, "error", error)
             except Exception:  # best effort after a failed step; the request is gone either way
                 engine.requests.pop(request_id, None)
         self._unscheduled.clear()
-        return engine._take_pending()
+        return engine.take_pending()
 
     # Messages ---------------------------------------------------------------------------------------------
     def _handle(self, name: str, payload: bytes) -> None:

@@ -17,7 +17,7 @@ import msgspec
 
 from .sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SamplingParams.structured_output and .thinking
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]

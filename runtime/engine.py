@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,31 +12,25 @@ import torch
 from . import overlap
 from .artifact import LoadedArtifact, load_artifact
 from .config import speculative_config
+from .constrained import ConstraintManager
 from .core_protocol import RequestLimits, SeqDelta
+from .core_stats import core_stats
 from .errors import RequestError
+from .executor import ExecutorError, create_executor
 from .kv_cache import BlockManager, SwapSpace
-from .memory_plan import describe_memory_plan, plan_memory, profile_lengths
-from .model_runner import ModelRunner
 from .outputs import FinishReason
 from .prefix_cache import make_prefix_cache
 from .sampler import NONFINITE_TOKEN, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from .sequence import PLACEHOLDER_TOKEN, Request, Sequence
 from .speculative import Launched, SpeculativeDecoder
+from .stops import TokenStops
 from .validation import check_request
 
 logger = logging.getLogger(__name__)
 
 _UNSET = object()
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
 
 
 class EngineCore:
@@ -53,12 +47,11 @@ class EngineCore:
     on for CUDA, off for CPU) launches step N+1 before step N's tokens reach the host (overlap.py), so `step()`
     returns the deltas of the step before the one it launched.
 
-    The core ends a completion on eos (unless `ignore_eos`), a stop token, or `max_tokens` / max_model_len;
-    the front-end ends one on a stop string and tells the core (`finish_sequences`). Failures stay with the
-    request that causes them: `add_request` checks every value a sampler tensor will hold; a request whose
-    logits come out non-finite is failed alone (`stats()` counts them); a step whose forward pass or sampling
-    raises is run again on each half of its requests (`_isolate`), down to the request that fails on its own.
-    A failed request ends with finish_reason "error" and a delta saying why; the others' tokens are unchanged.
+    The core ends a completion on a token (stops.py); the front-end on a stop string (`finish_sequences`).
+    Failures stay with the request that causes them: `add_request` checks every value a sampler tensor will
+    hold; a request with non-finite logits is failed alone (`stats()` counts them); a step that raises is run
+    again on each half of its requests (`_isolate`), down to the request that fails on its own. A failed
+    request ends with finish_reason "error" and a delta saying why; the others' tokens are unchanged.
     """
 
     def __init__(self, artifact: LoadedArtifact | str | Path, *, device: str | torch.device = "cpu",
@@ -67,7 +60,9 @@ class EngineCore:
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
                  seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
-                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None) -> None:
+                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None,
+                 executor: str | None = None, grammar_max_whitespace: int | None = 8,
+                 grammar_compile_timeout: float = 10.0) -> None:
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact, device)
         self.model_config = cfg = self.artifact.model_config
         self.tokenizer = self.artifact.tokenizer
@@ -80,22 +75,13 @@ class EngineCore:
         if prefix_cache is not _UNSET:
             sched = replace(sched, prefix_cache=None if prefix_cache in (None, "none") else prefix_cache)
         device = self.artifact.device
-        graphs = self.artifact.cuda_graph_config if device.type == "cuda" and not enforce_eager else None
-        plan = plan_memory(
-            kv, device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-            memory_fraction=float(manifest["kv_cache"].get("memory_fraction", 0.9)), model=self.artifact.model,
-            prefill_lengths=profile_lengths(sched.max_batched_tokens, sched.chunked_prefill, cfg.max_model_len,
-                                            sched.max_seqs),
-            graph_reserve=int((manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0,
-            vocab_size=cfg.vocab_size)
-        num_blocks = plan["kv_blocks"]
-        logger.info(describe_memory_plan(plan, kv.block_size))
+        # what runs the model (executor.py): a ModelRunner here, or a parallel artifact's ranks; it sizes its KV pool
+        self.runner = create_executor(self.artifact, sched, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
+                                      enforce_eager=enforce_eager, backend=executor)
+        num_blocks = self.runner.num_blocks
         self.limits = RequestLimits(cfg.vocab_size, cfg.max_model_len, kv.block_size, num_blocks)
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
-        num_swap_blocks = sched.swap_space // kv.bytes_per_block if sched.preemption == "swap" else 0
-        self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(num_swap_blocks))
-        self.runner = ModelRunner(self.artifact.model, kv, num_blocks, device, num_swap_blocks, graphs)
-        self.runner.memory_plan = plan  # what the pool was sized from (benchmarks/gpu_engine.py prints it)
+        self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
         self.sampler = Sampler(seed, device)
         spec = manifest.get("speculative") or {}
         self.speculative = speculative_config(
@@ -106,15 +92,16 @@ class EngineCore:
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
-        self.eos_token_ids = frozenset(eos)
+        self.stops = TokenStops(frozenset(eos), cfg.max_model_len)
         self.requests: dict[str, Request] = {}
         self._pending: list[SeqDelta] = []  # ended outside a step (failed): sent with the next deltas
         self.num_nonfinite_logits = 0  # requests failed because their logits were not finite
         self._seq_ids, self._arrivals = itertools.count(), itertools.count()
-        if async_scheduling is None:
-            async_scheduling = sched.async_scheduling
+        async_scheduling = sched.async_scheduling if async_scheduling is None else async_scheduling
         self.async_scheduling = device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
         self._inflight: overlap.InFlight | None = None
+        self.constraints = ConstraintManager(self, max_whitespace=grammar_max_whitespace,
+                                             compile_timeout=grammar_compile_timeout)
 
     # Requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -124,25 +111,16 @@ class EngineCore:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         check_request(prompt_token_ids, params, self.limits)
-        ids = [int(t) for t in prompt_token_ids]
-        max_tokens = params.max_tokens or self.model_config.max_model_len - len(ids)
-        seqs = []
-        for i in range(params.n):
-            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
-                           num_prompt_tokens=len(ids), params=params, max_tokens=max_tokens,
-                           arrival=next(self._arrivals), priority=priority,
-                           want_prompt_logprobs=params.prompt_logprobs is not None and i == 0)
-            seq.num_prompt_logprobs = int(seq.want_prompt_logprobs)  # position 0 has none
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.artifact.device).manual_seed(params.seed + i)
-            seqs.append(seq)
-        self.requests[request_id] = Request(request_id, ids, params, seqs)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        request = Request.new(request_id, prompt_token_ids, params, self.model_config.max_model_len, self._seq_ids,
+                              self._arrivals, priority, self.artifact.device)
+        self.requests[request_id] = request
+        if not self.constraints.add(request_id, params, request.seqs):  # else queued once its grammar is compiled
+            for seq in request.seqs:
+                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; nothing more is reported for it."""
-        self._end_request(request_id, "abort")
+        self.end_request(request_id, "abort")
 
     def finish_sequences(self, seqs: list[tuple[str, int]]) -> None:
         """Ends completions (request id, index) the front-end found finished (a stop string); unknown ones and
@@ -162,7 +140,7 @@ class EngineCore:
         if seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # its step is in flight: a token not yet seen
             seq.token_ids.pop()
 
-    def _end_request(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
+    def end_request(self, request_id: str, reason: FinishReason, error: str | None = None) -> bool:
         """Ends a request now (its unfinished sequences with `reason`, their blocks freed); an error is
         reported with the next deltas. False if it was not in the engine."""
         request = self.requests.pop(request_id, None)
@@ -175,7 +153,7 @@ class EngineCore:
         return True
 
     def _fail_nonfinite(self, request_id: str) -> None:
-        if self._end_request(request_id, "error", "the model's logits for this request were not finite (NaN or "
+        if self.end_request(request_id, "error", "the model's logits for this request were not finite (NaN or "
                              "infinity), so no token could be sampled"):
             self.num_nonfinite_logits += 1
 
@@ -185,28 +163,27 @@ class EngineCore:
     # The step ---------------------------------------------------------------------------------------------
     def step(self) -> list[SeqDelta]:
         """Runs one forward pass; returns the deltas of every completion that progressed or ended (with async
-        scheduling: in the previous forward pass, whose results this call reads back)."""
-        if self.async_scheduling or self._inflight is not None:
-            return overlap.step(self)
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return self._step_empty(batch)
-        return self._step_sync(self._swapped(batch))
-
-    def _swapped(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and runs
-        again (`_isolate`) must not copy them twice (a block swapped out may be rewritten by this very step)."""
-        if not (batch.swap_out or batch.swap_in):
-            return batch
-        self.runner.swap(batch)
-        return replace(batch, swap_out=[], swap_in=[])
+        scheduling: in the previous forward pass, whose results this call reads back). Steps are synchronous
+        while a constrained request runs (its next token's mask needs its last one)."""
+        self.constraints.admit()
+        constrained = self.constraints.active
+        if constrained and self._inflight is not None:  # read the step in flight back first
+            prev, self._inflight = self._inflight, None
+            deltas = overlap.finish(self, prev)
+        elif (self.async_scheduling and not constrained) or self._inflight is not None:
+            deltas = overlap.step(self)
+        else:
+            batch = self.scheduler.schedule()
+            deltas = self._step_empty(batch) if batch.is_empty else self._step_sync(self.runner.apply_swaps(batch))
+        self.constraints.after_step()
+        return deltas
 
     def _step_sync(self, batch: ScheduledBatch) -> list[SeqDelta]:
         try:
-            launched = self._launch(batch)
+            launched = self._launch(batch)  # execute -> sample
         except Exception as error:  # isolated to the requests it hits
             return self._isolate(batch, error)
-        return self._commit(batch, launched)
+        return self._commit(batch, launched)  # update
 
     def _launch(self, batch: ScheduledBatch) -> Launched:
         """execute -> sample. Changes nothing but the KV written at the batch's slots, which a second launch of
@@ -228,13 +205,13 @@ class EngineCore:
             for seq, bad in zip(batch.seqs, failed, strict=True):
                 if bad:
                     self._fail_nonfinite(seq.request_id)
-            live = self._live(batch)
+            live = batch.live()
             batch, sampled = batch.subset(live), sampled.subset(live)
             new_tokens = None if new_tokens is None else [new_tokens[i] for i in live]
         if new_tokens is None:
-            return self._process(batch, sampled, self.scheduler.update(batch, sampled.sampled))
+            return self.update(batch, sampled, self.scheduler.update(batch, sampled.sampled))
         grown = self.scheduler.update_verified(batch, new_tokens)
-        deltas = self._process(batch, sampled, grown, [len(t) for t in new_tokens if t])  # grown's order
+        deltas = self.update(batch, sampled, grown, [len(t) for t in new_tokens if t])  # grown's order
         if launched.draft_input is not None:  # the whole batch: the draft head's rows are the forward's
             self.speculator.propose(full_batch, launched)
         return deltas
@@ -244,13 +221,15 @@ class EngineCore:
         so each half of its requests is launched and committed on its own, a half that fails is split again, and
         a request that fails alone is failed with the error: one bad request costs about 2 log2(requests) extra
         launches and the others get the tokens the whole batch would have given them."""
+        if isinstance(error, ExecutorError):  # the model's ranks are gone: no request's fault, nothing to retry
+            raise error
         request_ids = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
         if len(request_ids) == 1:
             logger.warning("request %s failed: %s: %s", request_ids[0], type(error).__name__, error)
-            self._end_request(request_ids[0], "error", f"the engine failed on this request: "
+            self.end_request(request_ids[0], "error", f"the engine failed on this request: "
                               f"{type(error).__name__}: {error}")
         if len(request_ids) <= 1:
-            return self._take_pending()
+            return self.take_pending()
         first = set(request_ids[:len(request_ids) // 2])
         deltas = []
         for half in (True, False):
@@ -258,29 +237,25 @@ class EngineCore:
             deltas += self._step_sync(part)
         return deltas
 
-    @staticmethod
-    def _live(batch: ScheduledBatch) -> list[int]:
-        """The indices of the batch's sequences that did not finish meanwhile (late, aborted or failed)."""
-        return [i for i, seq in enumerate(batch.seqs) if seq.status is not SequenceStatus.FINISHED]
-
     def _step_empty(self, batch: ScheduledBatch) -> list[SeqDelta]:
         """Nothing to run (everything running was swapped out this step, or nothing is left)."""
         self.runner.swap(batch)
         assert not (self.scheduler.waiting or self.scheduler.swapped) or self.scheduler.running \
             or batch.swap_out, \
             "scheduler stalled: waiting requests but nothing can run (pool smaller than add_request checked?)"
-        return self._take_pending()
+        return self.take_pending()
 
-    def _take_pending(self) -> list[SeqDelta]:
+    def take_pending(self) -> list[SeqDelta]:
+        """The deltas of requests that ended outside a step (failed), not yet returned."""
         deltas, self._pending = self._pending, []
         return deltas
 
     # Update -----------------------------------------------------------------------------------------------
-    def _process(self, batch: ScheduledBatch, sampled: SamplerOutput, grown: list[Sequence],
+    def update(self, batch: ScheduledBatch, sampled: SamplerOutput, grown: list[Sequence],
                  added: list[int] | None = None) -> list[SeqDelta]:
         """Token stops of the sequences that grew (`added[k]`: how many tokens grown[k] gained; None: one each),
         then the deltas: ended (failed) requests first, then every completion that progressed."""
-        deltas = self._take_pending()
+        deltas = self.take_pending()
         logprobs = {}
         for seq, token, plp, lp in zip(batch.seqs, sampled.sampled, sampled.prompt_logprobs, sampled.logprobs,
                                        strict=True):
@@ -296,13 +271,13 @@ class EngineCore:
     def _deltas(self, grown: list[Sequence], added: list[int] | None = None,
                 logprobs: dict[int, tuple] | None = None) -> list[SeqDelta]:
         """The token stops and then the deltas of the sequences that grew (`added` and `logprobs`: see
-        `_process`)."""
+        `update`)."""
         requests = self.requests
         deltas = []
         for seq, m in zip(grown, itertools.repeat(1) if added is None else added):
             if seq.request_id not in requests:  # failed earlier in this step
                 continue
-            kept = self._check_stop(seq) if m == 1 else self._check_stop_each(seq, m)
+            kept = self.stops.check_each(seq, m)
             lp, plp = logprobs.get(seq.seq_id, (None, None)) if logprobs else (None, None)
             deltas.append(SeqDelta(seq.request_id, seq.index, seq.token_ids[-kept:], lp, plp, seq.finish_reason,
                                    seq.stop_reason))
@@ -313,45 +288,9 @@ class EngineCore:
                     del requests[seq.request_id]
         return deltas
 
-    def _check_stop(self, seq: Sequence) -> int:
-        """Ends `seq` on eos, a stop token or its length (tokens are checked here; stop strings, on text, by the
-        front-end). Returns 1: the token it gained stays."""
-        token, params = seq.token_ids[-1], seq.params
-        if token in self.eos_token_ids and not params.ignore_eos:
-            seq.finish_reason = "stop"
-        elif token in params.stop_token_set:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.model_config.max_model_len:
-            seq.finish_reason = "length"
-        return 1
-
-    def _check_stop_each(self, seq: Sequence, m: int) -> int:
-        """`_check_stop` for each of the last `m` tokens in turn; tokens after a stop are dropped. Returns how
-        many of the `m` stay."""
-        tail = seq.token_ids[-m:]
-        del seq.token_ids[-m:]
-        for k, token in enumerate(tail, 1):
-            seq.token_ids.append(token)
-            self._check_stop(seq)
-            if seq.finish_reason is not None:
-                return k
-        return m
-
     def stats(self) -> dict[str, float]:
-        """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks;
-        cuda_graph_bytes is the device memory the decode graphs took when captured at load."""
-        pc, sched, spec = self.block_manager.prefix_cache, self.scheduler, self.speculator
-        drafted, accepted = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting) + len(sched.swapped),
-                "kv_usage": self.block_manager.usage, "num_preemptions": sched.num_preemptions,
-                "num_swapped_out": sched.num_swapped_out,
-                "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
-                "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0,
-                "cuda_graph_bytes": self.runner.graph_runner.memory_bytes if self.runner.graph_runner else 0,
-                "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
-                "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-                "num_nonfinite_logits": self.num_nonfinite_logits}
-
+        """The core's counters (core_stats.py): sequences, KV usage, prefix cache, speculation, grammars."""
+        return core_stats(self)
 
 def __getattr__(name: str) -> Any:
     """`from kiln.runtime.engine import LLMEngine`: the in-process engine, this module's before the core split."""

@@ -50,6 +50,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous one's tokens are read back, overlapping "
                    "host work with the device (default: the recipe's, else on for CUDA, off for CPU)")
+    p.add_argument("--tool-parser", help="how the model writes tool calls: hermes, llama3_json, mistral, "
+                   "deepseek_v3, ... or none (default: what the chat template implies)")
+    p.add_argument("--reasoning-parser", help="the model's thinking block: think (<think>), mistral ([THINK]) or none "
+                   "(default: what the chat template implies)")
     p.set_defaults(func=run_serve)
 
 
@@ -92,7 +96,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
                  speculative=args.speculative, async_scheduling=args.async_scheduling,
-                 metrics_public=args.metrics_public, num_threads=args.num_threads, disaggregate=disaggregate)
+                 metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
+                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -23,6 +23,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [L] int32 — rows of the hidden states that produce logits
     lora_ids: torch.Tensor | None = None  # [B] int32, -1 = base model
     num_decodes: int = 0  # the first num_decodes sequences each have exactly one new token
+    # data-parallel attention (a parallel artifact with dp > 1): this batch is one rank's sequences; the token and
+    # logits row counts of every rank's batch in this step, by which the model gathers and scatters MLP rows
+    dp_num_tokens: list[int] | None = None
+    dp_num_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

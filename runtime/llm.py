@@ -19,7 +19,9 @@ class LLM:
     """`LLM("build/llama").generate(["Hello", "Hi"], SamplingParams(max_tokens=8))`.
 
     A prompt is text (tokenized with the artifact's tokenizer), a list of token ids, or a dict with
-    `prompt` or `prompt_token_ids`. Outputs come back in input order, finished.
+    `prompt` or `prompt_token_ids`. Outputs come back in input order, finished. A parallel artifact starts one
+    worker process per rank > 0 (`executor="local"`: all ranks in this process); `close()` (or `with LLM(...)`)
+    stops them.
     """
 
     def __init__(self, artifact_dir: str | Path, *, num_kv_blocks: int | None = None,
@@ -29,6 +31,16 @@ class LLM:
         self.engine = LLMEngine(artifact_dir, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
         self._request_ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops what runs the model (a parallel artifact's rank workers); the LLM cannot generate afterwards."""
+        self.engine.runner.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
@@ -74,7 +86,7 @@ class LLM:
         except BaseException:
             for request_id in added:
                 engine.abort_request(request_id)
-            engine._drain_aborted()
+            engine.drain_aborted()
             raise
         return [finished[request_id] for request_id, *_ in requests]
 

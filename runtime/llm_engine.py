@@ -63,8 +63,8 @@ class LLMEngine(EngineCore):
                 outputs.append(snapshot(state))
         return outputs
 
-    def _drain_aborted(self) -> list[RequestOutput]:
+    def drain_aborted(self) -> list[RequestOutput]:
         """Drops what ended outside a step (aborted, failed) and has not been returned yet."""
         outputs, self._aborted = self._aborted, []
-        self._take_pending()
+        self.take_pending()
         return outputs

@@ -120,7 +120,7 @@ class SchedulerSection(_Section):
     max_seqs: PosInt
     max_batched_tokens: PosInt
     chunked_prefill: PosInt | None  # None: no chunking, only the token budget
-    policy: Literal["fcfs", "priority"]
+    policy: Literal["fcfs", "priority", "effort"]
     prefix_cache: Literal["radix", "none"]
     preemption: Literal["recompute", "swap"]
     swap_space: NonNegInt
@@ -203,6 +203,47 @@ class DisaggregateSection(_Section):
     remote_prefill: Literal["always", "never"]
 
 
+class ParallelParam(_Section):
+    shape: list[NonNegInt]  # global
+    placement: str  # compiler/placement.py's text form (R, S0[512x1], ...)
+    local_shape: list[NonNegInt]  # what each rank holds
+
+
+class ParallelSection(_Section):
+    """A parallel artifact's mesh (compiler/placement.py `Mesh`) and what every rank holds: `ranks[r]` is rank r's
+    weights section (weights/rank{r}/, each file's sha256 and every tensor's shape), checked like `weights` by
+    the rank that loads it and by nobody else."""
+
+    world_size: Annotated[int, Field(strict=True, ge=2)]
+    tp: PosInt
+    dp: PosInt
+    ep: PosInt
+    etp: PosInt
+    attention: Literal["tp", "dp"]
+    expert_placement: Literal["contiguous", "round_robin"]
+    vocab: dict[str, PosInt]
+    params: dict[str, ParallelParam]
+    experts: dict[str, list[list[NonNegInt]]] = Field(default_factory=dict)  # stack -> each rank's global ids
+    collectives: list[dict[str, Any]] = Field(default_factory=list)
+    rank_weight_bytes: NonNegInt = 0
+    ranks: list[WeightsSection]
+
+    @model_validator(mode="after")
+    def _mesh(self) -> ParallelSection:
+        if self.tp * self.dp != self.world_size or self.ep * self.etp != self.world_size:
+            raise ValueError(f"tp x dp = {self.tp} x {self.dp} and ep x etp = {self.ep} x {self.etp} must both be "
+                             f"the world size {self.world_size}")
+        if len(self.ranks) != self.world_size:
+            raise ValueError(f"{len(self.ranks)} rank weight sections for {self.world_size} ranks")
+        for r, rank in enumerate(self.ranks):
+            if rank.dir != f"weights/rank{r}":
+                raise ValueError(f"rank {r}'s weights are in {rank.dir!r}, not 'weights/rank{r}'")
+        for name, ids in self.experts.items():
+            if len(ids) != self.world_size:
+                raise ValueError(f"experts {name!r}: {len(ids)} ranks listed for {self.world_size}")
+        return self
+
+
 class Manifest(_Section):
     schema_version: int
     kiln_version: str
@@ -221,6 +262,7 @@ class Manifest(_Section):
     cuda_graphs: CUDAGraphsSection | None = None  # targets that capture CUDA graphs
     drafts: dict[str, DraftSection] = Field(default_factory=dict)
     speculative: SpeculativeSection
+    parallel: ParallelSection | None = None  # a parallel artifact (tp x dp > 1 ranks)
 
     @model_validator(mode="after")
     def _drafts_fit(self) -> Manifest:
@@ -228,6 +270,8 @@ class Manifest(_Section):
             if d.first_kv_layer + d.num_kv_layers > self.kv_cache.num_layers:
                 raise ValueError(f"draft {name!r} uses KV layers {d.first_kv_layer}..{d.first_kv_layer + d.num_kv_layers - 1}"
                                  f" of {self.kv_cache.num_layers}")
+        if self.parallel is not None and self.parallel.ranks[0] != self.weights:
+            raise ValueError("parallel.ranks[0] must be the `weights` section (rank 0's)")
         if self.speculative.method is not None and self.speculative.method not in self.drafts:
             raise ValueError(f"speculative.method {self.speculative.method!r} is not one of the drafts "
                              f"({', '.join(self.drafts) or 'none'})")

@@ -3,6 +3,7 @@ budget, or (on CUDA) vLLM's profile run: the device's memory less the weights, a
 peak and the decode graphs' reserve."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -11,6 +12,8 @@ from .config import KVCacheConfig
 from .errors import ArtifactError
 from .forward_batch import ForwardBatch
 from .kv_cache import cdiv
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
@@ -137,3 +140,19 @@ def describe_memory_plan(plan: dict[str, Any], block_size: int) -> str:
         return f"{head} from {plan['source']}"
     return (f"{head} = {plan['fraction']:g} x {_gib(plan['total'])} - weights {_gib(plan['weights'])} "
             f"- activation peak {_gib(plan['activation_peak'])} - CUDA-graph reserve {_gib(plan['graph_reserve'])}")
+
+
+def plan_engine_pool(artifact: Any, sched: Any, graphs: Any, *, num_kv_blocks: int | None = None,
+                     kv_cache_bytes: int | None = None) -> dict[str, Any]:
+    """`plan_memory` for an engine over a loaded artifact with scheduler config `sched`: profiled (on CUDA) with
+    the scheduler's largest prefill, reserving the manifest's CUDA-graph estimate when `graphs` are captured."""
+    kv, manifest, cfg = artifact.kv_cache_config, artifact.manifest, artifact.model_config
+    plan = plan_memory(
+        kv, artifact.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
+        memory_fraction=float(manifest["kv_cache"].get("memory_fraction", 0.9)), model=artifact.model,
+        prefill_lengths=profile_lengths(sched.max_batched_tokens, sched.chunked_prefill, cfg.max_model_len,
+                                        sched.max_seqs),
+        graph_reserve=int((manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0,
+        vocab_size=cfg.vocab_size)
+    logger.info(describe_memory_plan(plan, kv.block_size))
+    return plan

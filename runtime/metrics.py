@@ -42,6 +42,8 @@ class ServerMetrics(RequestObserver):
                                 _REQUEST_BUCKETS)
         self._prompt_tokens = counter("kiln:prompt_tokens", "Prompt tokens of accepted requests.")
         self._generation_tokens = counter("kiln:generation_tokens", "Generated tokens.")
+        self._reasoning_tokens = counter("kiln:reasoning_tokens", "Generated tokens inside thinking blocks "
+                                         "(included in kiln:generation_tokens).")
         self._success = Counter("kiln:request_success", "Requests that finished (not aborted).",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
@@ -62,6 +64,10 @@ class ServerMetrics(RequestObserver):
             self._prompt_tokens.inc(num_prompt)
         if num_generated:
             self._generation_tokens.inc(num_generated)
+
+    def on_reasoning_tokens(self, n: int) -> None:
+        if n:
+            self._reasoning_tokens.inc(n)
 
     def on_finished(self, e2e_seconds: float, finish_reason: str | None) -> None:
         self._e2e.observe(e2e_seconds)

@@ -29,6 +29,24 @@ class LogitsLayout:
 
 
 @dataclass(slots=True)
+class HostBatch:
+    """A ForwardBatch's contents as host lists (`ModelRunner.plan`), before they are copied to the device.
+    `block_tables` rows are padded with -1 to one width. Data-parallel attention: the ranks' token and logits
+    row counts of the whole step (every rank's sub-batch carries them)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    logits_indices: list[int]
+    num_decodes: int
+    dp_num_tokens: list[int] | None = None
+    dp_num_rows: list[int] | None = None
+
+
+@dataclass(slots=True)
 class DraftInput:
     """What a draft head reads after the target model's step: its batch (positions, slots, block tables) and
     the hidden states the forward returned for every token."""
@@ -64,6 +82,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
         shape = (num_blocks + (1 if cuda_graphs else 0), *kv.shape)
         self.kv_caches = [torch.zeros(shape, dtype=kv.dtype, device=device) for _ in range(kv.num_layers)]
         # CPU swap space for preemption by swap, same layout; pinned so copies to a GPU can overlap.
@@ -77,6 +96,18 @@ class ModelRunner:
                                                 scratch_block=num_blocks, device=device)
             if capture_graphs:
                 self.graph_runner.capture()
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the model runs in this process (the executor contract, runtime/executor.py)."""
+
+    def apply_swaps(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and runs
+        again (the engine's isolation) must not copy them twice (a block swapped out may be rewritten by this
+        very step)."""
+        if not (batch.swap_out or batch.swap_in):
+            return batch
+        self.swap(batch)
+        return replace(batch, swap_out=[], swap_in=[])
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copies the step's swapped-out blocks to CPU and swapped-in blocks back (before the forward pass)."""
@@ -96,6 +127,12 @@ class ModelRunner:
         return dev.to(self.device), cpu
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, LogitsLayout]:
+        host, layout = self.plan(batch)
+        return self.forward_batch(host), layout
+
+    def plan(self, batch: ScheduledBatch) -> tuple[HostBatch, LogitsLayout]:
+        """The step's ForwardBatch as host lists, and which logits rows are whose (`prepare` without the copies
+        to the device; a distributed executor sends these to its ranks)."""
         bs = self.block_size
         seqs, num_decodes = batch.seqs, batch.num_decodes
         # Decodes (first in the batch) run one token each, the last one sampled, and never owe prompt
@@ -150,14 +187,19 @@ class ModelRunner:
             used = cdiv(length, bs)
             tables.append(seq.block_table[:used] + [-1] * (max_blocks - used))
 
-        def i32(values: list[int]) -> torch.Tensor:
+        host = HostBatch(input_ids, positions, query_start_loc, seq_lens, tables, slots, logits_indices, num_decodes)
+        return host, LogitsLayout(sample_rows=sample_rows, prompt_rows=prompt_rows)
+
+    def forward_batch(self, host: HostBatch) -> ForwardBatch:
+        def i32(values: list) -> torch.Tensor:
             return host_to_device(values, torch.int32, self.device)
 
-        fb = ForwardBatch(input_ids=i32(input_ids), positions=i32(positions),
-                          query_start_loc=i32(query_start_loc), seq_lens=i32(seq_lens), block_tables=i32(tables),
-                          slot_mapping=host_to_device(slots, torch.int64, self.device),
-                          logits_indices=i32(logits_indices), num_decodes=num_decodes)
-        return fb, LogitsLayout(sample_rows=sample_rows, prompt_rows=prompt_rows)
+        return ForwardBatch(input_ids=i32(host.input_ids), positions=i32(host.positions),
+                            query_start_loc=i32(host.query_start_loc), seq_lens=i32(host.seq_lens),
+                            block_tables=i32(host.block_tables),
+                            slot_mapping=host_to_device(host.slot_mapping, torch.int64, self.device),
+                            logits_indices=i32(host.logits_indices), num_decodes=host.num_decodes,
+                            dp_num_tokens=host.dp_num_tokens, dp_num_rows=host.dp_num_rows)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -175,12 +217,18 @@ class ModelRunner:
             else:
                 index = host_to_device([dst, src], torch.int64, self.device)
                 fb.input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(fb.input_ids.dtype))
+        return self.run(fb), layout
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """One forward pass (a captured graph where one covers the batch): float32 logits, a row per logits index."""
         logits = self.graph_runner.run(fb) if self.graph_runner is not None else None
         if logits is None:
             logits = self.model.forward(fb, self.kv_caches)
-        assert logits.dim() == 2 and logits.shape[0] == fb.logits_indices.shape[0], (
-            f"model returned logits {tuple(logits.shape)}, expected [{fb.logits_indices.shape[0]}, vocab]")
-        return logits.float(), layout
+        # data-parallel attention: every rank's rows come back, gathered in rank order
+        rows = sum(fb.dp_num_rows) if fb.dp_num_rows is not None else fb.logits_indices.shape[0]
+        assert logits.dim() == 2 and logits.shape[0] == rows, (
+            f"model returned logits {tuple(logits.shape)}, expected [{rows}, vocab]")
+        return logits.float()
 
     @torch.inference_mode()
     def execute_with_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:

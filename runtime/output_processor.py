@@ -58,6 +58,7 @@ class RequestState:
     num_unfinished: int
     error: str | None = None
     owner: Any = None
+    sent_prompt_logprobs: int = 0  # what `take_delta` handed out so far
 
     @property
     def finished(self) -> bool:
@@ -209,7 +210,13 @@ class OutputProcessor:
             completions.append(CompletionDelta(seq.index, text[start_chr:end_chr], new_ids,
                                                seq.logprobs[start_tok:] if seq.logprobs is not None else None,
                                                seq.finish_reason, seq.stop_reason))
-        return RequestDelta(state.request_id, completions, len(state.prompt_token_ids), state.finished)
+        plp = state.prompt_logprobs
+        new_plp = None
+        if plp is not None and len(plp) > state.sent_prompt_logprobs:
+            new_plp = plp[state.sent_prompt_logprobs:]
+            state.sent_prompt_logprobs = len(plp)
+        return RequestDelta(state.request_id, completions, len(state.prompt_token_ids), state.finished,
+                            prompt_logprobs=new_plp)
 
 
 def _truncate_at_stop(seq: SeqState, stops: list[str], before: int) -> bool:

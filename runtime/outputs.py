@@ -64,10 +64,13 @@ class CompletionDelta:
 
 @dataclass(slots=True)
 class RequestDelta:
-    """The new part of a request's output; `error` is set when it failed (it then finished)."""
+    """The new part of a request's output; `error` is set when it failed (it then finished). `prompt_logprobs`:
+    the prompt positions whose logprobs arrived since the previous delta (the first delta's start with None,
+    position 0's), when the request asked for them."""
 
     request_id: str
     completions: list[CompletionDelta]
     num_prompt_tokens: int
     finished: bool
     error: BaseException | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -61,7 +61,7 @@ def step(engine: EngineCore) -> list[SeqDelta]:
             return finish(engine, prev)
         return engine._step_empty(batch)
     overlap = engine.async_scheduling and engine.speculator is None and all(map(overlaps, batch.seqs))
-    batch = engine._swapped(batch)
+    batch = engine.runner.apply_swaps(batch)
     if prev is None and not overlap:
         return engine._step_sync(batch)
     patch = input_patch(batch, prev)
@@ -71,11 +71,11 @@ def step(engine: EngineCore) -> list[SeqDelta]:
             tokens, marked = sampler.sample_on_device(logits, layout, batch.seqs)
             host, ready = copy_to_host(marked)
     except Exception:  # not launched: read step N back, then run this one synchronously
-        deltas = finish(engine, prev) if prev is not None else engine._take_pending()
-        return deltas + engine._step_sync(batch.subset(engine._live(batch)))
-    deltas = finish(engine, prev) if prev is not None else engine._take_pending()
+        deltas = finish(engine, prev) if prev is not None else engine.take_pending()
+        return deltas + engine._step_sync(batch.subset(batch.live()))
+    deltas = finish(engine, prev) if prev is not None else engine.take_pending()
     # Sequences finished late (or aborted, or failed) are left out: their extra token is dropped.
-    live = engine._live(batch)
+    live = batch.live()
     live_batch = batch.subset(live)
     if overlap:
         rows = [layout.sample_rows[i] for i in live]
@@ -127,7 +127,7 @@ def finish(engine: EngineCore, prev: InFlight) -> list[SeqDelta]:
             continue
         token_ids[pos] = token
         grown.append(seq)
-    return engine._take_pending() + engine._deltas(grown)
+    return engine.take_pending() + engine._deltas(grown)
 
 
 def copy_to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, object | None]:

@@ -36,7 +36,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
+    """Logit bias -> constraints (the logits processor) -> penalties -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample.
 
     Sampling draws `probs / Exponential(1)` and takes the argmax (the Gumbel-max trick in exponential form);
     each row draws its noise from its own sequence's generator when the request is seeded, so a seeded
@@ -57,9 +57,9 @@ class Sampler:
         # fill a CUDA tensor, and drawing on the host and copying would cost a vocab-sized transfer per row.
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # Applied by `sample` to the rows it samples, before penalties and sampling (logprobs then see the
-        # masked logits). Not applied on the async path (`sample_on_device`) or to speculative verification
-        # rows (`sample_tokens`): constrained requests must run synchronously, without drafts, until the
-        # engine defers their sampling.
+        # masked logits). Not applied on the async path (`sample_on_device`): the engine steps synchronously
+        # while a constrained request runs. Speculative verification rows (`sample_tokens`) are masked by the
+        # processor's `mask_drafts`, called by SpeculativeDecoder.verify.
         self.logits_processor = logits_processor
 
     @torch.inference_mode()
@@ -81,6 +81,7 @@ class Sampler:
         # Steady decode samples every logits row in order: no gather (a copy of the whole [B, vocab] block).
         rows = logits if row_ids == list(range(logits.shape[0])) else logits[row_ids]
         batch = [seqs[i] for i in idx]
+        apply_logit_bias(rows, batch)  # before any mask: a bias never lifts a token a grammar rules out
         if self.logits_processor is not None:
             self.logits_processor(rows, batch)
         tokens = self._sample_rows(rows, batch)
@@ -100,6 +101,9 @@ class Sampler:
     def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row, row j with seqs[j]'s parameters and generator (speculative decoding's verification
         rows: the target model's token after each draft)."""
+        if any(s.params.logit_bias for s in seqs):
+            logits = logits.clone()
+            apply_logit_bias(logits, seqs)
         return self._sample_rows(logits, seqs)
 
     @torch.inference_mode()
@@ -113,6 +117,7 @@ class Sampler:
         batch = [seqs[i] for i, r in enumerate(layout.sample_rows) if r is not None]
         assert len(batch) == logits.shape[0], f"{logits.shape[0]} logits rows for {len(batch)} sampled seqs"
         assert not any(s.params.has_penalties for s in batch), "penalties read the previous token on the host"
+        apply_logit_bias(logits, batch)
         tokens, top = self._sample_tensor(logits, batch)
         return tokens, tokens.where(top.isfinite(), NONFINITE_TOKEN)
 
@@ -161,6 +166,25 @@ class Sampler:
                 noise[j].exponential_(generator=seq.generator)
         sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled), top
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Adds row j's request `logit_bias` to row j of `logits`, in place, in one scatter for the whole batch;
+    rows of requests without one are untouched (and a batch without any costs one scan of the params)."""
+    if not any(s.params.logit_bias for s in seqs):
+        return
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for j, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            rows += [j] * len(bias)
+            cols += bias.keys()
+            values += bias.values()
+    device = logits.device
+    index = host_to_device([rows, cols], torch.int64, device)
+    logits.index_put_((index[0], index[1]), host_to_device(values, logits.dtype, device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

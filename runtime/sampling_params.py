@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import RequestError
+from .grammar_spec import GrammarSpec
+from .reasoning_parsers import ThinkingConfig
 
 _GREEDY_EPS = 1e-5
 # What the sampler's int64 tensors (and torch.Generator seeds) hold. Floats are bounded below by far more than
@@ -17,6 +19,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # Stop strings are searched for after every generated token of the request: their number and length bound that
 # per-token cost, which every other sequence in the batch waits for.
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 512
+# OpenAI's bounds on logit_bias: -100 bans a token, 100 all but forces it. The number of entries bounds the
+# per-step cost of applying them (OpenAI allows 300 for its largest models; one per vocabulary entry is useless).
+MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES = 100.0, 1024
 
 
 @dataclass
@@ -30,7 +35,14 @@ class SamplingParams:
     log-probabilities (of the raw logits, before penalties and temperature) in addition to the chosen / actual
     token. Numbers are bounded to what the sampler's tensors hold (int64, finite float32) and to ranges that
     keep logits finite: temperature in [0, 100], repetition_penalty in [0.01, 100], presence and frequency
-    penalties in [-2, 2]; at most 32 stop strings of at most 512 characters.
+    penalties in [-2, 2]; at most 32 stop strings of at most 512 characters. `logit_bias` (token id -> bias in
+    [-100, 100], at most 1024 entries) is added to the logits before anything else (penalties, constrained
+    decoding masks, sampling); logprobs then see the biased logits.
+
+    `structured_output` constrains the output to a grammar (a JSON schema, a regex, ...: grammar_spec.py), which
+    the engine compiles before the request first runs; `thinking` names the thinking block's token ids, where
+    the prompt leaves the output and a budget of reasoning tokens, at which the engine forces the block's end
+    (reasoning_parsers.ThinkingConfig). With both, the grammar constrains the answer after the block.
     """
 
     n: int = 1
@@ -49,6 +61,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: GrammarSpec | None = None
+    thinking: ThinkingConfig | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
@@ -76,6 +91,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):
@@ -96,6 +113,10 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r:.200}")
         else:
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.structured_output is not None and not isinstance(self.structured_output, GrammarSpec):
+            raise RequestError(f"structured_output must be a GrammarSpec, got {type(self.structured_output).__name__}")
+        if self.thinking is not None and not isinstance(self.thinking, ThinkingConfig):
+            raise RequestError(f"thinking must be a ThinkingConfig, got {type(self.thinking).__name__}")
         self.stop_token_set = frozenset(self.stop_token_ids)  # checked after every token: no list scan
         if self.top_k == 0:
             self.top_k = -1
@@ -111,6 +132,21 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _check_logit_bias(bias: object) -> dict[int, float] | None:
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must map token ids to numbers, got {bias!r:.100}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+    for token, value in bias.items():
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= INT64_MAX:
+            raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {token!r:.100}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                               f"got {value!r:.60} for token {token}")
+    return {int(t): float(v) for t, v in bias.items()} or None
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -33,6 +33,10 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def live(self) -> list[int]:
+        """The indices of the sequences that did not finish meanwhile (late, aborted or failed)."""
+        return [i for i, seq in enumerate(self.seqs) if seq.status is not SequenceStatus.FINISHED]
+
     def subset(self, indices: list[int]) -> ScheduledBatch:
         """The sequences `indices` (ascending), decodes still first; no swaps (this batch did them)."""
         if len(indices) == len(self.seqs):
@@ -42,11 +46,27 @@ class ScheduledBatch:
                               num_decodes=sum(1 for i in indices if i < self.num_decodes))
 
 
+# `effort`: earliest virtual deadline first, in lanes. A sequence is due EFFORT_TOKENS_PER_ARRIVAL budget tokens
+# per arrival after it came, its budget being all it may generate (max_tokens: thinking and answer alike), so
+# short requests overtake long-budget ones that arrived before them, but a sequence is only ever overtaken by
+# those that arrived before its deadline: its wait is bounded by budget / EFFORT_TOKENS_PER_ARRIVAL later
+# arrivals. And sequences with a budget over EFFORT_LONG_BUDGET hold at most half of max_seqs (at least one):
+# the other half is a lane that short requests never wait for a long one to leave. The price: a workload of
+# long requests alone runs at most half the batch.
+EFFORT_TOKENS_PER_ARRIVAL = 16
+EFFORT_LONG_BUDGET = 128
+
+
+def _effort_key(seq: Sequence) -> tuple:
+    return (seq.arrival + seq.max_tokens // EFFORT_TOKENS_PER_ARRIVAL, seq.arrival)
+
+
 # Scheduling policies: the sort key of a sequence. Smallest key is served first; the largest running key is
 # the first preemption victim.
 POLICIES: dict[str, Callable[[Sequence], tuple]] = {
     "fcfs": lambda seq: (seq.arrival,),
     "priority": lambda seq: (seq.priority, seq.arrival),  # lower value = more urgent (vLLM's convention)
+    "effort": _effort_key,
 }
 
 
@@ -133,9 +153,16 @@ class Scheduler:
             budget -= n
 
         # Then admit waiting sequences, unless this step had to evict someone or someone waits swapped out.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_seqs and not preempted \
+        lanes = self._long_lanes()
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_seqs and not preempted \
                 and not self.swapped:
-            seq = self.waiting[0]
+            seq = self.waiting[w]
+            if lanes is not None and seq.max_tokens > EFFORT_LONG_BUDGET:
+                if lanes == 0:  # the long lane is full: the next short one may go
+                    w += 1
+                    continue
+                lanes -= 1
             remote = bool(seq.block_table)  # its prompt's K/V but the last token's came from a remote prefill
             if remote:
                 hits, num_cached = [], seq.num_computed_tokens
@@ -145,7 +172,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, self._chunk, budget)
             if not self.block_manager.allocate_slots(seq, n, hits):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             seq.num_computed_tokens = num_cached
             if not remote:  # (a remote prefill's own prefix hit is counted by the decode role)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
@@ -157,6 +184,13 @@ class Scheduler:
         work = decodes + prefills
         return ScheduledBatch(seqs=[s for s, _ in work], num_new_tokens=[n for _, n in work],
                               num_decodes=len(decodes), preempted=preempted, swap_out=swap_out, swap_in=swap_in)
+
+    def _long_lanes(self) -> int | None:
+        """`effort`: how many more long-budget sequences may run now (None: every policy but effort)."""
+        if self.config.policy != "effort":
+            return None
+        cap = max(1, self.config.max_seqs // 2)
+        return max(0, cap - sum(1 for s in self.running if s.max_tokens > EFFORT_LONG_BUDGET))
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Marks the batch's tokens computed and appends each sampled token; returns the sequences that grew."""

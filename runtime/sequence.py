@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # holds KV blocks for its first `num_computed_tokens` tokens
     SWAPPED = "swapped"  # preempted by swap: its computed tokens' K/V wait in CPU blocks `cpu_blocks`
     REMOTE = "remote"  # its prompt's K/V is being prefilled elsewhere (runtime/disagg): in no queue, no blocks
+    PENDING = "pending"  # not queued yet: its grammar is compiling (constrained.py)
     FINISHED = "finished"
 
 
@@ -91,3 +93,31 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """True until logprobs for every prompt position have been collected (survives preemption)."""
         return self.want_prompt_logprobs and self.num_prompt_logprobs < self.num_prompt_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request in the engine core: its prompt and its `params.n` sequences (completions)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @classmethod
+    def new(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+            seq_ids: Iterator[int], arrivals: Iterator[int], priority: int, device: torch.device) -> Request:
+        """The request's fresh sequences: ids and admission order from the engine's counters; a seeded request's
+        completion i samples from a generator seeded `seed + i`."""
+        ids = [int(t) for t in prompt_token_ids]
+        max_tokens = params.max_tokens or max_model_len - len(ids)
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(seq_id=next(seq_ids), request_id=request_id, index=i, token_ids=list(ids),
+                           num_prompt_tokens=len(ids), params=params, max_tokens=max_tokens, arrival=next(arrivals),
+                           priority=priority, want_prompt_logprobs=params.prompt_logprobs is not None and i == 0)
+            seq.num_prompt_logprobs = int(seq.want_prompt_logprobs)  # position 0 has none
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=device).manual_seed(params.seed + i)
+            seqs.append(seq)
+        return cls(request_id, ids, params, seqs)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
-import json
 import math
 import sys
 import time
@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -28,13 +29,35 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import threads
 from .async_engine import AsyncLLMEngine, PromptInput, RequestGroup
+from .chat_plan import ChoiceParser, PlanError, RequestPlan, plan_chat, resolve_parsers, validated_grammar
 from .core_client import CoreProcess
 from .core_protocol import CoreConfig, CoreInfo
 from .errors import KilnRuntimeError, RequestError
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .outputs import PositionLogprobs, RequestDelta
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, request_error_param
+from .outputs import CompletionDelta, PositionLogprobs, RequestDelta
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    request_error_param,
+)
+from .responses import (
+    ResponsesRequest,
+    ResponseStore,
+    as_responses_error,
+    final_status,
+    message_item,
+    new_response_id,
+    output_text_part,
+    response_object,
+    usage_object,
+)
 from .sampling_params import SamplingParams
+from .tokenizer import token_text
+from .tool_parsers import render_chat as render_template
 
 MAX_BODY_BYTES = 16 * 2**20
 BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a stalled upload gets 408)
@@ -56,10 +79,14 @@ class OpenAIServer:
     the context (unless a normalizer deletes characters) and is refused before it is tokenized. Long texts are tokenized, and long chat templates
     rendered, on a thread pool of their own: the tokenizers library releases the GIL while it encodes, so the
     event loop (and `/health`) keeps answering.
+
+    `tool_parser` / `reasoning_parser`: registry names (or "none") overriding what the chat template implies
+    (chat_plan.resolve_parsers); they turn `tools` into `tool_calls` and thinking into `reasoning_content`.
     """
 
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
-                 metrics_public: bool = False) -> None:
+                 metrics_public: bool = False, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics_public = metrics_public
@@ -73,6 +100,8 @@ class OpenAIServer:
         engine.observer = self.metrics
         self.created = int(time.time())
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
+        self.tool_parser, self.reasoning_parser = resolve_parsers(engine.tokenizer, tool_parser, reasoning_parser)
+        self.responses = ResponseStore()
 
     # Request plumbing --------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -100,7 +129,7 @@ class OpenAIServer:
             except UnicodeDecodeError as u:
                 raise APIError(400, f"the request body is not valid UTF-8 ({u.reason} at byte {u.start})") from None
             raise _validation_error(e) from None
-        if parsed.model != self.model_name:
+        if parsed.model is not None and parsed.model != self.model_name:  # optional for /tokenize
             raise APIError(404, f"The model {parsed.model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
         parsed.check_supported()
@@ -127,12 +156,17 @@ class OpenAIServer:
     async def off_loop(self, fn: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn)
 
-    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+    def engine_params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        """The request's SamplingParams; a bad value is a 400 naming its field."""
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return req.engine_params()
         except RequestError as e:
             raise APIError(400, str(e), param=request_error_param(e, set(type(req).model_fields))) from None
+
+    @staticmethod
+    def planned(params: SamplingParams, plan: RequestPlan) -> SamplingParams:
+        fields = plan.sampling_fields()
+        return dataclasses.replace(params, **fields) if fields else params
 
     def check_admissible(self, num_prompts: int, params: SamplingParams,
                          req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -169,7 +203,12 @@ class OpenAIServer:
     # /v1/completions ---------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         req = await self.parse(request, CompletionRequest)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        params = self.engine_params(req)
+        try:
+            plan = RequestPlan(grammar=validated_grammar(req.response_format))
+        except PlanError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        params = self.planned(params, plan)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = req.prompts()
         self.check_admissible(len(prompts), params, req)
@@ -183,29 +222,142 @@ class OpenAIServer:
     # /v1/chat/completions ----------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
         req = await self.parse(request, ChatCompletionRequest)
-        params = self.sampling_params(req, req.resolved_max_tokens(), req.num_logprobs())
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
-                           "token ids", param="messages")
+        params = self.engine_params(req)
         self.check_admissible(1, params, req)
-        messages = [m.for_template(i) for i, m in enumerate(req.messages)]
-        num_chars = sum(len(m["content"]) for m in messages)  # a template adds to the text, never cuts it
-        self.check_prompt_chars(num_chars, "messages")
-
-        def render() -> str:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      **(req.chat_template_kwargs or {}))
-        try:
-            text = render() if num_chars <= _LONG_PROMPT_CHARS else await self.off_loop(render)
-        except RequestError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # the template raised on these messages (raise_exception, ...)
-            raise APIError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}",
-                           param="messages") from None
+        text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                      tools=req.tools)
+        params, plan = self.plan_chat_request(req, text, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [ids] = await self.encode([text], add_special_tokens=False, param="messages")
         group = await self.submit([PromptInput(request_id, ids, text)], params, req)
-        return await _respond(request, _ChatFormatter(self, req, request_id, group))
+        return await _respond(request, _ChatFormatter(self, req, request_id, group, plan))
+
+    def plan_chat_request(self, req: ChatCompletionRequest, text: str,
+                          params: SamplingParams) -> tuple[SamplingParams, RequestPlan]:
+        """response_format, tools and thinking (chat_plan.py) as the request's grammar and thinking budget."""
+        try:
+            plan = plan_chat(req, text, self.tokenizer, self.tool_parser, self.reasoning_parser)
+        except PlanError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return self.planned(params, plan), plan
+
+    async def render_chat(self, chat: list[ChatMessage], add_generation_prompt: bool,
+                          template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
+                          param: str = "messages", tools: list | None = None) -> str:
+        """The chat template's text for `chat`; a template that rejects the messages is a 400. With
+        `continue_final_message` the text ends where the last message's content does (the model goes on with
+        it, as transformers does it)."""
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
+                           "token ids", param=param)
+        messages = [m.for_template(i) for i, m in enumerate(chat)]
+        num_chars = sum(len(m["content"]) for m in messages)  # a template adds to the text, never cuts it
+        self.check_prompt_chars(num_chars, param)
+
+        def render() -> str:
+            return render_template(self.tokenizer, messages, tools, parser=self.tool_parser,
+                                   add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        try:
+            text = render() if num_chars <= _LONG_PROMPT_CHARS else await self.off_loop(render)
+        except RequestError as e:
+            raise APIError(400, str(e), param=param) from None
+        except Exception as e:  # the template raised on these messages (raise_exception, ...)
+            raise APIError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}",
+                           param=param) from None
+        if continue_final_message:
+            final = messages[-1]["content"].strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise APIError(400, "continue_final_message: the rendered template does not contain the final "
+                               "message's content", param="continue_final_message")
+            text = text[:at + len(final)]
+        return text
+
+    # /v1/responses ----------------------------------------------------------------------------------------
+    async def create_response(self, request: Request) -> Response:
+        rreq = await self.parse(request, ResponsesRequest)
+        try:
+            fmt = await self.submit_response(rreq)
+        except APIError as e:  # about the chat request it is served as: name the Responses field
+            raise as_responses_error(e) from None
+        if rreq.stream:
+            return _SSEResponse(fmt.events(), on_close=fmt.group.abort)
+        return await _until_disconnect(request, fmt.collect(), on_close=fmt.group.abort)
+
+    async def submit_response(self, rreq: ResponsesRequest) -> _ResponsesFormatter:
+        history: list[dict[str, Any]] = []
+        if rreq.previous_response_id is not None:
+            previous = self.responses.get(rreq.previous_response_id)
+            if previous is None:
+                raise APIError(404, f"Previous response with id {rreq.previous_response_id!r} not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = previous.messages
+        req = rreq.chat_request(history)
+        params = self.engine_params(req)
+        self.check_admissible(1, params, req)
+        text = await self.render_chat(req.messages, True, None)
+        params, plan = self.plan_chat_request(req, text, params)  # text.format is chat's response_format
+        response_id = new_response_id()
+        [ids] = await self.encode([text], add_special_tokens=False, param="messages")
+        group = await self.submit([PromptInput(response_id, ids, text)], params, req)
+        return _ResponsesFormatter(self, req, response_id, group, rreq, history + rreq.input_messages(), plan)
+
+    async def stored_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        self.check_auth(request)
+        item = self.responses.get(response_id)
+        if item is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                           code="response_not_found")
+        return item.response
+
+    async def delete_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        self.check_auth(request)
+        if not self.responses.delete(response_id):
+            raise APIError(404, f"Response with id {response_id!r} not found.", param="response_id",
+                           code="response_not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    # /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        req = await self.parse(request, TokenizeRequest)
+        if req.messages is not None:
+            text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                          req.continue_final_message)
+            add_special = bool(req.add_special_tokens)
+        else:
+            text, add_special = req.prompt, req.add_special_tokens is not False
+        [ids] = await self.encode([text], add_special_tokens=add_special,
+                                  param="prompt" if req.messages is None else "messages")
+        strs = [self.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        req = await self.parse(request, DetokenizeRequest)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        vocab = self.async_engine.info.limits.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad}", param="tokens")
+        if len(req.tokens) > self.max_model_len:
+            raise APIError(400, f"at most max_model_len ({self.max_model_len}) tokens, got {len(req.tokens)}",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def tokenizer_info(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's configuration (special tokens, chat template), which is what
+        lm-eval's remote tokenizer reads (with /tokenize and /detokenize, it then needs no local copy)."""
+        self.check_auth(request)
+        if self.tokenizer is None:
+            raise APIError(404, "this model has no tokenizer", code="no_tokenizer")
+        tok = self.tokenizer
+        info = {k: token_text(v) if k.endswith("_token") else v for k, v in tok.config.items()
+                if k != "added_tokens_decoder"}
+        info.update(tokenizer_class=tok.config.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                    bos_token=tok.bos_token, eos_token=tok.eos_token, chat_template=tok.chat_template,
+                    model_max_length=self.max_model_len, vocab_size=tok.vocab_size)
+        info.setdefault("pad_token", None)
+        return info
 
     # /v1/models --------------------------------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -316,31 +468,59 @@ def _ranked(position: PositionLogprobs, chosen: int, top_n: int) -> list[tuple[i
     return [(chosen, position[chosen]), *top]
 
 
+def _merge(a: CompletionDelta, b: CompletionDelta) -> CompletionDelta:
+    """`a` then `b`, one completion's consecutive deltas, as one."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or []), *(b.logprobs or [])]
+    return CompletionDelta(a.index, a.text + b.text, a.token_ids + b.token_ids, logprobs,
+                           b.finish_reason or a.finish_reason, b.stop_reason if b.finish_reason else a.stop_reason)
+
+
 def _token_str(lp: Any) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
 class _Formatter:
-    """Turns a group's deltas into OpenAI choices, one choice per (prompt, completion): index = prompt * n + i."""
+    """Turns a group's deltas into OpenAI choices, one choice per (prompt, completion): index = prompt * n + i.
+    The engine runs `num_seqs` completions per prompt (more than n for best_of); `select` picks the n shown."""
 
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, server: OpenAIServer, req: Any, request_id: str, group: RequestGroup) -> None:
+    def __init__(self, server: OpenAIServer, req: Any, request_id: str, group: RequestGroup,
+                 plan: RequestPlan | None = None) -> None:
         self.server, self.req, self.request_id, self.group = server, req, request_id, group
+        self.plan = plan or RequestPlan()
         self.n = req.n
+        self.num_seqs = group.params.n
         self.prompt_index = {p.request_id: i for i, p in enumerate(group.inputs)}
-        self.num_choices = len(group.inputs) * self.n
+        self.num_choices = len(group.inputs) * self.num_seqs
         self.prompt_tokens = sum(len(p.prompt_token_ids) for p in group.inputs)
         self.completion_tokens = 0
+        self.reasoning_tokens: int | None = None  # counted when the output ends, if the model thinks
         self.created = int(time.time())
+        # per prompt: its logprobs so far (position 0's is None), when the request asked for them
+        self.prompt_logprobs: list[list[PositionLogprobs | None]] = [[] for _ in group.inputs]
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
+
+    def count_reasoning(self, token_ids: list[int]) -> None:
+        """A finished choice's reasoning tokens, into usage and /metrics."""
+        if self.plan.thinking is None:
+            return
+        n = self.plan.reasoning_tokens(token_ids)
+        self.reasoning_tokens = (self.reasoning_tokens or 0) + n
+        self.server.metrics.on_reasoning_tokens(n)
 
     def choices_of(self, delta: RequestDelta) -> list[tuple[int, Any]]:
-        base = self.prompt_index[delta.request_id] * self.n
+        prompt = self.prompt_index[delta.request_id]
+        if delta.prompt_logprobs:
+            self.prompt_logprobs[prompt].extend(delta.prompt_logprobs)
+        base = prompt * self.num_seqs
         return [(base + c.index, c) for c in delta.completions]
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
@@ -354,20 +534,40 @@ class _Formatter:
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[str | bytes]:
+        """One event per choice that progressed, per batch of deltas: when the client or this loop fell behind
+        the core, the steps waiting are merged into one event per choice (fewer, larger writes; never a
+        snapshot: each event holds only what is new since the previous one)."""
         try:
             for event in self.stream_start():
                 yield event
-            async for delta in self.group:
-                for index, c in self.choices_of(delta):
-                    self.completion_tokens += len(c.token_ids)
-                    if c.text or c.finish_reason is not None or c.logprobs or self.server.tokenizer is None:
-                        yield self.chunk([self.choice_delta(index, c)])
+            streamed: list[list[int]] | None = [[] for _ in range(self.num_choices)] \
+                if self.plan.thinking is not None else None
+            async for deltas in self.group.batches():
+                merged: dict[int, CompletionDelta] = {}
+                for delta in deltas:
+                    for index, c in self.choices_of(delta):
+                        if streamed is not None:
+                            streamed[index] += c.token_ids
+                            if c.finish_reason is not None:
+                                self.count_reasoning(streamed[index])
+                        merged[index] = c if index not in merged else _merge(merged[index], c)
+                for index, c in merged.items():
+                    for choice in self.stream_choices(index, c):
+                        yield self.chunk([choice])
             if self.include_usage:
                 yield self.chunk([], self.usage())
         except KilnRuntimeError as e:  # the engine failed this request mid-stream
             yield _sse(APIError(500, str(e), type="server_error").body())
         yield "data: [DONE]\n\n"
+
+    def stream_choices(self, index: int, c: Any) -> list[dict[str, Any]]:
+        """The chunks' choices one completion delta makes (none, when it adds nothing to show)."""
+        self.completion_tokens += len(c.token_ids)
+        if c.text or c.finish_reason is not None or c.logprobs or (self.server.tokenizer is None and c.token_ids):
+            choice = self.choice_delta(index, c)
+            return [] if choice is None else [choice]
+        return []
 
     def stream_start(self) -> list[str]:
         return []
@@ -387,31 +587,96 @@ class _Formatter:
                         a["finish_reason"], a["stop_reason"] = c.finish_reason, c.stop_reason
         except Exception as e:  # the engine failed this request: not the client's fault
             raise APIError(500, str(e), type="server_error") from None
-        self.completion_tokens = sum(len(a["token_ids"]) for a in acc)
+        self.completion_tokens = sum(map(self.num_generated, acc))  # best_of: all were generated
+        for a in acc:
+            self.count_reasoning(a["token_ids"])
         body = {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": self.server.model_name,
-                "choices": [self.full_choice(i, a) for i, a in enumerate(acc)], "usage": self.usage()}
+                "choices": [self.full_choice(i, a) for i, a in enumerate(self.select(acc))], "usage": self.usage()}
         return JSONResponse(body)
 
-    def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
+    def num_generated(self, a: dict[str, Any]) -> int:
+        return len(a["token_ids"])
+
+    def select(self, acc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The n completions shown per prompt, in choice order (each remembers its prompt in "prompt")."""
+        for i, a in enumerate(acc):
+            a["prompt"] = i // self.num_seqs
+        if self.num_seqs == self.n:
+            return acc
+        chosen = []
+        for p in range(len(self.group.inputs)):  # best_of: the n of highest cumulative logprob
+            seqs = acc[p * self.num_seqs:(p + 1) * self.num_seqs]
+            chosen += sorted(seqs, key=_cumulative_logprob, reverse=True)[:self.n]
+        return chosen
+
+    def choice_delta(self, index: int, c: Any) -> dict[str, Any] | None:
+        """None: nothing to send for this delta (text a parser holds back)."""
         raise NotImplementedError
 
     def full_choice(self, index: int, acc: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
 
+def _cumulative_logprob(acc: dict[str, Any]) -> float:
+    return math.fsum(position[t].logprob for t, position in zip(acc["token_ids"], acc["logprobs"]))
+
+
 class _CompletionFormatter(_Formatter):
+    """`echo` puts the prompt's text before each choice's text, and with `logprobs` its tokens before the
+    generated ones: the first prompt token's logprob and top logprobs are null (it has no context), offsets
+    count from the start of the echoed text. `max_tokens: 0` (with echo) shows the prompt alone: the one token
+    the engine generated for it is dropped. Streamed, a choice's first chunk carries the echo; with logprobs it
+    waits until the prompt's logprobs are all in (they arrive with the prefill, chunk by chunk)."""
+
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.text_offsets = [0] * self.num_choices
+        self.echo_only = self.req.max_tokens == 0
+        self.echo_pending = [self.req.echo] * self.num_choices  # streaming: the echo is still to be sent
+        self.held: list[list[Any]] = [[] for _ in range(self.num_choices)]
 
-    def logprobs(self, index: int, token_ids: list[int], positions: list[PositionLogprobs]) -> dict | None:
+    # Echo --------------------------------------------------------------------------------------------------
+    def prompt_text(self, prompt: int) -> str:
+        p = self.group.inputs[prompt]
+        if p.prompt is not None:
+            return p.prompt
+        tok = self.server.tokenizer
+        return tok.decode(p.prompt_token_ids, skip_special_tokens=False) if tok is not None else ""
+
+    def prompt_complete(self, prompt: int) -> bool:
+        return self.req.logprobs is None or \
+            len(self.prompt_logprobs[prompt]) == len(self.group.inputs[prompt].prompt_token_ids)
+
+    def shown(self, c_text: str, token_ids: list[int], logprobs: list | None) -> tuple[str, list[int], list]:
+        """What of a completion's output is shown: nothing of it for max_tokens 0."""
+        return ("", [], []) if self.echo_only else (c_text, token_ids, logprobs or [])
+
+    # Logprobs ----------------------------------------------------------------------------------------------
+    def logprobs(self, index: int, token_ids: list[int], positions: list[PositionLogprobs],
+                 prompt: int | None = None) -> dict | None:
+        """OpenAI's logprobs object of `token_ids`, preceded by prompt `prompt`'s tokens when echoed."""
         if self.req.logprobs is None:
             return None
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if prompt is not None:
+            ids = self.group.inputs[prompt].prompt_token_ids
+            for tid, position in zip(ids, self.prompt_logprobs[prompt], strict=True):
+                self._add_logprob(out, index, tid, position)
         for tid, position in zip(token_ids, positions):
+            self._add_logprob(out, index, tid, position)
+        return out
+
+    def _add_logprob(self, out: dict[str, list], index: int, tid: int, position: PositionLogprobs | None) -> None:
+        if position is None:  # the prompt's first token: no context, no logprob
+            tok = self.server.tokenizer
+            token = tok.decode_piece(tid, False) if tok is not None else ""
+            out["tokens"].append(token)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
             ranked = _ranked(position, tid, self.req.logprobs)
             token = _token_str(ranked[0][1])
             out["tokens"].append(token)
@@ -420,18 +685,47 @@ class _CompletionFormatter(_Formatter):
             for _, lp in ranked:  # tokens that decode alike (partial UTF-8) keep the first, most relevant entry
                 top.setdefault(_token_str(lp), _finite(lp.logprob))
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self.text_offsets[index])
-            self.text_offsets[index] += len(token)
-        return out
+        out["text_offset"].append(self.text_offsets[index])
+        self.text_offsets[index] += len(token)
+
+    # Choices -----------------------------------------------------------------------------------------------
+    def stream_choices(self, index: int, c: Any) -> list[dict[str, Any]]:
+        prompt = index // self.num_seqs
+        if self.echo_pending[index] and not self.prompt_complete(prompt):
+            self.held[index].append(c)  # until the prompt's logprobs are all in
+            return []
+        held, self.held[index] = self.held[index], []
+        choices = []
+        for d in (*held, c):
+            if not self.echo_only:
+                self.completion_tokens += len(d.token_ids)
+            if self.echo_pending[index] or d.finish_reason is not None or \
+                    (not self.echo_only and (d.text or d.logprobs or (self.server.tokenizer is None and d.token_ids))):
+                choices.append(self.choice_delta(index, d))
+        return choices
 
     def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
-        return {"index": index, "text": c.text, "logprobs": self.logprobs(index, c.token_ids, c.logprobs or []),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, **self.token_ids(c.token_ids)}
+        text, ids, lps = self.shown(c.text, c.token_ids, c.logprobs)
+        prompt = None
+        if self.echo_pending[index]:
+            self.echo_pending[index] = False
+            prompt = index // self.num_seqs
+            text = self.prompt_text(prompt) + text
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, ids, lps, prompt),
+                "finish_reason": "length" if self.echo_only and c.finish_reason is not None else c.finish_reason,
+                "stop_reason": None if self.echo_only else c.stop_reason, **self.token_ids(ids)}
 
     def full_choice(self, index: int, a: dict[str, Any]) -> dict[str, Any]:
-        return {"index": index, "text": "".join(a["text"]),
-                "logprobs": self.logprobs(index, a["token_ids"], a["logprobs"]),
-                "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"], **self.token_ids(a["token_ids"])}
+        text, ids, lps = self.shown("".join(a["text"]), a["token_ids"], a["logprobs"])
+        prompt = a["prompt"] if self.req.echo else None
+        if prompt is not None:
+            text = self.prompt_text(prompt) + text
+        return {"index": index, "text": text, "logprobs": self.logprobs(index, ids, lps, prompt),
+                "finish_reason": "length" if self.echo_only else a["finish_reason"],
+                "stop_reason": None if self.echo_only else a["stop_reason"], **self.token_ids(ids)}
+
+    def num_generated(self, a: dict[str, Any]) -> int:
+        return 0 if self.echo_only else len(a["token_ids"])
 
     def token_ids(self, ids: list[int]) -> dict[str, list[int]]:
         """A model without a tokenizer (random weights) has no text to send: its choices carry the token ids."""
@@ -439,7 +733,18 @@ class _CompletionFormatter(_Formatter):
 
 
 class _ChatFormatter(_Formatter):
+    """Chat choices: the text split by the plan's parsers into `reasoning_content`, `content` and `tool_calls`
+    (finish_reason "tool_calls" when the output ended with calls); streamed, each as deltas."""
+
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.parsers: list[ChoiceParser] = [self.plan.choice_parser() for _ in range(self.num_choices)]
+
+    @staticmethod
+    def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+        return "tool_calls" if has_calls and reason == "stop" else reason
 
     def logprobs(self, token_ids: list[int], positions: list[PositionLogprobs]) -> dict | None:
         if not self.req.logprobs:
@@ -458,16 +763,113 @@ class _ChatFormatter(_Formatter):
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]) for i in range(self.num_choices)]
 
-    def choice_delta(self, index: int, c: Any) -> dict[str, Any]:
-        delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-        return {"index": index, "delta": delta, "logprobs": self.logprobs(c.token_ids, c.logprobs or []),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    def choice_delta(self, index: int, c: Any) -> dict[str, Any] | None:
+        parser, final = self.parsers[index], c.finish_reason is not None
+        out = parser.feed(c.text, final)
+        delta: dict[str, Any] = {}
+        if out.reasoning:
+            delta["reasoning_content"] = out.reasoning
+        if out.content:
+            delta["content"] = out.content
+        if out.tool_calls:
+            delta["tool_calls"] = out.tool_calls
+        logprobs = self.logprobs(c.token_ids, c.logprobs or [])
+        if not (delta or final or logprobs):
+            return None
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": self.finish_reason(c.finish_reason, parser.has_tool_calls), "stop_reason": c.stop_reason}
 
     def full_choice(self, index: int, a: dict[str, Any]) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(a["text"]), "refusal": None,
-                                            "tool_calls": []},
-                "logprobs": self.logprobs(a["token_ids"], a["logprobs"]),
-                "finish_reason": a["finish_reason"], "stop_reason": a["stop_reason"]}
+        out = self.parsers[index].parse("".join(a["text"]))
+        message: dict[str, Any] = {"role": "assistant", "content": out.content, "refusal": None,
+                                   "tool_calls": out.tool_calls}
+        if self.plan.reasoning is not None:
+            message["reasoning_content"] = out.reasoning
+        if out.content is None and not out.tool_calls:
+            message["content"] = ""
+        return {"index": index, "message": message, "logprobs": self.logprobs(a["token_ids"], a["logprobs"]),
+                "finish_reason": self.finish_reason(a["finish_reason"], bool(out.tool_calls)), "stop_reason": a["stop_reason"]}
+
+
+class _ResponsesFormatter(_ChatFormatter):
+    """A chat completion's deltas as a Responses API response: one output message of one output_text part;
+    streamed as the Responses event sequence (created, in_progress, output_item.added, content_part.added,
+    output_text.delta..., output_text.done, content_part.done, output_item.done, then completed, incomplete
+    or failed). The final response is stored (unless `store` is false) with the conversation it ends."""
+
+    def __init__(self, server: OpenAIServer, req: ChatCompletionRequest, response_id: str, group: RequestGroup,
+                 rreq: ResponsesRequest, messages: list[dict[str, Any]], plan: RequestPlan | None = None) -> None:
+        super().__init__(server, req, response_id, group, plan)
+        self.rreq, self.messages = rreq, messages
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.sequence_number = 0
+
+    def response(self, status: str, text: str = "", logprobs: list | None = None,
+                 error: str | None = None) -> dict[str, Any]:
+        done = status != "in_progress"
+        output = [message_item(self.item_id, text, "completed" if status == "completed" else "incomplete",
+                               logprobs)] if done and error is None else []
+        usage = usage_object(self.prompt_tokens, self.completion_tokens) if done else None
+        return response_object(self.request_id, self.rreq, self.created, status=status, output=output,
+                               usage=usage, error=error)
+
+    def finish(self, text: str, token_ids: list[int], positions: list[PositionLogprobs],
+               finish_reason: str | None, error: str | None) -> dict[str, Any]:
+        self.completion_tokens = len(token_ids)
+        logprobs = self.logprobs(token_ids, positions)
+        body = self.response(final_status(finish_reason, error), text,
+                             logprobs["content"] if logprobs is not None else None, error)
+        if self.rreq.store and error is None:
+            self.server.responses.put(body, [*self.messages, {"role": "assistant", "content": text}])
+        return body
+
+    async def collect(self) -> Response:
+        text, token_ids, positions, finish_reason = [], [], [], None
+        try:
+            async for delta in self.group:
+                for c in delta.completions:
+                    text.append(c.text)
+                    token_ids += c.token_ids
+                    positions += c.logprobs or []
+                    finish_reason = c.finish_reason or finish_reason
+        except Exception as e:  # the engine failed this request: not the client's fault
+            raise APIError(500, str(e), type="server_error") from None
+        return JSONResponse(self.finish("".join(text), token_ids, positions, finish_reason, None))
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {_json_encode(body).decode()}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        start = self.response("in_progress")
+        yield self.event("response.created", response=start)
+        yield self.event("response.in_progress", response=start)
+        yield self.event("response.output_item.added", output_index=0,
+                         item=message_item(self.item_id, "", "in_progress", None))
+        yield self.event("response.content_part.added", **where, part=output_text_part("", None))
+        text, token_ids, positions, finish_reason = [], [], [], None
+        try:
+            async for delta in self.group:
+                for c in delta.completions:
+                    token_ids += c.token_ids
+                    positions += c.logprobs or []
+                    finish_reason = c.finish_reason or finish_reason
+                    if c.text:
+                        text.append(c.text)
+                        logprobs = self.logprobs(c.token_ids, c.logprobs or [])
+                        yield self.event("response.output_text.delta", **where, delta=c.text,
+                                         logprobs=logprobs["content"] if logprobs is not None else [])
+        except KilnRuntimeError as e:  # the engine failed this request mid-stream
+            yield self.event("response.failed", response=self.finish("", [], [], None, str(e)))
+            return
+        body = self.finish("".join(text), token_ids, positions, finish_reason, None)
+        part = body["output"][0]["content"][0]
+        yield self.event("response.output_text.done", **where, text=part["text"], logprobs=part.get("logprobs", []))
+        yield self.event("response.content_part.done", **where, part=part)
+        yield self.event("response.output_item.done", output_index=0, item=body["output"][0])
+        yield self.event(f"response.{body['status']}", response=body)
 
 
 def _chat_token(lp: Any) -> dict[str, Any]:
@@ -475,8 +877,13 @@ def _chat_token(lp: Any) -> dict[str, Any]:
     return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode("utf-8"))}
 
 
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_json_encode = msgspec.json.Encoder().encode
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    """One server-sent event. msgspec's JSON encoder: compact, UTF-8 unescaped, several times json.dumps' speed
+    (an event per token per stream is the server's hottest path); non-finite floats never get here (_finite)."""
+    return b"data: " + _json_encode(body) + b"\n\n"
 
 
 async def _respond(request: Request, fmt: _Formatter) -> Response:
@@ -539,11 +946,13 @@ async def _until_disconnect(request: Request, work: Awaitable[Response],
 # The app ---------------------------------------------------------------------------------------------------
 def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
               metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
-              body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout: float = BODY_TIMEOUT_S, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app over `engine` (connected to its core when the app starts). `api_key` covers every route but
     `/health` (and `/metrics` when `metrics_public`). `/health` answers 503 once the engine core is gone."""
     server = OpenAIServer(engine, model_name=resolve_served_name(engine.info, served_model_name),
-                          api_key=api_key, metrics_public=metrics_public)
+                          api_key=api_key, metrics_public=metrics_public, tool_parser=tool_parser,
+                          reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -603,6 +1012,12 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
 
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"])
     return app
 
 
@@ -635,16 +1050,19 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
           async_scheduling: bool | None = None, metrics_public: bool = False, num_threads: int | None = None,
+          tool_parser: str | None = None, reasoning_parser: str | None = None,
           disaggregate: dict | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
     `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device;
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
-    threads (default: every CPU this process may use; threads.py). `disaggregate` (the manifest's section, see
-    runtime/disagg): a router over one prefill and one decode core instead of one core."""
+    threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser`: see
+    OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router over one prefill and one
+    decode core instead of one core."""
     import uvicorn
 
+    resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     threads.configure_api_server()
     config = CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
                         engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
@@ -655,7 +1073,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
         else:  # a router over a prefill and a decode core (runtime/disagg)
             from .disagg.service import start_disaggregated
             engine = start_disaggregated(stack, config, disaggregate)
-        app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public)
+        app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
+                        tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))

@@ -71,6 +71,9 @@ class SpeculativeDecoder:
         verifying = [i for i, seq in enumerate(batch.seqs) if seq.draft_token_ids]
         if not verifying:
             return out
+        mask_drafts = getattr(self.sampler.logits_processor, "mask_drafts", None)
+        if mask_drafts is not None:  # constrained seqs: a draft the grammar rejects is rejected below
+            mask_drafts(logits, [batch.seqs[i] for i in verifying], [layout.sample_rows[i] for i in verifying])
         row_seqs = [batch.seqs[i] for i in verifying for _ in batch.seqs[i].draft_token_ids]
         rows = [layout.sample_rows[i] + 1 + j for i in verifying for j in range(len(batch.seqs[i].draft_token_ids))]
         targets = self.sampler.sample_tokens(logits[rows], row_seqs)

@@ -13,7 +13,7 @@ from typing import Any
 _DETOKENIZE_CONTEXT = 5
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """tokenizer_config.json spells special tokens as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         return value.get("content")
@@ -26,8 +26,8 @@ class Tokenizer:
         self._tok = tokenizer
         self.config = config or {}
         self.generation_config = generation_config or {}
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.bos_token = token_text(self.config.get("bos_token"))
+        self.eos_token = token_text(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         # A tokenizer.json without a post-processor relies on tokenizer_config's add_bos_token (slow-tokenizer
@@ -105,9 +105,9 @@ class Tokenizer:
                             tools: list[dict] | None = None, **kwargs: Any) -> str:
         """Renders like transformers' `apply_chat_template(tokenize=False)`: same sandbox, globals and
         variables (the special tokens of tokenizer_config.json, `add_generation_prompt`, `tools`)."""
-        special = {k: _token_text(v) for k, v in self.config.items()
+        special = {k: token_text(v) for k, v in self.config.items()
                    if k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                            "mask_token") and _token_text(v) is not None}
+                            "mask_token") and token_text(v) is not None}
         return self._compiled_chat_template.render(messages=messages, tools=tools, documents=None,
                                                    add_generation_prompt=add_generation_prompt,
                                                    **{**special, **kwargs})

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .errors import RequestError
+from .grammar_spec import GrammarSpec
 from .reasoning_parsers import ParserRegistry, held_prefix
-from .structured_output import GrammarSpec
 
 logger = logging.getLogger(__name__)
 

@@ -32,5 +32,14 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         value = getattr(params, name)
         if value is not None and value > vocab:
             raise RequestError(f"{name}={value} exceeds the vocabulary size {vocab}")
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
     if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
         raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {max(params.stop_token_ids)}")
+    thinking = params.thinking
+    if thinking is not None:
+        ids = (*thinking.start_ids, *thinking.end_ids, *thinking.force_ids)
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise RequestError(f"thinking token ids must be ints in [0, {vocab})")
+        if thinking.budget is not None and not 0 <= thinking.budget <= max_len:
+            raise RequestError(f"thinking budget must be in [0, {max_len}], got {thinking.budget}")

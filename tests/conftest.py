@@ -112,10 +112,11 @@ def check_hf_parity(hf_reference):
 
     import kiln
 
-    def check(artifact, ckpt, vocab: int, *, new_tokens: int = 32, lens: tuple[int, ...] = (5, 17, 40)) -> None:
+    def check(artifact, ckpt, vocab: int, *, new_tokens: int = 32, lens: tuple[int, ...] = (5, 17, 40),
+              **llm_kwargs) -> None:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
-        llm = kiln.LLM(str(artifact))
+        llm = kiln.LLM(str(artifact), **llm_kwargs)
         params = kiln.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
         for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
             ref_lp, ref_tokens = hf_reference(ckpt, prompt, new_tokens)

@@ -59,6 +59,8 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @classmethod
     def of(cls, engine) -> KVLayout:
+        if not hasattr(engine.runner, "kv_caches"):  # a mesh executor: each rank holds its shard of the pool
+            raise DisaggError("disaggregation serves single-device artifacts only (this one is parallel)")
         kv = engine.artifact.kv_cache_config
         return cls(kv.num_layers, list(kv.shape), str(kv.dtype).removeprefix("torch."), kv.block_size)
 
@@ -95,6 +97,8 @@ class RemotePrefill(msgspec.Struct, frozen=True):
 def _local_reason(seq: Sequence, num_requests_seqs: int) -> str | None:
     if num_requests_seqs != 1:
         return "n_gt_1"
+    if seq.status is SequenceStatus.PENDING:  # its grammar is compiling (constrained.py queues it when done)
+        return "grammar_compiling"
     if seq.want_prompt_logprobs:
         return "prompt_logprobs"
     return None

@@ -264,3 +264,86 @@ def test_index_tensors_outside_the_contract_run_the_torch_kernel(package):
     batch.positions = batch.positions.long()
     out = K.paged_attention(q, k, v, kv_cache, batch, 0.125, rope_cache=K.rope_cache(64, 128, THETA))
     torch.testing.assert_close(out, _reference(dense, 0.125, 0, True), rtol=0, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def gemm(tmp_path_factory):
+    """A kernel package holding only the GEMM (`tvm.linear`), per dtype."""
+    cache: dict[str, object] = {}
+
+    def get(dtype):
+        if dtype not in cache:
+            module, record = build_kernel_package(tmp_path_factory.mktemp("gemm"), head_dim=64, num_heads=8,
+                                                  num_kv_heads=2, block_size=16, dtype=dtype, kernels=("tvm.linear",))
+            assert record["library"] == "cpu.so" and module.LIBRARY is not None, record.get("reason")
+            cache[dtype] = module
+        return cache[dtype]
+
+    return get
+
+
+# (rows, K, N): every register-tile height (1-6) and tails of it, K not a multiple of the k-unroll, N from one
+# panel to the ~100 M model's fused gate/up width
+GEMM_SHAPES = [(1, 576, 960), (2, 37, 16), (3, 576, 48), (4, 1536, 576), (5, 64, 3072), (6, 575, 32), (7, 33, 16),
+               (13, 576, 960), (64, 1536, 576), (0, 64, 16)]
+
+
+@pytest.mark.parametrize("rows,k,n", GEMM_SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_op_reference(gemm, rows, k, n, dtype, bias):
+    K = gemm(dtype)
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    wide = torch.randn(rows, k + 5, generator=g).to(torch_dtype)
+    x = wide[:, 2:2 + k]  # rows strided, as a slice of a fused projection is
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch_dtype)
+    b = torch.randn(n, generator=g).to(torch_dtype) if bias else None
+    ctx = RefContext(positions=torch.arange(rows))
+    ref = OPS["linear"].reference(ctx, *(t.double() for t in (x, w, *((b,) if bias else ()))))
+    out = K.linear(x, w, b)
+    assert out.dtype == torch_dtype and out.shape == (rows, n) and (rows == 0 or id(w) in K._packed)
+    tol = 1e-5 if dtype == "float32" else 2e-2  # fp32: sums of up to 1,536 products in fp32
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    if dtype == "bfloat16":  # as close as torch's own bf16 GEMM (fp32 accumulation, one rounding)
+        torch.testing.assert_close(out, OPS["linear"].reference(ctx, x, w, *((b,) if bias else ())),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_linear_packs_once_and_repacks_a_weight_edited_in_place(gemm):
+    K = gemm("float32")
+    x, w = torch.randn(3, 64), torch.randn(32, 64)
+    K.linear(x, w)
+    packed = K._packed[id(w)][1]
+    K.linear(x, w)
+    assert K._packed[id(w)][1] is packed  # packed once per weight
+    w.mul_(2)
+    torch.testing.assert_close(K.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    key = id(w)
+    del w
+    assert key not in K._packed  # freed with its weight
+
+
+def test_logits_matches_op_reference(gemm):
+    K = gemm("float32")
+    g = torch.Generator().manual_seed(3)
+    x, table = torch.randn(9, 64, generator=g), torch.randn(4096, 64, generator=g)
+    indices = torch.tensor([0, 4, 8], dtype=torch.int32)
+    out = K.logits(x, table, indices)
+    ref = OPS["logits"].reference(RefContext(positions=torch.arange(3)), x[indices.long()], table)
+    assert out.dtype == torch.float32 and id(table) in K._packed
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-5)
+
+
+def test_gemms_the_library_does_not_cover_run_the_torch_kernel(gemm, monkeypatch):
+    """N not a whole number of panels, another dtype, a weight that needs grad: kernels/cpu.py's linear."""
+    K = gemm("float32")
+    calls = []
+    real = K._ref.linear
+    monkeypatch.setattr(K._ref, "linear", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4, 64)
+    weights = (torch.randn(40, 64), torch.randn(32, 64, dtype=torch.float64), torch.randn(32, 64, requires_grad=True))
+    for w in weights:
+        xw = x.to(w.dtype)
+        torch.testing.assert_close(K.linear(xw, w), xw @ w.T)
+    assert calls == [1, 1, 1] and all(K._packed[id(w)][1] is None for w in weights)  # decided once, not packed

@@ -29,7 +29,7 @@ def test_unknown_section(tmp_path):
 @pytest.mark.parametrize("entry, col, message", [
     ("kv_cache { block_size = 12 }", 27, "'block_size' must be a power of two, got 12"),
     ("kv_cache { memory_fraction = 1.5 }", 32, "'memory_fraction' must be a number in (0, 1]"),
-    ("scheduler { policy = lifo }", 24, "'policy' must be one of fcfs, priority"),
+    ("scheduler { policy = lifo }", 24, "'policy' must be one of fcfs, priority, effort"),
     ("scheduler { prefix_cache = lru }", 30, "'prefix_cache' must be one of radix, none"),
     ("parallel { tp = 0 }", 19, "'tp' must be a positive int, got 0"),
     ("cuda_graphs { batch_sizes = [1, -2] }", 35, "'batch_sizes' must be a positive int, got -2"),

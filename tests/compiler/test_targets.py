@@ -55,7 +55,8 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
     ("  disaggregate { prefill = 2 }", "disaggregate.prefill = 2: more than one prefill core is not implemented"),
     ("  disaggregate { remote_prefill = auto }", "conditional disaggregation) is not implemented yet"),
     ("  kv_cache { offload = cpu(1GiB) }", "KV offload to CPU is not implemented yet"),
-    ("  parallel { tp = 2 }", "parallel.tp > 1 is not implemented yet"),
+    ("  parallel { pp = 2 }", "pipeline parallelism is not implemented"),
+    ("  parallel { tp = 16 }", "16 ranks (tp x dp) exceed target cpu's 8 devices"),
     ("  speculative { method = ngram }", "speculative decoding method 'ngram' is not implemented yet"),
     ("  cuda_graphs { batch_sizes = [1, 2] }", "cuda_graphs needs a GPU target (h100, h200)"),
 ])

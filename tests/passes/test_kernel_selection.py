@@ -45,7 +45,7 @@ program p dtype=f32 {
     %t = add_rms_norm(%x, %r, %g) {kernel="tvm.add_rms_norm"}
     %n = getitem(%t) {index=0, kernel="inline"}
     %w = param "w" {kernel="inline"} : f32[16, 8]
-    %y = linear(%n, %w) {kernel="cpu.linear"}
+    %y = linear(%n, %w) {kernel="tvm.linear"}
     %m = silu_mul(%y) {kernel="tvm.silu_mul"}
     return %m
   }
@@ -56,7 +56,7 @@ program p dtype=f32 {
 def test_sets_cpu_kernel_ids():
     out, ctx = run_pass(KernelSelection("cpu"), typed(BEFORE))
     assert_programs_equal(out, typed(EXPECTED))
-    assert ctx.stats["kernels"] == {"tvm.add_rms_norm": 1, "cpu.linear": 1, "tvm.silu_mul": 1, "inline": 5}
+    assert ctx.stats["kernels"] == {"tvm.add_rms_norm": 1, "tvm.linear": 1, "tvm.silu_mul": 1, "inline": 5}
 
 
 def test_already_selected_returns_the_same_program():
@@ -119,6 +119,35 @@ def test_cpu_attention_choice_follows_dtype_and_kv_cache(dtype, fp8, kernel):
     out, ctx = run_pass(KernelSelection("cpu"), typed(before))
     assert_programs_equal(out, typed(expected))
     assert ctx.stats["kernels"][kernel] == 1
+
+
+GEMMS = """
+program p dtype={dtype} {{
+  config {{}}
+  param w: {dtype}[8, 8] from ["w"]
+  param e: {dtype}[32, 8] from ["e"]
+  graph entry {{
+    %x = input "x" : {dtype}[T, 8]
+    %w = param "w" : {dtype}[8, 8]
+    %e = param "e" : {dtype}[32, 8]
+    %y = linear(%x, %w)
+    %l = logits(%y, %e)
+    return %l
+  }}
+}}
+"""
+
+
+@pytest.mark.parametrize("dtype,linear,logits", [
+    ("f32", "tvm.linear", "tvm.logits"),
+    ("bf16", "tvm.linear", "tvm.logits"),
+    ("f16", "cpu.linear", "cpu.logits"),  # no f16 TVM GEMM: torch's
+])
+def test_cpu_gemm_choice_follows_dtype(dtype, linear, logits):
+    """linear (by its output dtype) and the LM head (fp32 out: by its inputs' dtype) go to the TVM GEMM."""
+    out, ctx = run_pass(KernelSelection("cpu"), typed(GEMMS.format(dtype=dtype)))
+    kernels = {n.op: n.attrs["kernel"] for _, n in out.graphs["entry"].items()}
+    assert (kernels["linear"], kernels["logits"]) == (linear, logits)
 
 
 def test_gpu_tables_keep_their_own_attention_kernel():

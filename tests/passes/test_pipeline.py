@@ -6,7 +6,8 @@ from kiln.passes import build_pipeline, kernel_selection
 from pass_testlib import logits_before_after, tiny_llama_ir, typed
 
 CPU = ["shape_inference", "quantize_weights", "fuse_qkv", "fuse_gate_up", "fuse_expert_gate_up", "fuse_silu_mul",
-       "fuse_add_rms_norm", "mla_absorption", "fuse_dequant_linear", "quantize_kv_cache", "fuse_rope_kv_write", "dead_code_elimination",
+       "fuse_add_rms_norm", "mla_absorption", "fuse_dequant_linear", "quantize_kv_cache", "fuse_rope_kv_write", "place_parallel",
+       "fuse_all_reduce_add_rms_norm", "dead_code_elimination",
        "kernel_selection"]
 
 
@@ -123,7 +124,7 @@ def test_full_pipeline_keeps_logits_and_selects_every_kernel(bias, tmp_path):
     assert fused <= set(after.params)
     assert {r.name: r.stats.get("matches") for r in ctx.log if r.name.startswith("fuse_")} == {
         "fuse_qkv": 1, "fuse_gate_up": 1, "fuse_expert_gate_up": 0, "fuse_silu_mul": 1, "fuse_add_rms_norm": 1,
-        "fuse_dequant_linear": 0, "fuse_rope_kv_write": 1}
+        "fuse_dequant_linear": 0, "fuse_rope_kv_write": 1, "fuse_all_reduce_add_rms_norm": 0}  # single device
 
     # the dump after the last pass reads back as the same program
     last = max(tmp_path.glob("*.ir"))

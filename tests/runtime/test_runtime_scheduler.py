@@ -101,6 +101,47 @@ def test_the_tail_sequence_preempts_itself():
     assert sched.waiting == [b] and sched.running == [a]
 
 
+def test_effort_policy_lets_short_budgets_overtake_long_ones_within_a_bound():
+    from kiln.runtime.scheduler import EFFORT_TOKENS_PER_ARRIVAL
+
+    sched = make_scheduler(policy="effort", max_seqs=1, max_batched_tokens=100)
+    long = make_seq(3)
+    long.max_tokens = 4 * EFFORT_TOKENS_PER_ARRIVAL  # due 4 arrivals after it came
+    sched.add(long)
+    shorts = []
+    for _ in range(8):
+        short = make_seq(3)
+        short.max_tokens = 1
+        shorts.append(short)
+        sched.add(short)
+    # the shorts that arrived before the long one's deadline go first, then it, then the rest
+    assert [s.seq_id for s in sched.waiting] == [s.seq_id for s in shorts[:3]] + [long.seq_id] + \
+        [s.seq_id for s in shorts[3:]]
+
+
+def test_effort_policy_keeps_a_lane_for_short_budgets():
+    from kiln.runtime.scheduler import EFFORT_LONG_BUDGET
+
+    sched = make_scheduler(policy="effort", max_seqs=4, max_batched_tokens=100, num_blocks=256)
+    longs = [make_seq(3) for _ in range(4)]
+    for seq in longs:
+        seq.max_tokens = EFFORT_LONG_BUDGET + 1
+        sched.add(seq)
+    step(sched)
+    assert sched.running == longs[:2] and sched.waiting == longs[2:]  # half the slots at most
+    short = make_seq(3)
+    short.max_tokens = 4
+    sched.add(short)  # arrives behind them all, gets a free lane at once
+    step(sched)
+    assert short in sched.running and sched.waiting == longs[2:]
+    fcfs = make_scheduler(policy="fcfs", max_seqs=4, max_batched_tokens=100, num_blocks=256)
+    for seq in [make_seq(3) for _ in range(4)]:
+        seq.max_tokens = EFFORT_LONG_BUDGET + 1
+        fcfs.add(seq)
+    step(fcfs)
+    assert len(fcfs.running) == 4  # other policies: no lanes
+
+
 def test_priority_policy_orders_waiting_queue():
     sched = make_scheduler(policy="priority", max_seqs=1, max_batched_tokens=100)
     low, high = make_seq(3), make_seq(3)

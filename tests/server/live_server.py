@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import marshal
 import socket
+import subprocess
 import threading
 import time
 import types
@@ -17,6 +18,27 @@ import httpx
 
 MODEL = "standin"
 HOOKS = str(Path(__file__).with_name("core_hooks.py")) + ":install"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
+    """Polls `url`/health until it answers 200; fails with the output of a `kiln serve` process that exits first
+    (its stdout a pipe) or that is not up within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "kiln serve did not come up"
+        time.sleep(0.2)
 
 
 class LiveServer:

@@ -3,38 +3,22 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from live_server import free_port, wait_serving
 
 
 def test_kiln_serve_subprocess(standin_dir):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "serve", str(standin_dir), "--port", str(port), "--api-key", "k",
          "--served-model-name", "tiny", "--max-waiting", "8", "--num-kv-blocks", "64", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kiln serve did not come up"
-            time.sleep(0.2)
+        wait_serving(proc, url)
         headers = {"Authorization": "Bearer k"}
         assert httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
         r = httpx.post(url + "/v1/completions", headers=headers,
@@ -68,3 +52,18 @@ def test_serve_parser():
     assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks, args.metrics_public) == (
         None, None, None, 1024, None, False)
     assert build_parser().parse_args(["serve", "art", "--metrics-public"]).metrics_public
+
+
+def test_serve_parser_options_and_unknown_parser_names(standin_dir, capsys):
+    from kiln.runtime.entrypoint import run
+
+    from kiln.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "art", "--tool-parser", "hermes", "--reasoning-parser", "think"])
+    assert (args.tool_parser, args.reasoning_parser) == ("hermes", "think")
+    assert build_parser().parse_args(["serve", "art"]).tool_parser is None  # default: the chat template's
+    # an unknown name: exit 2 with the known ones, before any engine core is started
+    args = build_parser().parse_args(["serve", str(standin_dir), "--tool-parser", "wizard"])
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "unknown tool parser 'wizard'" in err and "hermes" in err and "Traceback" not in err

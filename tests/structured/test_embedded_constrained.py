@@ -18,30 +18,9 @@ from kiln.runtime.structured_output import (
 )
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 from kiln.runtime.tool_parsers import get_tool_parser, tool_choice_grammar
+from schemas import PERSON, TOOLS
 
 jsonschema = pytest.importorskip("jsonschema")
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 12},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
-        "scores": {"type": "array", "maxItems": 2,
-                   "items": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6},
-                                                              "v": {"type": "integer", "minimum": -9, "maximum": 99}},
-                             "required": ["k", "v"], "additionalProperties": False}},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "role", "address", "tags", "active"],
-    "additionalProperties": False,
-}
-
 
 @pytest.fixture(scope="module")
 def engine(embedded_artifact):
@@ -105,7 +84,7 @@ def run(engine, requests):
     finally:
         for request_id, _, _ in requests:
             engine.abort_request(request_id)
-        engine._drain_aborted()
+        engine.drain_aborted()
     return done
 
 
@@ -140,14 +119,6 @@ def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(engine, 
     assert processor.num_masked_rows > 0
     for i in range(5):
         jsonschema.validate(json.loads(mixed[f"c{i}"].text), PERSON)
-
-
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"]}}}]
 
 
 def _streamed_calls(engine, parser, token_ids):

@@ -1,0 +1,123 @@
+"""What a request constrains its output to (`GrammarSpec`): plain text — a kind and its schema, pattern or
+grammar — so that it travels from the API server to the engine core inside `SamplingParams` and equal specs
+share one compiled grammar there (structured_output.GrammarBackend). No xgrammar here: this module is imported
+wherever SamplingParams is."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import RequestError
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
+
+
+class GrammarError(RequestError):
+    """A grammar the request asked for cannot be used: malformed, unsupported by xgrammar (its message is
+    kept), or its compilation timed out. The server answers it with a 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What to constrain one request to. `spec` is text (compact JSON for schemas and structural tags, in
+    the request's key order — property order is part of a schema's meaning to xgrammar —, the pattern, the
+    EBNF), so equal requests share one compiled grammar: the cache key is (kind, spec, strict)."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = True  # json_schema: properties not in the schema are rejected (xgrammar strict_mode)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r} (known: {', '.join(GRAMMAR_KINDS)})")
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return (self.kind, self.spec, self.strict)
+
+    @classmethod
+    def json_object(cls) -> GrammarSpec:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str | bool, strict: bool = True) -> GrammarSpec:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False), bool(strict))
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError("regex must be a non-empty string")
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Seq[str]) -> GrammarSpec:
+        if (not isinstance(choices, (list, tuple)) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise GrammarError("choice must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> GrammarSpec:
+        """xgrammar's EBNF (GBNF-like, rule `root`), or Lark (rule `start`) when it has no `::=`."""
+        if not isinstance(ebnf, str) or not ebnf.strip():
+            raise GrammarError("grammar must be a non-empty string")
+        return cls("grammar", ebnf)
+
+    @classmethod
+    def structural_tag(cls, tag: dict | Any) -> GrammarSpec:
+        """An xgrammar structural tag (a `StructuralTag` or its JSON form)."""
+        if hasattr(tag, "model_dump"):
+            tag = tag.model_dump(mode="json", by_alias=True)
+        if not isinstance(tag, dict):
+            raise GrammarError(f"a structural tag must be a JSON object, got {type(tag).__name__}")
+        return cls("structural_tag", json.dumps(tag, ensure_ascii=False))
+
+
+_SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def grammar_spec_from_response_format(response_format: dict | None) -> GrammarSpec | None:
+    """OpenAI's `response_format` (`text`, `json_object`, `json_schema`) plus kiln's `regex`, `choice`,
+    `grammar` and `structural_tag` types; None when the output is free text. Raises GrammarError on a
+    malformed value (a 400)."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise GrammarError("response_format must be an object")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    if kind == "json_schema":
+        js = response_format.get("json_schema")
+        if not isinstance(js, dict):
+            raise GrammarError("response_format.json_schema must be an object with a name and a schema")
+        name = js.get("name")
+        if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+            raise GrammarError("response_format.json_schema.name must match [a-zA-Z0-9_-]{1,64}")
+        strict = js.get("strict", False)
+        if not isinstance(strict, bool) and strict is not None:
+            raise GrammarError("response_format.json_schema.strict must be a boolean")
+        schema = js.get("schema")
+        if schema is None:  # OpenAI: without a schema, any JSON object
+            return GrammarSpec.json_object()
+        return GrammarSpec.json_schema(schema, strict=bool(strict))
+    if kind in ("regex", "choice", "grammar"):
+        if kind not in response_format:
+            raise GrammarError(f"response_format of type {kind!r} needs a {kind!r} field")
+        return getattr(GrammarSpec, kind)(response_format[kind])
+    if kind == "structural_tag":
+        return GrammarSpec.structural_tag({k: v for k, v in response_format.items()})
+    raise GrammarError(f"unknown response_format type {kind!r} (known: text, json_object, json_schema, regex, "
+                       "choice, grammar, structural_tag)")
