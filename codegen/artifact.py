@@ -249,6 +249,10 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "kv_cache": _kv_cache_section(program),
         "scheduler": dataclasses.asdict(options.scheduler),
         "serve": {"host": options.serve.host, "port": options.serve.port, "served_name": options.serve.served_name},
+        # what `kiln serve --disaggregate` starts (runtime/disagg); absent when the recipe has no disaggregate
+        # section (so such artifacts are byte-identical to those of a kiln without disaggregation)
+        **({"disaggregate": dataclasses.asdict(options.disaggregate)} if "disaggregate" in options.set_sections
+           else {}),
         "weights": {"dir": WEIGHTS_DIR, "files": list(weight_files), **(weights or {}),
                     "total_bytes": total_weight_bytes(program, (weights or {}).get("aliases")) if mesh_of(program).world == 1
                     else _index_bytes(weights or {"tensors": {}})},

@@ -488,9 +488,11 @@ class CudaGraphsOptions:
 
 @dataclass(frozen=True)
 class DisaggregateOptions:
-    prefill: int | None = opt(None, _pos_int)
-    decode: int | None = opt(None, _pos_int)
-    transport: str | None = opt(None, _symbol)
+    """Prefill/decode disaggregation on one machine (`kiln serve ART --disaggregate`; runtime/disagg)."""
+    prefill: int = opt(1, _pos_int)  # prefill cores
+    decode: int = opt(1, _pos_int)  # decode cores
+    transport: str = opt("auto", _choice("auto", "tcp", "nixl"))  # auto: tcp (no extra dependency)
+    remote_prefill: str = opt("always", _choice("always", "never", "auto"))
 
 
 @dataclass(frozen=True)

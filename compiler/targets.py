@@ -64,6 +64,14 @@ class Target:
         for section, what in _NOT_YET.items():
             if section in options.set_sections:
                 refuse(what, section)
+        dis = options.disaggregate
+        for role in ("prefill", "decode"):
+            if getattr(dis, role) > 1:
+                refuse(f"disaggregate.{role} = {getattr(dis, role)}: more than one {role} core is not implemented "
+                       "yet (one prefill and one decode core)", f"disaggregate.{role}")
+        if dis.remote_prefill == "auto":
+            refuse("disaggregate.remote_prefill = auto (conditional disaggregation) is not implemented yet; use "
+                   "always or never", "disaggregate.remote_prefill")
         if options.kv_cache.offload is not None:
             refuse("KV offload to CPU is not implemented yet", "kv_cache.offload")
         self._supports_mesh(options, refuse)
@@ -143,7 +151,6 @@ def _lora_supported(options: RecipeOptions, refuse) -> None:
 
 # Recipe sections kiln parses but cannot build on any target yet: an error at the section, never ignored.
 _NOT_YET = {
-    "disaggregate": "prefill/decode disaggregation is not implemented yet",
 }
 
 TARGETS: dict[str, Target] = {}

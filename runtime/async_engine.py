@@ -225,11 +225,8 @@ class AsyncLLMEngine:
         for p in inputs:  # before the core can answer: its first deltas find the state
             self.processor.add_request(p.request_id, p.prompt_token_ids, params, p.prompt,
                                        _Tracked(group, arrival))
-        raw = encode_params(params)
-        msg = AddRequests(next(self._call_ids), [NewRequest(p.request_id, p.prompt_token_ids, raw, lora_name=lora_name)
-                                                 for p in inputs])
         try:
-            result: AddResult = await self._call(msg)
+            result: AddResult = await self._queue(inputs, params, lora_name)
         except BaseException:
             group.abort()  # queued behind the add: the core aborts whatever got added
             raise
@@ -240,6 +237,13 @@ class AsyncLLMEngine:
             raise (EngineOverloadedError if result.overloaded else RequestError)(result.error)
         self.observer.on_tokens(sum(len(p.prompt_token_ids) for p in inputs), 0)
         return group
+
+    async def _queue(self, inputs: list[PromptInput], params: SamplingParams,
+                     lora_name: str | None = None) -> AddResult:
+        """Sends the requests to the core (runtime/disagg's router overrides this: reserve, then prefill)."""
+        raw = encode_params(params)
+        return await self._call(AddRequests(next(self._call_ids), [
+            NewRequest(p.request_id, p.prompt_token_ids, raw, lora_name=lora_name) for p in inputs]))
 
     def abort(self, request_ids: list[str]) -> None:
         """Ends requests in the core and here; nothing more is delivered for them."""

@@ -82,6 +82,7 @@ class EngineCoreProc:
         self.clients: dict[str, _Client] = {}
         self._clients_lock = threading.Lock()
         self.utilities: dict[str, Callable[..., Any]] = {"stats": lambda e: e.stats(), **LORA_UTILITIES}
+        self.pollers: list[Callable[[], None]] = []  # run every loop iteration (plugins: runtime/disagg's roles)
         self._unscheduled: dict[str, float] = {}  # engine request id -> when it was added
         self.num_step_errors = 0
         self.executor_failure: str | None = None  # set by a mesh executor's watcher thread (a rank died)
@@ -113,6 +114,8 @@ class EngineCoreProc:
             watch(lambda reason: setattr(self, "executor_failure", reason))
         while True:
             received = self._receive(0 if engine.has_unfinished_requests() else idle_ms)
+            for poll in self.pollers:
+                poll()
             self._expire_clients()
             if self.executor_failure is not None:
                 self._executor_died(ExecutorError(f"the model's ranks cannot run: {self.executor_failure}"))

@@ -40,6 +40,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="serve through a router over one prefill and one decode engine core on this machine (the "
+                   "recipe's disaggregate section, else transport tcp, remote_prefill always)")
+    p.add_argument("--kv-transport", choices=["tcp", "nixl"],
+                   help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
     p.add_argument("--speculative", choices=["mtp", "none"],
                    help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -80,12 +85,19 @@ def run_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     host, port = serve_address(args.artifact, args.host, args.port)
+    disaggregate = None
+    if args.disaggregate or args.kv_transport:
+        from .artifact import read_manifest
+        disaggregate = dict(read_manifest(args.artifact).get("disaggregate") or
+                            {"prefill": 1, "decode": 1, "transport": "auto", "remote_prefill": "always"})
+        if args.kv_transport:
+            disaggregate["transport"] = args.kv_transport
     return serve(args.artifact, host=host, port=port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
                  speculative=args.speculative, async_scheduling=args.async_scheduling,
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
-                 reasoning_parser=args.reasoning_parser)
+                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate)
 
 
 def _token_ids(text: str) -> list[int]:

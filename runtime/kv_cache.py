@@ -67,10 +67,7 @@ class BlockManager:
         pinned = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # evictable hits we take
         if need > self.num_free_blocks - pinned:
             return False
-        for b in computed_blocks:
-            if self.ref_counts[b] == 0:
-                self.prefix_cache.touch(b)
-            self.ref_counts[b] += 1
+        self.pin(computed_blocks)
         if computed_blocks:
             seq.block_table.extend(computed_blocks)
             seq.num_registered_blocks = len(computed_blocks)  # already in the cache
@@ -101,13 +98,24 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references, tail first, so the LRU evicts a prefix's last blocks before its first."""
-        for b in reversed(seq.block_table):
+        self.unpin(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def pin(self, blocks: Iterable[int]) -> None:
+        """Takes a reference on each of `blocks` (cached ones stop being evictable)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                self.prefix_cache.touch(b)
+            self.ref_counts[b] += 1
+
+    def unpin(self, blocks: Iterable[int]) -> None:
+        """Drops a reference on each of `blocks`; one left unreferenced stays cached (evictable) or is freed."""
+        for b in blocks:
             assert self.ref_counts[b] > 0, f"block {b} freed with ref count {self.ref_counts[b]}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0 and not (self.prefix_cache and self.prefix_cache.release(b)):
                 self._free.append(b)
-        seq.block_table = []
-        seq.num_registered_blocks = 0
 
     def _take_free_block(self) -> int:
         if self._free:

@@ -222,6 +222,13 @@ class ServeSection(_Section):
     served_name: str | None  # None: the artifact directory's name
 
 
+class DisaggregateSection(_Section):
+    prefill: Annotated[int, Field(strict=True, ge=1, le=1)]  # one prefill and one decode core for now
+    decode: Annotated[int, Field(strict=True, ge=1, le=1)]
+    transport: Literal["auto", "tcp", "nixl"]
+    remote_prefill: Literal["always", "never"]
+
+
 class ParallelParam(_Section):
     shape: list[NonNegInt]  # global
     placement: str  # compiler/placement.py's text form (R, S0[512x1], ...)
@@ -277,6 +284,7 @@ class Manifest(_Section):
     tokenizer: TokenizerSection | None = None
     entry: EntrySection
     serve: ServeSection
+    disaggregate: DisaggregateSection | None = None  # `kiln serve --disaggregate` (runtime/disagg)
     cuda_graphs: CUDAGraphsSection | None = None  # targets that capture CUDA graphs
     drafts: dict[str, DraftSection] = Field(default_factory=dict)
     speculative: SpeculativeSection

@@ -100,6 +100,9 @@ class Scheduler:
         # multi-LoRA: at most this many distinct adapters among the running sequences (the device's adapter
         # slots, lora.LoRAManager); a waiting sequence of another adapter waits until one of them is done
         self.max_loras: int | None = None
+        # Called with every sequence `finish` ends, before its blocks are freed (runtime/disagg: the prefill
+        # role snapshots the K/V it sends, the decode role ends a lease).
+        self.on_finish: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -174,14 +177,19 @@ class Scheduler:
                 adapters.add(seq.lora_id)
             if long:
                 lanes -= 1
-            hits = [] if seq.needs_prompt_logprobs() else self.block_manager.get_computed_blocks(seq)
-            num_cached = len(hits) * self.block_manager.block_size
+            remote = bool(seq.block_table)  # its prompt's K/V but the last token's came from a remote prefill
+            if remote:
+                hits, num_cached = [], seq.num_computed_tokens
+            else:
+                hits = [] if seq.needs_prompt_logprobs() else self.block_manager.get_computed_blocks(seq)
+                num_cached = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - num_cached, self._chunk, budget)
             if not self.block_manager.allocate_slots(seq, n, hits):
                 break
             self.waiting.pop(w)
             seq.num_computed_tokens = num_cached
-            seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
+            if not remote:  # (a remote prefill's own prefix hit is counted by the decode role)
+                seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._key)
             prefills.append((seq, n))
@@ -235,6 +243,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Removes `seq` from whichever queue holds it and frees its blocks (finished or aborted)."""
+        if self.on_finish is not None:
+            self.on_finish(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

@@ -19,8 +19,9 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted: holds no KV blocks
     RUNNING = "running"  # holds KV blocks for its first `num_computed_tokens` tokens
     SWAPPED = "swapped"  # preempted by swap: its computed tokens' K/V wait in CPU blocks `cpu_blocks`
-    FINISHED = "finished"
+    REMOTE = "remote"  # its prompt's K/V is being prefilled elsewhere (runtime/disagg): in no queue, no blocks
     PENDING = "pending"  # not queued yet: its grammar is compiling (constrained.py)
+    FINISHED = "finished"
 
 
 @dataclass(slots=True, eq=False)

@@ -6,6 +6,7 @@ talks to over the engine-core protocol (core_protocol.py). The model never share
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import math
@@ -94,6 +95,8 @@ class OpenAIServer:
         self.max_model_len = engine.info.limits.max_model_len
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(engine.tokenizer)
         self.metrics = ServerMetrics(model_name, lambda: self.async_engine.stats, engine.info.limits.block_size)
+        for collector in getattr(engine, "metrics_collectors", ()):  # a disaggregated router's (runtime/disagg)
+            self.metrics.registry.register(collector)
         self.async_engine = engine
         engine.observer = self.metrics
         self.created = int(time.time())
@@ -1055,14 +1058,16 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
           async_scheduling: bool | None = None, metrics_public: bool = False, num_threads: int | None = None,
-          tool_parser: str | None = None, reasoning_parser: str | None = None) -> int:
+          tool_parser: str | None = None, reasoning_parser: str | None = None,
+          disaggregate: dict | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
     `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device;
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
     threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser`: see
-    OpenAIServer."""
+    OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router over one prefill and one
+    decode core instead of one core."""
     import uvicorn
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
@@ -1070,11 +1075,15 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     config = CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
                         engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
                                               speculative=speculative, async_scheduling=async_scheduling))
-    with CoreProcess.start(config) as core:
-        engine = AsyncLLMEngine.from_process(core)
+    with contextlib.ExitStack() as stack:
+        if disaggregate is None:
+            engine = AsyncLLMEngine.from_process(stack.enter_context(CoreProcess.start(config)))
+        else:  # a router over a prefill and a decode core (runtime/disagg)
+            from .disagg.service import start_disaggregated
+            engine = start_disaggregated(stack, config, disaggregate)
         app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
                         tool_parser=tool_parser, reasoning_parser=reasoning_parser)
-        print(startup_line(core.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
+        print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
         engine.on_dead.append(lambda why: setattr(server, "should_exit", True))

@@ -46,7 +46,7 @@ class LiveServer:
     to the core (it counts the sequences waiting)."""
 
     def __init__(self, artifact: Path, engine_kwargs: dict | None = None, *, max_waiting: int = 1024,
-                 **app_kwargs: Any) -> None:
+                 disaggregate: dict | None = None, **app_kwargs: Any) -> None:
         import uvicorn
         from kiln.runtime.async_engine import AsyncLLMEngine
         from kiln.runtime.core_client import CoreProcess
@@ -55,9 +55,15 @@ class LiveServer:
 
         config = CoreConfig(artifact=str(artifact), engine=dict(engine_kwargs or {}), max_waiting=max_waiting,
                             num_threads=1, plugins=[HOOKS])
-        self.core = CoreProcess.start(config, timeout=60)
+        self._stack = contextlib.ExitStack()
         try:
-            self.engine = AsyncLLMEngine.from_process(self.core)
+            if disaggregate is None:
+                self.core = self._stack.enter_context(CoreProcess.start(config, timeout=60))
+                self.engine = AsyncLLMEngine.from_process(self.core)
+            else:  # a router over a prefill and a decode core (runtime/disagg); `core` is the decode core
+                from kiln.runtime.disagg.service import start_disaggregated
+                self.engine = start_disaggregated(self._stack, config, disaggregate)
+                self.core, self.prefill_core = self.engine.process, self.engine.prefill.process
             self.app = build_app(self.engine, **app_kwargs)
             self.server_state = self.app.state.server
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -72,21 +78,22 @@ class LiveServer:
                 assert self._thread.is_alive() and time.monotonic() < deadline, "server did not start"
                 time.sleep(0.01)
         except BaseException:
-            self.core.close()
+            self._stack.close()
             raise
 
     def stop(self) -> None:
         self._uvicorn.should_exit = True
         self._thread.join(10)
-        self.core.close()
+        self._stack.close()
 
-    def in_engine(self, fn: Callable[..., Any], *args: Any, timeout: float = 10) -> Any:
-        """Runs `fn(engine, *args)` in the engine-core process, between two steps. `fn` travels as its code: no
-        closures or defaults; the modules it names are imported there; args and result must encode."""
+    def in_engine(self, fn: Callable[..., Any], *args: Any, timeout: float = 10, core: Any = None) -> Any:
+        """Runs `fn(engine, *args)` in the engine-core process (`core`: another core's AsyncLLMEngine, e.g. a
+        disaggregated server's `engine.prefill`), between two steps. `fn` travels as its code: no closures or
+        defaults; the modules it names are imported there; args and result must encode."""
         assert fn.__closure__ is None and fn.__defaults__ is None, f"{fn.__name__} must not capture anything"
         modules = {name: value.__name__ for name, value in fn.__globals__.items()
                    if isinstance(value, types.ModuleType) and name in _names(fn.__code__)}
-        call = self.engine.call_utility("test_run", marshal.dumps(fn.__code__), modules, list(args))
+        call = (core or self.engine).call_utility("test_run", marshal.dumps(fn.__code__), modules, list(args))
         return asyncio.run_coroutine_threadsafe(call, self.engine.loop).result(timeout)
 
     def wait_idle(self, timeout: float = 20) -> None:
@@ -99,13 +106,14 @@ class LiveServer:
         assert referenced == [] and free == total, f"{free}/{total} KV blocks free, refs {referenced}"
 
     @contextlib.contextmanager
-    def slow_steps(self, seconds: float) -> Iterator[None]:
+    def slow_steps(self, seconds: float, core: Any = None) -> Iterator[None]:
         """Makes every forward step take at least `seconds` (so a test can act mid-generation)."""
-        self.in_engine(_slow_execute, seconds)
+        self.in_engine(_slow_execute, seconds, core=core)
         try:
             yield
         finally:
-            self.in_engine(lambda e: e.runner.__dict__.pop("execute", None) and None)
+            if core is None or core.is_running:
+                self.in_engine(lambda e: e.runner.__dict__.pop("execute", None) and None, core=core)
 
     def metric(self, name: str) -> float:
         """Sum of a metric's samples (all label sets) from /metrics."""

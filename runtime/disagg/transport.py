@@ -1,0 +1,230 @@
+"""The data plane of a KV transfer: frames (msgspec), their digests, and transports behind one interface.
+
+A transport carries opaque frames one way, prefill -> decode: `send(frame)` on the sending end, `recv(timeout)`
+on the receiving end. None of them is trusted: frames may be lost, late, duplicated, reordered, corrupted or cut
+off by a closed connection, and the decode side's checks (lease, generation, digest; lease.py) make every such
+fault either harmless or a failed transfer, never KV written where it does not belong.
+
+* `InProcTransport`: a queue, for one process; with a `FaultInjector` (seeded) for tests.
+* `ZmqTransport`: TCP through pyzmq (PUSH -> PULL), already a runtime dependency.
+* NIXL: nixl_transport.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+
+class BlockFrame(msgspec.Struct, tag="block", frozen=True):
+    """One block's K/V (every layer, `KVLayout` order) for block `index` of a transfer's leased range."""
+    transfer_id: str
+    index: int
+    block_id: int
+    generation: int
+    digest: bytes
+    payload: bytes
+
+
+class DoneFrame(msgspec.Struct, tag="done", frozen=True):
+    """Every block was sent: their digests, in index order."""
+    transfer_id: str
+    digests: list[bytes]
+
+
+class FailFrame(msgspec.Struct, tag="fail", frozen=True):
+    """The prefill side gave up on the transfer (its request failed or was aborted)."""
+    transfer_id: str
+    reason: str
+
+
+Frame = BlockFrame | DoneFrame | FailFrame
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode(frame: Frame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode(data: bytes) -> Frame | None:
+    """None for bytes that are not a frame (a corrupted one)."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def block_digest(transfer_id: str, index: int, generation: int, payload: bytes) -> bytes:
+    """Binds a block's bytes to the transfer, block index and generation they were sent for."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{transfer_id}\0{index}\0{generation}\0".encode())
+    h.update(payload)
+    return h.digest()
+
+
+class TransportClosed(ConnectionError):
+    pass
+
+
+class Transport:
+    """One direction of frames. `send` never blocks longer than the transport's timeout; `recv` returns what
+    arrived within `timeout` seconds (possibly nothing)."""
+
+    def send(self, frame: bytes) -> None:
+        raise NotImplementedError
+
+    def recv(self, timeout: float = 0.0) -> list[bytes]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class InProcTransport(Transport):
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.closed = False
+
+    def send(self, frame: bytes) -> None:
+        if self.closed:
+            raise TransportClosed("in-process transport closed")
+        self._q.put(frame)
+
+    def recv(self, timeout: float = 0.0) -> list[bytes]:
+        out = []
+        try:
+            out.append(self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait())
+            while True:
+                out.append(self._q.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Faults:
+    """Per-frame probabilities of each fault; `close_after`: frames sent before the connection closes."""
+    drop: float = 0.0
+    delay: float = 0.0       # held back and delivered after the next few frames (or at flush)
+    duplicate: float = 0.0
+    reorder: float = 0.0     # swapped with the next frame
+    corrupt: float = 0.0     # one byte flipped
+    close_after: int | None = None
+
+
+class FaultInjector(Transport):
+    """Wraps a transport's sending end and applies `Faults` with a seeded RNG (reproducible)."""
+
+    def __init__(self, inner: Transport, faults: Faults, seed: int = 0) -> None:
+        self.inner, self.faults, self.rng = inner, faults, random.Random(seed)
+        self.sent = 0
+        self._held: list[tuple[int, bytes]] = []  # (frames left to wait, frame)
+        self._swap: bytes | None = None
+        self.log: list[str] = []
+
+    def send(self, frame: bytes) -> None:
+        f, rng = self.faults, self.rng
+        if f.close_after is not None and self.sent >= f.close_after:
+            self.inner.close()
+            raise TransportClosed("fault injector closed the connection")
+        self.sent += 1
+        if rng.random() < f.drop:
+            self.log.append("drop")
+            return self._tick()
+        if rng.random() < f.corrupt and frame:
+            i = rng.randrange(len(frame))
+            frame = frame[:i] + bytes([frame[i] ^ (1 << rng.randrange(8))]) + frame[i + 1:]
+            self.log.append("corrupt")
+        if rng.random() < f.delay:
+            self._held.append((rng.randint(1, 3), frame))
+            self.log.append("delay")
+            return self._tick()
+        if self._swap is None and rng.random() < f.reorder:
+            self._swap = frame
+            self.log.append("reorder")
+            return self._tick()
+        self.inner.send(frame)
+        if rng.random() < f.duplicate:
+            self.inner.send(frame)
+            self.log.append("duplicate")
+        if self._swap is not None:
+            self.inner.send(self._swap)
+            self._swap = None
+        self._tick()
+
+    def _tick(self) -> None:
+        due = [fr for n, fr in self._held if n <= 1]
+        self._held = [(n - 1, fr) for n, fr in self._held if n > 1]
+        for fr in due:
+            self.inner.send(fr)
+
+    def flush(self) -> None:
+        """Delivers what is still held back (late frames)."""
+        for _, fr in self._held:
+            self.inner.send(fr)
+        self._held = []
+        if self._swap is not None:
+            self.inner.send(self._swap)
+            self._swap = None
+
+    def recv(self, timeout: float = 0.0) -> list[bytes]:
+        return self.inner.recv(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ZmqTransport(Transport):
+    """TCP via pyzmq. The receiving end binds (`ZmqTransport.bind()`; its `endpoint` goes to the sender through
+    the control plane), the sending end connects. `send` gives up after `send_timeout_s` (a dead peer)."""
+
+    def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0) -> None:
+        import zmq
+        self._zmq = zmq
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.PULL if bind else zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if bind:
+            port = self.sock.bind_to_random_port(endpoint) if endpoint.count(":") == 1 else None
+            self.endpoint = f"{endpoint}:{port}" if port is not None else endpoint
+            if port is None:
+                self.sock.bind(endpoint)
+        else:
+            self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+            self.sock.setsockopt(zmq.IMMEDIATE, 1)
+            self.sock.connect(endpoint)
+            self.endpoint = endpoint
+        self._lock = threading.Lock()
+
+    @classmethod
+    def bind(cls, host: str = "tcp://127.0.0.1") -> ZmqTransport:
+        return cls(host, bind=True)
+
+    def send(self, frame: bytes) -> None:
+        with self._lock:
+            try:
+                self.sock.send(frame, copy=False)
+            except self._zmq.Again as error:
+                raise TransportClosed(f"no KV receiver at {self.endpoint}") from error
+            except self._zmq.ZMQError as error:
+                raise TransportClosed(str(error)) from error
+
+    def recv(self, timeout: float = 0.0) -> list[bytes]:
+        out = []
+        if self.sock.poll(int(timeout * 1000)):
+            deadline = time.monotonic() + 0.05
+            while self.sock.poll(0) and time.monotonic() < deadline:
+                out.append(self.sock.recv())
+        return out
+
+    def close(self) -> None:
+        self.sock.close(0)
