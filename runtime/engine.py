@@ -16,7 +16,7 @@ from .constrained import ConstraintManager
 from .core_protocol import RequestLimits, SeqDelta
 from .core_stats import core_stats
 from .errors import RequestError
-from .executor import ExecutorError, create_executor
+from .executor import ExecutorError, apply_swaps, create_executor
 from .kv_cache import BlockManager, SwapSpace
 from .lora import EngineLoRA
 from .outputs import FinishReason
@@ -176,7 +176,7 @@ class EngineCore(EngineLoRA):
             deltas = overlap.step(self)
         else:
             batch = self.scheduler.schedule()
-            deltas = self._step_empty(batch) if batch.is_empty else self._step_sync(self.runner.apply_swaps(batch))
+            deltas = self._step_empty(batch) if batch.is_empty else self._step_sync(apply_swaps(self.runner, batch))
         self.constraints.after_step()
         return deltas
 

@@ -7,6 +7,7 @@ the single-process mesh). The engine sees the same interface either way; only th
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -43,8 +44,6 @@ class Executor(Protocol):
 
     def swap(self, batch: ScheduledBatch) -> None: ...
 
-    def apply_swaps(self, batch: ScheduledBatch) -> ScheduledBatch: ...
-
     def shutdown(self) -> None: ...
 
 
@@ -70,3 +69,12 @@ def create_executor(artifact: Any, sched: SchedulerConfig, *, num_kv_blocks: int
     runner = ModelRunner(artifact.model, kv, plan["kv_blocks"], artifact.device, num_swap_blocks, graphs)
     runner.memory_plan = plan  # what the pool was sized from (benchmarks/gpu_engine.py prints it)
     return runner
+
+
+def apply_swaps(executor: Executor, batch: ScheduledBatch) -> ScheduledBatch:
+    """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and runs again
+    (the engine's isolation) must not copy them twice (a block swapped out may be rewritten by this very step)."""
+    if not (batch.swap_out or batch.swap_in):
+        return batch
+    executor.swap(batch)
+    return replace(batch, swap_out=[], swap_in=[])

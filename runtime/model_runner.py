@@ -101,15 +101,6 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to stop: the model runs in this process (the executor contract, runtime/executor.py)."""
 
-    def apply_swaps(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """Copies the batch's swapped KV blocks now and returns it without swaps: a launch that fails and runs
-        again (the engine's isolation) must not copy them twice (a block swapped out may be rewritten by this
-        very step)."""
-        if not (batch.swap_out or batch.swap_in):
-            return batch
-        self.swap(batch)
-        return replace(batch, swap_out=[], swap_in=[])
-
     def swap(self, batch: ScheduledBatch) -> None:
         """Copies the step's swapped-out blocks to CPU and swapped-in blocks back (before the forward pass)."""
         if batch.swap_out:

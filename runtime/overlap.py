@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .core_protocol import SeqDelta
+from .executor import apply_swaps
 from .sampler import NONFINITE_TOKEN
 from .scheduler import ScheduledBatch
 from .sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
@@ -61,7 +62,7 @@ def step(engine: EngineCore) -> list[SeqDelta]:
             return finish(engine, prev)
         return engine._step_empty(batch)
     overlap = engine.async_scheduling and engine.speculator is None and all(map(overlaps, batch.seqs))
-    batch = engine.runner.apply_swaps(batch)
+    batch = apply_swaps(engine.runner, batch)
     if prev is None and not overlap:
         return engine._step_sync(batch)
     patch = input_patch(batch, prev)

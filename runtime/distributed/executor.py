@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -144,14 +143,6 @@ class MeshExecutor:
             raise ExecutorError(f"the model's ranks cannot run: {e}") from None
 
     # ------------------------------------------------------------ the Executor interface
-    def apply_swaps(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """ModelRunner.apply_swaps: the swaps copied now, the batch returned without them (a retried launch must
-        not copy them twice)."""
-        if not (batch.swap_out or batch.swap_in):
-            return batch
-        self.swap(batch)
-        return replace(batch, swap_out=[], swap_in=[])
-
     def swap(self, batch: ScheduledBatch) -> None:
         if not (batch.swap_out or batch.swap_in):
             return

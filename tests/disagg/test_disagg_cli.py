@@ -15,7 +15,7 @@ import threading
 import time
 
 import httpx
-from test_core_process import _alive, _children, _free_port
+from live_server import child_pids, free_port, pid_alive
 
 import kiln
 
@@ -43,7 +43,7 @@ def test_kiln_serve_disaggregate_and_router_killed(artifact_dir, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["disaggregate"] = {"prefill": 1, "decode": 1, "transport": "nixl", "remote_prefill": "always"}
     (art / "manifest.json").write_text(json.dumps(manifest))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(art), "--disaggregate", "--port",
                              str(port), "--num-kv-blocks", "256", "--num-threads", "1", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -57,7 +57,7 @@ def test_kiln_serve_disaggregate_and_router_killed(artifact_dir, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.1)
         startup = next(line for line in lines if line.startswith("kiln serve:"))
-        children = _children(proc.pid)
+        children = child_pids(proc.pid)
         assert len(children) == 2 and int(re.search(r"engine core pid (\d+)", startup).group(1)) in children
         while True:  # the startup line comes before the router connected its cores and bound the port
             try:
@@ -81,7 +81,7 @@ def test_kiln_serve_disaggregate_and_router_killed(artifact_dir, tmp_path):
         os.kill(proc.pid, signal.SIGKILL)  # the router
         proc.wait(10)
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in children):
+        while any(pid_alive(pid) for pid in children):
             assert time.monotonic() < deadline, "a core outlived its router"
             time.sleep(0.05)
     finally:
@@ -90,6 +90,6 @@ def test_kiln_serve_disaggregate_and_router_killed(artifact_dir, tmp_path):
             proc.wait()
         reader.join(5)
         for pid in children:
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert "Traceback" not in "".join(lines)

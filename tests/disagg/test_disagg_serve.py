@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from live_server import MODEL, LiveServer
-from test_core_process import _alive as alive
+from live_server import pid_alive as alive
 
 BOUND_S = 10.0  # a request's end after a core is killed
 

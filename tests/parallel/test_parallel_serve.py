@@ -6,6 +6,7 @@ request in flight within 10 s and the server exits with a non-zero status. Every
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,31 +20,11 @@ import pytest
 import kiln
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from live_server import free_port, wait_serving  # noqa: E402
+from live_server import child_pids, free_port, pid_alive, wait_serving  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
 PROMPTS = [[7, 8, 9, 10, 11], list(range(40, 57))]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_parallel):
@@ -62,9 +43,9 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
     try:
         url = f"http://127.0.0.1:{port}"
         wait_serving(proc, url, timeout=120)
-        cores = _children(proc.pid)
+        cores = child_pids(proc.pid)
         assert len(cores) == 1, cores  # the engine core process (rank 0)
-        workers = cores + _children(cores[0])
+        workers = cores + child_pids(cores[0])
         assert len(workers) == 2, workers  # and rank 1's worker process, its child
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -93,6 +74,10 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
             lines = s.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             assert "choices" in first
+            deadline = time.monotonic() + 30  # both requests running in the core before the rank dies
+            while not re.search(r"^kiln:num_requests_running\S* 2(\.0)?$", httpx.get(url + "/metrics").text, re.M):
+                assert time.monotonic() < deadline, "the blocking request never started"
+                time.sleep(0.05)
             os.kill(workers[1], signal.SIGKILL)
             killed = time.monotonic()
             rest = [line for line in lines if line.startswith("data:")]
@@ -112,9 +97,9 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
             proc.kill()
             proc.wait(10)
         for pid in workers:
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in workers)
+    assert not any(pid_alive(p) for p in workers)

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import MODEL, LiveServer
+from live_server import MODEL, LiveServer, child_pids, free_port, pid_alive
 from live_server import _slow_execute as slow_execute
 from standin_artifact import write_artifact
 
@@ -93,37 +92,10 @@ def test_killed_core_fails_every_stream_and_health_turns_503(long_artifact: Path
         server.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_kiln_serve_exits_nonzero_when_its_core_is_killed(long_artifact: Path):
     """`kiln serve` as a user runs it (two processes): SIGKILL its engine core mid-stream; every client gets
     an error within 5 s, the server exits with status 1 and leaves no process behind."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(long_artifact), "--port", str(port),
                              "--num-kv-blocks", "4096", "--num-threads", "1", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -139,7 +111,7 @@ def test_kiln_serve_exits_nonzero_when_its_core_is_killed(long_artifact: Path):
             time.sleep(0.1)
         startup = next(line for line in lines if line.startswith("kiln serve:"))
         core_pid = int(re.search(r"engine core pid (\d+)", startup).group(1))
-        children = _children(proc.pid)
+        children = child_pids(proc.pid)
         assert core_pid in children, (core_pid, children)
         killed, endings = asyncio.run(_kill_mid_stream(url, core_pid, clients=4))
         assert [how for how, _ in endings] == ["error"] * 4, endings
@@ -151,12 +123,12 @@ def test_kiln_serve_exits_nonzero_when_its_core_is_killed(long_artifact: Path):
             proc.wait()
         reader.join(5)
         for pid in children:  # what the test itself must not leave behind either
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     output = "".join(lines)
     assert "the engine core is gone" in output and "SIGKILL" in output, output
     assert "Traceback" not in output, output
-    assert [pid for pid in children if _alive(pid)] == [], "kiln serve left processes behind"
+    assert [pid for pid in children if pid_alive(pid)] == [], "kiln serve left processes behind"
 
 
 def test_streaming_sends_deltas_at_2000_tokens(long_artifact: Path, monkeypatch: pytest.MonkeyPatch):
