@@ -192,9 +192,11 @@ def stream_worker(ckpt: Path, min_time: float) -> dict[str, Any]:
 
 def offline_worker(art: Path, batches: list[int], num_prompts: int, b1_prompts: int, input_len: int,
                    output_len: int, num_kv_blocks: int, seed: int) -> dict[str, Any]:
-    """kiln's `LLM.generate` on the served workload, at most B sequences at once, after a short warm-up."""
+    """kiln's `LLM.generate` on the served workload, at most B sequences at once, after a short warm-up. kiln is
+    imported before torch, as a user's script does, so the engine runs under the OpenMP policy it sets (threads.py)."""
+    from kiln.runtime.llm import LLM  # isort: skip
+
     import torch
-    from kiln.runtime.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
 
     from kiln.bench import make_requests

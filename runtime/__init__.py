@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import threads
 from .errors import ArtifactError, KilnRuntimeError, RequestError
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
@@ -19,6 +20,8 @@ _LAZY = {
 __all__ = ["LLM", "ArtifactError", "CompletionOutput", "EngineCore", "ForwardBatch", "IncrementalDetokenizer", "KilnRuntimeError",
            "LLMEngine", "LoadedArtifact", "Logprob", "RequestError", "RequestOutput", "SamplingParams", "Tokenizer",
            "load_artifact"]
+
+threads.prefer_passive_openmp()  # before anything loads torch (threads.py says why)
 
 if TYPE_CHECKING:
     from .artifact import LoadedArtifact, load_artifact
