@@ -192,11 +192,9 @@ def stream_worker(ckpt: Path, min_time: float) -> dict[str, Any]:
 
 def offline_worker(art: Path, batches: list[int], num_prompts: int, b1_prompts: int, input_len: int,
                    output_len: int, num_kv_blocks: int, seed: int) -> dict[str, Any]:
-    """kiln's `LLM.generate` on the served workload, at most B sequences at once, after a short warm-up. kiln is
-    imported before torch, as a user's script does, so the engine runs under the OpenMP policy it sets (threads.py)."""
-    from kiln.runtime.llm import LLM  # isort: skip
-
+    """kiln's `LLM.generate` on the served workload, at most B sequences at once, after a short warm-up."""
     import torch
+    from kiln.runtime.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
 
     from kiln.bench import make_requests
@@ -233,6 +231,8 @@ def run_worker(kind: str, cores: list[int], threads: int, **kw: Any) -> dict[str
 
 
 def _worker_main(args: argparse.Namespace) -> int:
+    if args.worker == "offline":
+        import kiln.runtime  # noqa: F401  before torch, as in a user's script: the OpenMP policy kiln sets (threads.py)
     _pin(args.cores, args.kiln_threads)
     spec = json.loads(args.worker_spec)
     if args.worker == "stream":
