@@ -137,7 +137,7 @@ class DisaggAsyncEngine(AsyncLLMEngine):
     def __init__(self, *args: Any, prefill: AsyncLLMEngine | list[AsyncLLMEngine], remote_prefill: str = "always",
                  transport: str = "tcp",
                  lease_s: float = 30.0, local_prefill_budget_s: float = 0.05, max_local_prefill: int = 256,
-                 max_prefill_queue: int = 8, **kwargs: Any) -> None:
+                 max_prefill_queue: int = 64, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if remote_prefill not in REMOTE_PREFILL:
             raise KilnRuntimeError(f"disaggregate.remote_prefill = {remote_prefill!r} (known: {', '.join(REMOTE_PREFILL)})")
