@@ -5,6 +5,7 @@ fails only the requests it held, within a bound, and the router keeps serving on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -45,6 +46,19 @@ def workload(seed: int = 5) -> tuple[list[list[int]], list[list[int]]]:
     return sharing, unrelated
 
 
+@contextlib.contextmanager
+def replicas(artifact_dir, **kw):
+    """Two replicas behind the router (`kw`: LiveServer's); asserts afterwards that none of its cores is left."""
+    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, replicas=2, **kw)
+    pids = [c.pid for c in server.cores] + [r.engine.prefill.process.pid for r in server.engine.replicas
+                                            if hasattr(r.engine, "prefills")]
+    try:
+        yield server, server.engine
+    finally:
+        server.stop()
+    assert not any(alive(pid) for pid in pids), "a core outlived the server"
+
+
 @pytest.fixture(scope="module")
 def single(artifact_dir):
     """Every prompt's answer from one core (8 and 48 tokens)."""
@@ -58,10 +72,7 @@ def single(artifact_dir):
 
 
 def test_shared_prefix_goes_to_the_replica_holding_it(artifact_dir, single):
-    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, replicas=2)
-    router = server.engine
-    pids = [c.pid for c in server.cores]
-    try:
+    with replicas(artifact_dir) as (server, router):
         sharing, unrelated = workload()
         first = completion(server.url, sharing[0])
         assert first["status"] == 200 and first["body"]["choices"][0]["text"] == single[(tuple(sharing[0]), 8)]
@@ -90,16 +101,10 @@ def test_shared_prefix_goes_to_the_replica_holding_it(artifact_dir, single):
         for r in router.replicas:
             server.wait_idle(core=r.engine)
         assert replica_metric(server, "kiln:router_replica_up", "0") == 1.0
-    finally:
-        server.stop()
-    assert not any(alive(pid) for pid in pids), "a replica outlived the server"
 
 
 def test_killed_replica_fails_only_its_own_requests(artifact_dir, single):
-    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, replicas=2)
-    router = server.engine
-    pids = [c.pid for c in server.cores]
-    try:
+    with replicas(artifact_dir) as (server, router):
         sharing, unrelated = workload()
         completion(server.url, sharing[0])  # some replica caches the shared prefix
         holder = router.routed[next(reversed(router.routed))]
@@ -135,19 +140,13 @@ def test_killed_replica_fails_only_its_own_requests(artifact_dir, single):
             assert got["status"] == 200 and got["body"]["choices"][0]["text"] == single[(tuple(p), 8)]
             assert router.routed[got["body"]["id"] + "-0"] == str(1 - victim)
         server.wait_idle(core=survivor)
-    finally:
-        server.stop()
-    assert not any(alive(pid) for pid in pids), "a replica outlived the server"
 
 
 
 def test_disaggregated_replicas(artifact_dir, single):
     """`--replicas 2 --disaggregate`: two prefill + decode pairs behind the router; requests sharing a prefix stay
     on one pair, whose transfers all succeed; answers equal one core's; no process is left."""
-    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, replicas=2, disaggregate={"transport": "tcp"})
-    router = server.engine
-    pids = [c.pid for c in server.cores] + [r.engine.prefill.process.pid for r in router.replicas]
-    try:
+    with replicas(artifact_dir, disaggregate={"transport": "tcp"}) as (server, router):
         sharing, _ = workload()
         names = set()
         for p in sharing[:3]:
@@ -159,6 +158,3 @@ def test_disaggregated_replicas(artifact_dir, single):
         stats = asyncio.run_coroutine_threadsafe(pair.call_utility("disagg_stats"), router.loop).result(10)
         assert stats["decisions"]["remote"] == 3 and stats["transfers"]["succeeded"] == 3, stats
         assert stats["leases"] == 0 and stats["blocks"]["leased"] == 0, stats
-    finally:
-        server.stop()
-    assert not any(alive(pid) for pid in pids), "a core outlived the server"
