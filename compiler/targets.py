@@ -65,13 +65,10 @@ class Target:
             if section in options.set_sections:
                 refuse(what, section)
         dis = options.disaggregate
-        for role in ("prefill", "decode"):
-            if getattr(dis, role) > 1:
-                refuse(f"disaggregate.{role} = {getattr(dis, role)}: more than one {role} core is not implemented "
-                       "yet (one prefill and one decode core)", f"disaggregate.{role}")
-        if dis.remote_prefill == "auto":
-            refuse("disaggregate.remote_prefill = auto (conditional disaggregation) is not implemented yet; use "
-                   "always or never", "disaggregate.remote_prefill")
+        if dis.decode > 1:
+            refuse(f"disaggregate.decode = {dis.decode}: more than one decode core behind one router is not "
+                   "implemented yet (`kiln serve ART --disaggregate --replicas N` runs N prefill + decode replicas)",
+                   "disaggregate.decode")
         if options.kv_cache.offload is not None:
             refuse("KV offload to CPU is not implemented yet", "kv_cache.offload")
         self._supports_mesh(options, refuse)

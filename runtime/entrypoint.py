@@ -43,6 +43,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregate", action="store_true",
                    help="serve through a router over one prefill and one decode engine core on this machine (the "
                    "recipe's disaggregate section, else transport tcp, remote_prefill always)")
+    p.add_argument("--remote-prefill", choices=["always", "never", "auto"],
+                   help="with --disaggregate: prefill every prompt on the prefill core (always), none (never), or "
+                   "only those whose uncached part would stall the decode core longer than a budget at its measured "
+                   "prefill speed, while the prefill queue has room (auto) (default: the recipe's)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine cores (with --disaggregate: prefill + decode pairs) behind one KV-aware router that "
+                   "sends each request where its prompt's prefix is cached, balanced against load (default 1)")
+    p.add_argument("--router-policy", choices=["kv", "round_robin"], default="kv",
+                   help="with --replicas: route by cached prefix against load (kv), or round robin (for A/B "
+                   "measurements) (default kv)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
     p.add_argument("--speculative", choices=["mtp", "none"],
@@ -85,19 +95,25 @@ def run_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     host, port = serve_address(args.artifact, args.host, args.port)
+    if args.replicas < 1:
+        from .errors import RequestError
+        raise RequestError(f"--replicas {args.replicas}: give at least 1")
     disaggregate = None
-    if args.disaggregate or args.kv_transport:
+    if args.disaggregate or args.kv_transport or args.remote_prefill:
         from .artifact import read_manifest
         disaggregate = dict(read_manifest(args.artifact).get("disaggregate") or
                             {"prefill": 1, "decode": 1, "transport": "auto", "remote_prefill": "always"})
         if args.kv_transport:
             disaggregate["transport"] = args.kv_transport
+        if args.remote_prefill:
+            disaggregate["remote_prefill"] = args.remote_prefill
     return serve(args.artifact, host=host, port=port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
                  speculative=args.speculative, async_scheduling=args.async_scheduling,
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
-                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate)
+                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate, replicas=args.replicas,
+                 router_policy=args.router_policy)
 
 
 def _token_ids(text: str) -> list[int]:

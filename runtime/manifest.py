@@ -223,10 +223,10 @@ class ServeSection(_Section):
 
 
 class DisaggregateSection(_Section):
-    prefill: Annotated[int, Field(strict=True, ge=1, le=1)]  # one prefill and one decode core for now
-    decode: Annotated[int, Field(strict=True, ge=1, le=1)]
+    prefill: Annotated[int, Field(strict=True, ge=1)]
+    decode: Annotated[int, Field(strict=True, ge=1, le=1)]  # one decode core per router for now (or --replicas)
     transport: Literal["auto", "tcp", "nixl"]
-    remote_prefill: Literal["always", "never"]
+    remote_prefill: Literal["always", "never", "auto"]
 
 
 class ParallelParam(_Section):

@@ -5,6 +5,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+MAX_EVENTS = 1 << 16  # prefix-cache events kept for a follower between two drains
 _ROOT_HASH = 0x6B696C6E  # parent of the first block: a fixed seed so hashes are stable across runs
 
 
@@ -31,6 +32,9 @@ class PrefixCache:
     list and is reclaimed (its hash forgotten) only when the free list is empty. `lookup` never modifies the
     cache; the block manager pins hits through `touch` before handing them to a sequence.
     Invariant: a block id is in `_evictable` iff it is cached and its ref count is 0.
+
+    A KV-aware router follows what the cache holds through its events (`record_events`, `take_events`): every
+    hash published and every hash evicted, in order. Nothing is recorded until someone asks.
     """
 
     name = "hash"
@@ -41,6 +45,8 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # block id -> None, oldest first
         self.queries = 0
         self.hits = 0
+        self._events: list[tuple[bool, int]] | None = None  # (published?, hash), oldest first, while followed
+        self._events_lost = False  # a reset since the last take: the follower re-reads `cached_hashes`
 
     @property
     def num_evictable(self) -> int:
@@ -67,6 +73,8 @@ class PrefixCache:
             return False
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        if self._events is not None:
+            self._record(True, block_hash)
         return True
 
     def touch(self, block_id: int) -> None:
@@ -85,13 +93,44 @@ class PrefixCache:
         if not self._evictable:
             return None
         block_id, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block_id)]
+        block_hash = self._hash_of.pop(block_id)
+        del self._block_of[block_hash]
+        if self._events is not None:
+            self._record(False, block_hash)
         return block_id
 
     def reset(self) -> None:
         self._block_of.clear()
         self._hash_of.clear()
         self._evictable.clear()
+        if self._events is not None:
+            self._events.clear()
+            self._events_lost = True
+
+    # Events, for a router that follows this cache (runtime/disagg/router.py) --------------------------------
+    def record_events(self) -> None:
+        """Starts recording published and evicted hashes (idempotent)."""
+        if self._events is None:
+            self._events = []
+
+    def _record(self, published: bool, block_hash: int) -> None:
+        if len(self._events) >= MAX_EVENTS:  # nobody drained them for long: the follower re-reads everything
+            self._events.clear()
+            self._events_lost = True
+        self._events.append((published, block_hash))
+
+    def take_events(self) -> list[tuple[bool, int]] | None:
+        """The (published?, hash) events since the last call, oldest first, and forgets them; None when the cache
+        was reset meanwhile (the follower then re-reads `cached_hashes`)."""
+        events, self._events = self._events, []
+        if self._events_lost:
+            self._events_lost = False
+            return None
+        return events or []
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash the cache holds now (referenced or evictable)."""
+        return list(self._block_of)
 
 
 PREFIX_CACHES: dict[str, Callable[[], PrefixCache]] = {

@@ -15,6 +15,7 @@ Sampling happens on the decode core only, so its state (seeds, logprobs, stop ch
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -42,6 +43,9 @@ from .transport import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Upper bounds (seconds) of the decode side's transfer-time histogram: lease reserved -> committed.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class DisaggError(KilnRuntimeError):
@@ -117,35 +121,51 @@ class DecodeRole:
         self.decisions: Counter[str] = Counter()  # "remote", "local:<reason>", "fallback:<state>"
         self.num_bad_frames = 0
         self.bytes_received = 0
+        self.uncached = 0  # prompt tokens past the prefix-cache hit of the latest add_request
+        self.last_decision = ""  # and its decision: "remote" or "local:<reason>"
+        self.transfer_counts = [0] * (len(TRANSFER_BUCKETS) + 1)  # committed transfers per TRANSFER_BUCKETS bin
+        self.transfer_seconds = 0.0
         engine.scheduler.on_finish = self._on_finish
 
     # Admission --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None,
-                    transfer_id: str, *, priority: int = 0) -> RemotePrefill | None:
+                    transfer_id: str, *, priority: int = 0, min_remote_tokens: int = 0,
+                    local_reason: str | None = None) -> RemotePrefill | None:
+        """Queues the request; returns the leased destination for a remote prefill, or None to prefill it here:
+        `local_reason` (the router decided: e.g. its prefill queue is full), or fewer than `min_remote_tokens`
+        prompt tokens left to compute past this core's prefix-cache hit (conditional disaggregation), or a
+        reason of the request's own. `self.last_decision` and `self.uncached` (the prompt tokens past the hit) then
+        describe it."""
         engine = self.engine
         engine.add_request(request_id, prompt_token_ids, params, priority=priority)
         seqs = engine.requests[request_id].seqs
         seq = seqs[0]
-        reason = _local_reason(seq, len(seqs))
+        reason = local_reason or _local_reason(seq, len(seqs))
         bm = engine.block_manager
         hits: list[int] = []
+        self.uncached = seq.num_tokens
         if reason is None:
             hits = bm.get_computed_blocks(seq)
             need = cdiv(seq.num_tokens - 1, bm.block_size) - len(hits)
+            self.uncached = seq.num_tokens - len(hits) * bm.block_size
             if need <= 0:
                 reason = "nothing_to_transfer"
+            elif self.uncached - 1 < min_remote_tokens:
+                reason = "short_prompt"
         if reason is None:
             lease = self.ledger.reserve(transfer_id, need, hits)
             if lease is None:
                 reason = "no_free_blocks"
         if reason is not None:
-            self.decisions["local:" + reason] += 1
+            self.last_decision = "local:" + reason
+            self.decisions[self.last_decision] += 1
             return None
         engine.scheduler.waiting.remove(seq)
         seq.status = SequenceStatus.REMOTE
         seq.num_cached_tokens = len(hits) * bm.block_size
         self.pending[transfer_id] = seq
         self._transfer_of[seq.seq_id] = transfer_id
+        self.last_decision = "remote"
         self.decisions["remote"] += 1
         return RemotePrefill(transfer_id, seq.num_tokens, len(hits), lease.blocks, lease.generations, self.layout,
                              self.endpoint)
@@ -213,6 +233,9 @@ class DecodeRole:
         for tid, seq in list(self.pending.items()):
             lease = self.ledger.commit(tid)
             if lease is not None:
+                seconds = self.ledger.clock() - (lease.deadline - self.ledger.lease_s)
+                self.transfer_counts[bisect.bisect_left(TRANSFER_BUCKETS, seconds)] += 1
+                self.transfer_seconds += seconds
                 seq.block_table = lease.hit_blocks + lease.blocks
                 seq.num_registered_blocks = len(lease.hit_blocks)
                 seq.num_computed_tokens = seq.num_tokens - 1

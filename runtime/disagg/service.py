@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -24,7 +25,7 @@ from ..async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput
 from ..core_protocol import AddResult, decode_params, encode_params
 from ..errors import KilnRuntimeError, RequestError
 from ..sampling_params import SamplingParams
-from .roles import DecodeRole, PrefillRole, RemotePrefill
+from .roles import TRANSFER_BUCKETS, DecodeRole, PrefillRole, RemotePrefill
 from .transport import Transport, ZmqTransport
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,13 @@ REMOTE_PREFILL = ("always", "never", "auto")
 
 
 TRANSPORTS = ("tcp", "nixl")
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+def _histogram(name: str, doc: str):
+    """A histogram of the router's own, in no registry (its collector yields it into the server's)."""
+    from prometheus_client import Histogram
+    return Histogram(name, doc, buckets=_TTFT_BUCKETS, registry=None)
 
 
 def make_receiver(kind: str, block_bytes: int, bind: str = "tcp://127.0.0.1") -> Transport:
@@ -66,15 +74,19 @@ def decode_plugin(proc) -> None:
         role = state["role"]
         return {"endpoint": role.endpoint, "layout": msgspec.to_builtins(role.layout)}
 
-    def add(engine, request_id: str, prompt: list[int], params: bytes, transfer_id: str, priority: int = 0):
+    def add(engine, request_id: str, prompt: list[int], params: bytes, transfer_id: str, priority: int = 0,
+            policy: dict | None = None) -> dict:
+        """`policy`: `min_remote_tokens`, `local_reason` (DecodeRole.add_request). Returns the descriptor (None:
+        prefilled here), the decision and the prompt tokens past this core's prefix-cache hit."""
         role = state["role"]
         try:
             desc = role.add_request(request_id, prompt, decode_params(msgspec.Raw(params)), transfer_id,
-                                    priority=priority)
+                                    priority=priority, **(policy or {}))
         except msgspec.ValidationError as e:
             raise RequestError(str(e)) from None
         proc._unscheduled[request_id] = time.monotonic()
-        return None if desc is None else msgspec.to_builtins(desc)
+        return {"desc": None if desc is None else msgspec.to_builtins(desc), "decision": role.last_decision,
+                "uncached": role.uncached}
 
     def poll() -> None:
         role = state.get("role")
@@ -94,7 +106,8 @@ def decode_plugin(proc) -> None:
 def _decode_stats(role: DecodeRole) -> dict[str, Any]:
     return {"decisions": dict(role.decisions), "transfers": dict(role.ledger.counts), "blocks": role.check(),
             "leases": len(role.ledger.leases), "pending": len(role.pending), "bad_frames": role.num_bad_frames,
-            "bytes_received": role.bytes_received}
+            "bytes_received": role.bytes_received,
+            "transfer_seconds": {"counts": role.transfer_counts, "sum": role.transfer_seconds}}
 
 
 def prefill_plugin(proc) -> None:
@@ -116,31 +129,54 @@ def prefill_plugin(proc) -> None:
 
 
 class DisaggAsyncEngine(AsyncLLMEngine):
-    """The router's engine over one decode core (`self`: its deltas are the requests' outputs) and one prefill
-    core (`self.prefill`, an AsyncLLMEngine used for its utilities and liveness only)."""
+    """The router's engine over one decode core (`self`: its deltas are the requests' outputs) and one or more
+    prefill cores (`self.prefills`, AsyncLLMEngines used for their utilities and liveness only; `self.prefill` is
+    the first). Each remote prefill goes to the live prefill core with the fewest transfers in flight; one that
+    dies fails only its own transfers (they fall back to the decode core) and the others carry on."""
 
-    def __init__(self, *args: Any, prefill: AsyncLLMEngine, remote_prefill: str = "always", transport: str = "tcp",
-                 lease_s: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, prefill: AsyncLLMEngine | list[AsyncLLMEngine], remote_prefill: str = "always",
+                 transport: str = "tcp",
+                 lease_s: float = 30.0, local_prefill_budget_s: float = 0.05, max_local_prefill: int = 256,
+                 max_prefill_queue: int = 64, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if remote_prefill not in REMOTE_PREFILL:
             raise KilnRuntimeError(f"disaggregate.remote_prefill = {remote_prefill!r} (known: {', '.join(REMOTE_PREFILL)})")
-        self.prefill = prefill
+        self.prefills = list(prefill) if isinstance(prefill, list) else [prefill]
         self.remote_prefill = remote_prefill
         self.lease_s = lease_s
         self.transport = transport
         self.transfers: dict[str, str] = {}  # request id -> transfer id, while its prefill may be in flight
+        self._prefill_of: dict[str, AsyncLLMEngine] = {}  # transfer id -> the prefill core computing it
         self.prefill_errors = 0
         self.disagg_stats: dict[str, Any] = {}
+        # Conditional disaggregation (`auto`): a prompt is prefilled on the decode core when what is left of it
+        # past the decode core's prefix-cache hit takes at most `local_prefill_budget_s` there, at the decode
+        # core's measured prefill speed (`max_local_prefill` tokens until it was measured), or when
+        # `max_prefill_queue` remote prefills are in flight already.
+        self.local_prefill_budget_s = local_prefill_budget_s
+        self.max_local_prefill = max_local_prefill
+        self.max_prefill_queue = max_prefill_queue
+        self.local_prefill_tps: float | None = None  # the decode core's prefill speed (tokens/s, EWMA)
+        # request id -> [decision, added at, uncached tokens, first token at], until its first token was timed
+        self._first_token: dict[str, list] = {}
+        self.ttft = {path: _histogram(f"kiln:{path}_prefill_ttft_seconds", f"Time to first token of requests "
+                                      f"prefilled {where}.") for path, where in
+                     (("remote", "on the prefill core"), ("local", "on the decode core"))}
+
+    @property
+    def prefill(self) -> AsyncLLMEngine:
+        return self.prefills[0]
 
     async def start(self) -> None:
         await super().start()
-        await self.prefill.start()
-        self.prefill.on_dead.append(self._prefill_died)
         decode = await self.call_utility("disagg_init", {"lease_s": self.lease_s, "transport": self.transport})
-        prefill = await self.prefill.call_utility("disagg_init", {})
-        if decode["layout"] != prefill["layout"]:
-            raise KilnRuntimeError(f"the prefill and decode cores' KV layouts differ ({prefill['layout']} vs "
-                                   f"{decode['layout']}); they must serve artifacts with the same KV layout")
+        for core in self.prefills:
+            await core.start()
+            core.on_dead.append(lambda why, core=core: self._prefill_died(core, why))
+            prefill = await core.call_utility("disagg_init", {})
+            if decode["layout"] != prefill["layout"]:
+                raise KilnRuntimeError(f"the prefill and decode cores' KV layouts differ ({prefill['layout']} vs "
+                                       f"{decode['layout']}); they must serve artifacts with the same KV layout")
         self._tasks.append(asyncio.ensure_future(self._poll_stats()))
 
     async def _poll_stats(self) -> None:
@@ -156,58 +192,137 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         return [_DisaggCollector(self)]
 
     async def shutdown(self) -> None:
-        await self.prefill.shutdown()
+        for core in self.prefills:
+            await core.shutdown()
         await super().shutdown()
+
+    def _pick_prefill(self) -> AsyncLLMEngine | None:
+        """The live prefill core with the fewest transfers in flight (None: none is live)."""
+        live = [core for core in self.prefills if core.is_running]
+        if not live:
+            return None
+        load = {id(core): 0 for core in live}
+        for core in self._prefill_of.values():
+            if id(core) in load:
+                load[id(core)] += 1
+        return min(live, key=lambda core: load[id(core)])
 
     async def _queue(self, inputs: list[PromptInput], params: SamplingParams,
                      lora_name: str | None = None) -> AddResult:
         if lora_name is not None:  # the prefill core would compute the base model's K/V
             raise RequestError("LoRA adapters are not served by a disaggregated server yet; serve the artifact "
                                "without --disaggregate")
-        if self.remote_prefill == "never" or not self.prefill.is_running:
+        if self.remote_prefill == "never" or not any(core.is_running for core in self.prefills):
             return await super()._queue(inputs, params)
         raw = bytes(encode_params(params))
         added: list[str] = []
         for p in inputs:
             tid = uuid.uuid4().hex
+            timing = self._first_token[p.request_id] = [None, time.monotonic(), 0, None]
             try:
-                desc = await self.call_utility("disagg_add", self.client_name + SEP + p.request_id,
-                                               p.prompt_token_ids, raw, tid)
+                reply = await self.call_utility("disagg_add", self.client_name + SEP + p.request_id,
+                                                p.prompt_token_ids, raw, tid, 0, self.policy())
             except EngineOverloadedError:  # the decode core is gone: 503
+                self._first_token.pop(p.request_id, None)
                 raise
             except KilnRuntimeError as e:  # the decode core refused it: all of the group or none
+                self._first_token.pop(p.request_id, None)
                 if added:
                     self.abort(added)
                 return AddResult(0, str(e).partition("core: ")[2] or str(e))
             added.append(p.request_id)
-            if desc is None:
+            desc = reply["desc"]
+            timing[0], timing[2] = reply["decision"], reply["uncached"]
+            if timing[3] is not None:  # its first token came before this coroutine resumed
+                self._observe_first_token(p.request_id)
+            core = self._pick_prefill()
+            if desc is None or core is None:
+                if desc is not None:  # every prefill core died meanwhile
+                    await self.call_utility("disagg_fail", [tid])
                 continue
             self.transfers[p.request_id] = tid
+            self._prefill_of[tid] = core
             try:
-                await self.prefill.call_utility("disagg_prefill", self.prefill.client_name + SEP + tid,
-                                                p.prompt_token_ids, desc)
+                await core.call_utility("disagg_prefill", core.client_name + SEP + tid, p.prompt_token_ids, desc)
             except KilnRuntimeError as e:  # the decode core prefills it itself
                 self.prefill_errors += 1
                 logger.warning("the prefill core refused transfer %s: %s", tid, e)
                 self.transfers.pop(p.request_id, None)
+                self._prefill_of.pop(tid, None)
                 await self.call_utility("disagg_fail", [tid])
         return AddResult(0)
 
+    def policy(self) -> dict[str, Any]:
+        """What the decode core is told for the next request (DecodeRole.add_request)."""
+        if self.remote_prefill == "always":
+            return {}
+        if len(self.transfers) >= self.max_prefill_queue:
+            return {"local_reason": "prefill_queue_full"}
+        return {"min_remote_tokens": self.local_prefill_threshold}
+
+    @property
+    def local_prefill_threshold(self) -> int:
+        """Prompt tokens the decode core prefills within `local_prefill_budget_s` at its measured speed."""
+        if self.local_prefill_tps is None:
+            return self.max_local_prefill
+        return int(self.local_prefill_tps * self.local_prefill_budget_s)
+
+    def _first_tokens(self, deltas) -> None:
+        now = time.monotonic()
+        for d in deltas:
+            timing = self._first_token.get(d.request_id)
+            if timing is None:
+                continue
+            if not d.token_ids:  # it ended without a token (an error)
+                if d.finish_reason is not None:
+                    del self._first_token[d.request_id]
+                continue
+            timing[3] = now
+            if timing[0] is not None:
+                self._observe_first_token(d.request_id)
+
+    def _observe_first_token(self, request_id: str) -> None:
+        """TTFT per path; a short prompt prefilled on the decode core measures that core's prefill speed."""
+        timing = self._first_token.pop(request_id, None)
+        if timing is None:  # aborted meanwhile
+            return
+        decision, added, uncached, first = timing
+        seconds = max(first - added, 1e-6)
+        self.ttft["remote" if decision == "remote" else "local"].observe(seconds)
+        if decision == "local:short_prompt":
+            tps = uncached / seconds
+            self.local_prefill_tps = tps if self.local_prefill_tps is None else 0.8 * self.local_prefill_tps + 0.2 * tps
+
     def abort(self, request_ids: list[str]) -> None:
         super().abort(request_ids)
-        tids = [self.transfers.pop(r) for r in request_ids if r in self.transfers]
-        if tids and self.prefill.is_running:
-            self.prefill.abort([tid for tid in tids])  # ids of the prefill core's own requests
+        for r in request_ids:
+            self._first_token.pop(r, None)
+        per_core: dict[int, tuple[AsyncLLMEngine, list[str]]] = {}
+        for r in request_ids:
+            tid = self.transfers.pop(r, None)
+            core = self._prefill_of.pop(tid, None) if tid is not None else None
+            if core is not None:
+                per_core.setdefault(id(core), (core, []))[1].append(tid)
+        for core, tids in per_core.values():
+            if core.is_running:
+                core.abort(tids)  # ids of the prefill core's own requests
 
     def _on_step(self, msg) -> None:
         super()._on_step(msg)
         for d in msg.deltas:  # decode has started: its prefill is over (or never came)
-            self.transfers.pop(d.request_id, None)
+            tid = self.transfers.pop(d.request_id, None)
+            if tid is not None:
+                self._prefill_of.pop(tid, None)
+        if self._first_token:
+            self._first_tokens(msg.deltas)
 
-    def _prefill_died(self, why: str) -> None:
-        tids = list(self.transfers.values())
-        self.transfers.clear()
-        logger.error("the prefill core is gone (%s): %d transfer(s) fall back to decode-side prefill", why, len(tids))
+    def _prefill_died(self, core: AsyncLLMEngine, why: str) -> None:
+        tids = [tid for tid, c in self._prefill_of.items() if c is core]
+        for tid in tids:
+            del self._prefill_of[tid]
+        gone = set(tids)
+        self.transfers = {r: tid for r, tid in self.transfers.items() if tid not in gone}
+        logger.error("a prefill core is gone (%s): %d transfer(s) fall back to decode-side prefill", why, len(tids))
         if tids and self.is_running:
             self.loop.create_task(self.call_utility("disagg_fail", tids))
 
@@ -220,7 +335,7 @@ class _DisaggCollector:
         self.engine = engine
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         s = self.engine.disagg_stats
         transfers = s.get("transfers", {})
@@ -240,6 +355,20 @@ class _DisaggCollector:
         for decision, n in s.get("decisions", {}).items():
             family.add_metric([decision], n)
         yield family
+        buckets = s.get("transfer_seconds")
+        if buckets:  # the decode core's: lease reserved -> committed
+            family = HistogramMetricFamily("kiln:kv_transfer_seconds", "KV transfers, reservation to commit "
+                                           "(decode side).", sum_value=buckets["sum"],
+                                           buckets=list(zip(map(str, (*TRANSFER_BUCKETS, "+Inf")),
+                                                            itertools.accumulate(buckets["counts"]))))
+            yield family
+        family = GaugeMetricFamily("kiln:local_prefill_threshold_tokens", "Conditional disaggregation: prompts "
+                                   "with at most this many tokens past the decode core's prefix-cache hit are "
+                                   "prefilled there (from its measured prefill speed).")
+        family.add_metric([], self.engine.local_prefill_threshold)
+        yield family
+        for histogram in self.engine.ttft.values():
+            yield from histogram.collect()
 
 
 def resolve_transport(kind: str) -> str:
@@ -247,26 +376,34 @@ def resolve_transport(kind: str) -> str:
 
 
 def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout: float = 10.0) -> DisaggAsyncEngine:
-    """`kiln serve --disaggregate`: starts a decode and a prefill core (each `config` plus its role's plugin;
-    the CPUs this process may use split between them unless `config.num_threads` is set) under `stack`, and
-    returns the router's engine over them (started by the server's lifespan)."""
+    """`kiln serve --disaggregate`: starts a decode core and `disaggregate["prefill"]` (1) prefill cores (each
+    `config` plus its role's plugin; the CPUs this process may use split between them unless `config.num_threads`
+    is set) under `stack`, and returns the router's engine over them (started by the server's lifespan)."""
     import os
 
     from ..artifact import open_tokenizer
     from ..core_client import CoreProcess
 
-    threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // 2)
-    configs = {role: msgspec.structs.replace(config, num_threads=threads, input_address="",
-                                             plugins=[*config.plugins, f"kiln.runtime.disagg.service:{role}_plugin"])
-               for role in ("decode", "prefill")}
+    num_prefill = int(disaggregate.get("prefill", 1))
+    transport = resolve_transport(disaggregate.get("transport", "auto"))
+    if num_prefill > 1 and transport != "tcp":  # a NIXL receiver's staging ring has one sender's credits
+        raise KilnRuntimeError(f"disaggregate.prefill = {num_prefill} needs transport = tcp (NIXL pairs one prefill "
+                               "core with a decode core here)")
+    threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // (num_prefill + 1))
+
+    def role_config(role: str):
+        return msgspec.structs.replace(config, num_threads=threads, input_address="",
+                                       plugins=[*config.plugins, f"kiln.runtime.disagg.service:{role}_plugin"])
     # One after the other, from this thread: a core dies with the *thread* that started it (PR_SET_PDEATHSIG
     # follows the creating thread), so starting them from a pool's threads would kill them when those exit.
-    cores = {role: stack.enter_context(CoreProcess.start(cfg)) for role, cfg in configs.items()}
-    info = cores["decode"].info
+    decode = stack.enter_context(CoreProcess.start(role_config("decode")))
+    prefills = [stack.enter_context(CoreProcess.start(role_config("prefill"))) for _ in range(num_prefill)]
+    info = decode.info
     tokenizer = open_tokenizer(info.tokenizer_dir, info.limits.vocab_size) if info.tokenizer_dir else None
-    prefill = AsyncLLMEngine(cores["prefill"].info, None, process=cores["prefill"], client_name="router-p",
-                             heartbeat_timeout=heartbeat_timeout)
-    return DisaggAsyncEngine(info, tokenizer, process=cores["decode"], prefill=prefill,
-                             remote_prefill=disaggregate.get("remote_prefill", "always"),
-                             transport=resolve_transport(disaggregate.get("transport", "auto")),
+    engines = [AsyncLLMEngine(core.info, None, process=core, client_name="router-p",
+                              heartbeat_timeout=heartbeat_timeout) for core in prefills]
+    tuning = {k: disaggregate[k] for k in ("local_prefill_budget_s", "max_local_prefill", "max_prefill_queue")
+              if k in disaggregate}
+    return DisaggAsyncEngine(info, tokenizer, process=decode, prefill=engines, **tuning,
+                             remote_prefill=disaggregate.get("remote_prefill", "always"), transport=transport,
                              lease_s=float(disaggregate.get("lease_s", 30.0)), heartbeat_timeout=heartbeat_timeout)

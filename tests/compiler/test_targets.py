@@ -52,8 +52,7 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
 
 @pytest.mark.parametrize("extra, needle", [
     ("  lora { max_loras = 2 }; quantize { weights = fp8 }", "LoRA over quantized base weights is not supported"),
-    ("  disaggregate { prefill = 2 }", "disaggregate.prefill = 2: more than one prefill core is not implemented"),
-    ("  disaggregate { remote_prefill = auto }", "conditional disaggregation) is not implemented yet"),
+    ("  disaggregate { decode = 2 }", "disaggregate.decode = 2: more than one decode core behind one router"),
     ("  kv_cache { offload = cpu(1GiB) }", "KV offload to CPU is not implemented yet"),
     ("  parallel { pp = 2 }", "pipeline parallelism is not implemented"),
     ("  parallel { tp = 16 }", "16 ranks (tp x dp) exceed target cpu's 8 devices"),

@@ -48,9 +48,9 @@ class Pair:
         self.prefill_role = PrefillRole(prefill, lambda endpoint: transport, threaded=threaded)
         self._ids = itertools.count()
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams):
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, **policy):
         tid = f"x{next(self._ids)}"
-        desc = self.decode_role.add_request(request_id, prompt, params, tid)
+        desc = self.decode_role.add_request(request_id, prompt, params, tid, **policy)
         if desc is not None:
             self.prefill_role.add(tid, prompt, desc)
         return desc

@@ -12,7 +12,7 @@ from kiln.runtime.disagg.roles import KVLayout
 from kiln.runtime.disagg.service import connect, make_receiver
 from kiln.runtime.engine import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
-from pair import Pair, run_colocated
+from pair import Pair, collect, run_colocated
 
 BS = 4  # the stand-in artifact's block size
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
@@ -94,6 +94,19 @@ def test_identity_batched_and_with_decode_prefix_hit(artifact_dir, reference):
     assert pair.prefill_role.bytes_sent - sent_before < (long_blocks * pair.decode_role.layout.block_bytes)
     assert pair.decode_role.decisions["local:nothing_to_transfer"] >= 1
     pair.decode_role.check()
+
+
+def test_conditional_local_prefill_keeps_identity(artifact_dir, reference):
+    """Prompts with fewer than `min_remote_tokens` tokens to compute past the decode core's hit prefill there."""
+    ps, ref = reference
+    pair = Pair(engine(artifact_dir), engine(artifact_dir))
+    for i, p in enumerate(ps):
+        pair.add(f"r{i}", p, GREEDY, min_remote_tokens=2 * BS)
+    assert_same(collect(pair.decode, pair.pump), ref, exact_logprobs=False)
+    d = pair.decode_role.decisions
+    assert d["local:short_prompt"] == sum(1 for p in ps if 2 <= len(p) <= 2 * BS), d  # 1..7 tokens to send
+    assert d["remote"] == sum(1 for p in ps if len(p) > 2 * BS), d
+    assert pair.decode_role.ledger.leases == {} and pair.decode_role.check()["leased"] == 0
 
 
 @pytest.mark.parametrize("kind", ["tcp", "nixl"])

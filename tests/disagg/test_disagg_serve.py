@@ -146,6 +146,104 @@ def test_decode_killed_fails_every_request_in_bound(artifact_dir):
         assert all(r["status"] in (200, 500, 503) for r in results), results
         assert any(r["status"] != 200 for r in results)
         assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+        # the prefill core is left with nothing: its requests ended, every block of it free, its sender not stuck
+        server.wait_idle(core=server.engine.prefill)
+        assert alive(prefill_pid)
     finally:
         server.stop()
     assert not alive(prefill_pid), "the prefill core outlived the server"
+
+
+def test_conditional_disaggregation_auto(artifact_dir, colocated):
+    """remote_prefill = auto: a prompt whose part past the decode core's prefix-cache hit is short is prefilled on
+    the decode core (which measures its prefill speed from them and sets the threshold from it), a long one on
+    the prefill core, none remotely while the prefill queue is full; every answer equals co-located serving."""
+    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, disaggregate={
+        "transport": "tcp", "remote_prefill": "auto", "max_local_prefill": 8, "local_prefill_budget_s": 1.0})
+    router = server.engine
+    try:
+        ps = prompts()
+        long_a, long_b, long_c, short = ps[8], ps[11], ps[7], ps[1]  # 60, 41, 33 and 3 tokens
+
+        def ask(p):
+            got = completion(server.url, p)
+            assert got["status"] == 200 and got["body"]["choices"][0]["text"] == colocated[tuple(p)]["text"], p
+            return disagg_stats(server)["decisions"]
+
+        assert router.local_prefill_threshold == 8  # nothing measured yet
+        assert ask(long_a) == {"remote": 1}
+        assert ask(short) == {"remote": 1, "local:short_prompt": 1}
+        assert router.local_prefill_tps is not None and router.local_prefill_threshold >= 4  # >= 4 tokens/s
+        # the same long prompt again: the decode core caches all but its last block, so it is short now
+        assert ask(long_a)["local:short_prompt"] == 2
+        router.max_prefill_queue = 0  # (the router's attribute; read per request on its loop)
+        assert ask(long_b)["local:prefill_queue_full"] == 1
+        router.max_prefill_queue = 8
+        router.local_prefill_tps = 1.0  # a slow decode core (threshold 1 token): long prompts go remote again
+        assert ask(long_c)["remote"] == 2
+        stats = disagg_stats(server)
+        assert stats["transfers"]["succeeded"] == 2 and stats["leases"] == 0 and stats["blocks"]["leased"] == 0
+        deadline = time.monotonic() + 5
+        while server.metric("kiln:remote_prefill_ttft_seconds_count") < 2 or \
+                server.metric("kiln:local_prefill_ttft_seconds_count") < 3 or \
+                server.metric("kiln:kv_transfer_seconds_count") < 2:
+            assert time.monotonic() < deadline, "per-path TTFT / transfer histograms missing from /metrics"
+            time.sleep(0.1)
+        assert server.metric("kiln:local_prefill_threshold_tokens") == 1.0
+        server.wait_idle()
+    finally:
+        server.stop()
+
+
+def prefill_stats(server: LiveServer, core) -> dict:
+    return asyncio.run_coroutine_threadsafe(core.call_utility("disagg_stats"), server.engine.loop).result(10)
+
+
+def test_two_prefill_cores_share_transfers_and_one_dying_costs_nothing(artifact_dir, colocated):
+    # no prefix cache: the same prompts again are whole transfers again; 16 tokens a step: prefills take steps
+    server = LiveServer(artifact_dir, {"num_kv_blocks": 256, "max_num_batched_tokens": 16, "prefix_cache": None},
+                        disaggregate={"transport": "tcp", "prefill": 2})
+    router = server.engine
+    try:
+        assert len(router.prefills) == 2
+        ps = prompts()
+
+        def check(results):
+            for p, got in zip(ps, results):
+                assert got["status"] == 200, got
+                assert got["body"]["choices"][0]["text"] == colocated[tuple(p)]["text"], p
+
+        with ThreadPoolExecutor(len(ps)) as pool:
+            check(list(pool.map(lambda p: completion(server.url, p), ps)))
+        sent = [prefill_stats(server, core)["counts"].get("sent", 0) for core in router.prefills]
+        assert all(sent) and sum(sent) == disagg_stats(server)["transfers"]["succeeded"], sent
+        victim = router.prefills[1]
+        with server.slow_steps(0.1, core=victim), ThreadPoolExecutor(len(ps)) as pool:
+            futures = [pool.submit(completion, server.url, p) for p in ps]
+            deadline = time.monotonic() + 20
+            while not _computing_on(router, victim):
+                assert time.monotonic() < deadline, "no transfer went to the second prefill core"
+                time.sleep(0.01)
+            os.kill(victim.process.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = [f.result(timeout=60) for f in futures]
+        assert time.monotonic() - killed < BOUND_S
+        check(results)
+        # the survivor takes every remote prefill from now on
+        before = prefill_stats(server, router.prefills[0])["counts"].get("sent", 0)
+        check([completion(server.url, p) for p in ps])
+        assert prefill_stats(server, router.prefills[0])["counts"]["sent"] > before
+        assert router.is_running and router.prefills[0].is_running and not victim.is_running
+        stats = disagg_stats(server)
+        assert stats["leases"] == 0 and stats["pending"] == 0 and stats["blocks"]["leased"] == 0, stats
+        server.wait_idle()
+    finally:
+        server.stop()
+
+
+def _computing_on(router, core) -> bool:
+    """Whether a transfer in flight is `core`'s (read from the test's thread while the router's loop changes it)."""
+    try:
+        return any(c is core for c in list(router._prefill_of.values()))
+    except RuntimeError:  # changed while copied
+        return False

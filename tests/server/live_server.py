@@ -67,10 +67,10 @@ def wait_serving(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
 
 class LiveServer:
     """`build_app(AsyncLLMEngine over a CoreProcess(artifact, **engine_kwargs), **app_kwargs)`; `max_waiting` goes
-    to the core (it counts the sequences waiting)."""
+    to the core (it counts the sequences waiting). `replicas` > 1: that many cores behind the KV-aware router."""
 
     def __init__(self, artifact: Path, engine_kwargs: dict | None = None, *, max_waiting: int = 1024,
-                 disaggregate: dict | None = None, **app_kwargs: Any) -> None:
+                 disaggregate: dict | None = None, replicas: int = 1, **app_kwargs: Any) -> None:
         import uvicorn
         from kiln.runtime.async_engine import AsyncLLMEngine
         from kiln.runtime.core_client import CoreProcess
@@ -81,7 +81,11 @@ class LiveServer:
                             num_threads=1, plugins=[HOOKS])
         self._stack = contextlib.ExitStack()
         try:
-            if disaggregate is None:
+            if replicas > 1:  # a KV-aware router over replicas (runtime/disagg/router.py); `cores` in order
+                from kiln.runtime.disagg.router import start_replicas
+                self.engine = start_replicas(self._stack, config, replicas, disaggregate)
+                self.cores = [r.engine.process for r in self.engine.replicas]
+            elif disaggregate is None:
                 self.core = self._stack.enter_context(CoreProcess.start(config, timeout=60))
                 self.engine = AsyncLLMEngine.from_process(self.core)
             else:  # a router over a prefill and a decode core (runtime/disagg); `core` is the decode core
@@ -120,13 +124,14 @@ class LiveServer:
         call = (core or self.engine).call_utility("test_run", marshal.dumps(fn.__code__), modules, list(args))
         return asyncio.run_coroutine_threadsafe(call, self.engine.loop).result(timeout)
 
-    def wait_idle(self, timeout: float = 20) -> None:
-        """Until the engine holds no request; then asserts every KV block is free and the pool is consistent."""
+    def wait_idle(self, timeout: float = 20, core: Any = None) -> None:
+        """Until the engine (`core`: as in `in_engine`) holds no request; then asserts every KV block is free and
+        the pool is consistent."""
         deadline = time.monotonic() + timeout
-        while self.in_engine(lambda e: e.has_unfinished_requests()):
+        while self.in_engine(lambda e: e.has_unfinished_requests(), core=core):
             assert time.monotonic() < deadline, "engine still busy"
             time.sleep(0.02)
-        free, total, referenced = self.in_engine(_kv_state)
+        free, total, referenced = self.in_engine(_kv_state, core=core)
         assert referenced == [] and free == total, f"{free}/{total} KV blocks free, refs {referenced}"
 
     @contextlib.contextmanager

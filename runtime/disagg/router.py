@@ -1,0 +1,362 @@
+"""The KV-aware router over several engine-core replicas (`kiln serve ART --replicas N`): each request goes to the
+replica whose prefix cache holds the longest prefix of its prompt, balanced against that replica's load.
+
+What a replica holds comes from the replica: the core plugin `kv_events_plugin` has its prefix cache record every
+block hash it publishes and evicts, and the router drains those events every `index_interval` seconds (utility
+`kv_events`; a full snapshot at the start and after a lost answer or a cache reset). Between two drains the blocks
+of the prompts the router just sent are *predicted* on their replica (for `predict_ttl` seconds, or until the
+replica reports them evicted), so a burst of requests sharing a prefix follows the first one before its replica
+has reported anything. The block hashes are the cores' own (prefix_cache.block_hashes: a hash chain over token
+blocks, stable across processes), so the router matches exactly what a core's lookup would.
+
+Cost of replica r (in KV blocks, the form of Dynamo's KV router): `overlap_weight * prefill_r + active_r`, where
+`prefill_r` is the prompt blocks r would have to compute (not cached there) and `active_r` the blocks of r's
+requests in flight once this one joined (each: its uncached blocks when it was routed, plus one), which the router
+counts itself (immediate, never stale). The cheapest live replica wins; ties go to fewer requests in flight, then round robin. A
+replica whose core dies fails only its own requests (its AsyncLLMEngine's liveness: process sentinel and
+heartbeats) and is skipped from then on; the router is down only when every replica is. A replica may be a
+co-located core (AsyncLLMEngine) or a disaggregated pair (service.DisaggAsyncEngine).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ..async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput, RequestGroup, RequestObserver
+from ..core_protocol import CoreStats
+from ..errors import KilnRuntimeError
+from ..prefix_cache import block_hashes
+from ..sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PLUGIN = "kiln.runtime.disagg.router:kv_events_plugin"
+POLICIES = ("kv", "round_robin")  # round_robin: the baseline for benchmarks (no cache or load awareness)
+
+
+def kv_events_plugin(proc) -> None:
+    """Core plugin: the utility `kv_events(full)` returns `{"full": [hash, ...]}` (everything cached now; when
+    `full`, on the first call, or after a cache reset) or `{"events": [(published?, hash), ...]}` (what changed
+    since the previous call, oldest first)."""
+
+    def kv_events(engine, full: bool = False) -> dict[str, Any]:
+        cache = engine.block_manager.prefix_cache
+        if cache is None:
+            return {"full": []}
+        cache.record_events()
+        events = cache.take_events()
+        if full or events is None:
+            return {"full": cache.cached_hashes()}
+        return {"events": events}
+
+    proc.register_utility("kv_events", kv_events)
+
+
+class ReplicaIndex:
+    """The block hashes one replica holds, as the router knows them: reported (its events) and predicted (sent
+    there, not reported yet)."""
+
+    def __init__(self, predict_ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.predict_ttl = predict_ttl
+        self.clock = clock
+        self.reported: set[int] = set()
+        self.predicted: dict[int, float] = {}  # hash -> until when it is believed
+
+    def apply(self, answer: dict[str, Any]) -> None:
+        if "full" in answer:
+            self.reported = set(answer["full"])
+            for h in self.reported:
+                self.predicted.pop(h, None)
+            return
+        reported, predicted = self.reported, self.predicted
+        for published, h in answer["events"]:
+            if published:
+                reported.add(h)
+                predicted.pop(h, None)
+            else:
+                reported.discard(h)
+                predicted.pop(h, None)
+
+    def predict(self, hashes: list[int]) -> None:
+        until = self.clock() + self.predict_ttl
+        for h in hashes:
+            if h not in self.reported:
+                self.predicted[h] = until
+
+    def expire(self) -> None:
+        now = self.clock()
+        for h in [h for h, until in self.predicted.items() if until < now]:
+            del self.predicted[h]
+
+    def match(self, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` the replica holds (reported or predicted)."""
+        now, n = self.clock(), 0
+        for h in hashes:
+            if h not in self.reported and self.predicted.get(h, -1.0) < now:
+                break
+            n += 1
+        return n
+
+    def clear(self) -> None:
+        self.reported.clear()
+        self.predicted.clear()
+
+
+class Replica:
+    """The router's view of one replica: its engine, its index, and its requests in flight."""
+
+    def __init__(self, name: str, engine: AsyncLLMEngine, index: ReplicaIndex) -> None:
+        self.name = name
+        self.engine = engine
+        self.index = index
+        self.groups: list[tuple[RequestGroup, dict[str, int]]] = []  # with each request's expected blocks
+        self.num_routed = 0
+        self.num_matched_blocks = 0
+        self.num_index_errors = 0
+
+    def load(self) -> tuple[int, int]:
+        """(blocks, requests) in flight: the blocks each request was expected to add when it was routed here
+        (its uncached prompt blocks, plus one for its decode); forgets finished groups."""
+        self.groups = [(g, blocks) for g, blocks in self.groups if g.unfinished]
+        total = requests = 0
+        for g, blocks in self.groups:
+            for request_id, n in blocks.items():
+                if request_id in g.unfinished:
+                    total += n
+                    requests += 1
+        return total, requests
+
+
+class ReplicaRouter:
+    """Stands where an AsyncLLMEngine stands for the API server (runtime/server.py): `add_requests` picks a replica
+    and returns that replica's RequestGroup (its aborts go to that replica); stats are summed over live replicas."""
+
+    def __init__(self, engines: list[AsyncLLMEngine], *, policy: str = "kv", overlap_weight: float = 1.0,
+                 index_interval: float = 0.2, predict_ttl: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        assert engines, "a router needs at least one replica"
+        if policy not in POLICIES:
+            raise KilnRuntimeError(f"router policy {policy!r} (known: {', '.join(POLICIES)})")
+        self.policy = policy
+        self.replicas = [Replica(str(i), e, ReplicaIndex(predict_ttl, clock)) for i, e in enumerate(engines)]
+        first = engines[0]
+        self.info, self.tokenizer, self.max_waiting = first.info, first.tokenizer, first.max_waiting
+        self.block_size = first.info.limits.block_size
+        self.overlap_weight = overlap_weight
+        self.index_interval = index_interval
+        self.on_dead: list[Callable[[str], None]] = []
+        self.dead: str | None = None
+        self.routed: OrderedDict[str, str] = OrderedDict()  # recent request id -> replica name
+        self._observer: RequestObserver = first.observer
+        self._turn = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    # The AsyncLLMEngine surface the server uses ---------------------------------------------------------------
+    @property
+    def observer(self) -> RequestObserver:
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: RequestObserver) -> None:
+        self._observer = observer
+        for r in self.replicas:
+            r.engine.observer = observer
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self.replicas[0].engine.loop
+
+    @property
+    def is_running(self) -> bool:
+        return any(r.engine.is_running for r in self.replicas)
+
+    @property
+    def stats(self) -> CoreStats:
+        live = [r.engine.stats for r in self.replicas if r.engine.is_running] or [CoreStats()]
+        total = CoreStats(*(sum(getattr(s, f) for s in live) for f in CoreStats.__struct_fields__))
+        total.kv_cache_usage = sum(s.kv_cache_usage for s in live) / len(live)
+        return total
+
+    @property
+    def metrics_collectors(self) -> list:
+        return [_RouterCollector(self)]
+
+    async def start(self) -> None:
+        for r in self.replicas:
+            await r.engine.start()
+            r.engine.on_dead.append(lambda why, r=r: self._replica_died(r, why))
+        self._tasks = [asyncio.ensure_future(self._follow(r)) for r in self.replicas]
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for r in self.replicas:
+            await r.engine.shutdown()
+
+    def check_admissible(self, num_prompts: int, params: SamplingParams) -> None:
+        self.replicas[0].engine.check_admissible(num_prompts, params)
+
+    async def add_requests(self, inputs: list[PromptInput], params: SamplingParams,
+                           lora_name: str | None = None) -> RequestGroup:
+        """Queues the prompts (all of them, on one replica) on the cheapest live replica that takes them; a
+        replica that is overloaded or just died is passed over for the next. `RequestError` is the client's."""
+        if lora_name is None:
+            hashes = [block_hashes(p.prompt_token_ids, self.block_size, [])[:(len(p.prompt_token_ids) - 1)
+                                                                             // self.block_size] for p in inputs]
+        else:  # a core salts an adapter's blocks with an id of its own: the router cannot match them
+            hashes = [[] for _ in inputs]
+        error: EngineOverloadedError | None = None
+        for replica, matched in self.rank(hashes):
+            try:
+                group = await replica.engine.add_requests(inputs, params, lora_name)
+            except EngineOverloadedError as e:  # its queue is full, or it is gone: the next one
+                error = e
+                continue
+            replica.groups.append((group, {p.request_id: len(h) - m + 1 for p, h, m in
+                                           zip(inputs, hashes, matched, strict=True)}))
+            replica.num_routed += len(inputs)
+            replica.num_matched_blocks += sum(matched)
+            for h in hashes:
+                replica.index.predict(h)
+            for p in inputs:
+                self.routed[p.request_id] = replica.name
+            while len(self.routed) > 4096:
+                self.routed.popitem(last=False)
+            return group
+        raise error or EngineOverloadedError(f"no replica is running ({self.dead or 'none started'})")
+
+    def rank(self, hashes: list[list[int]]) -> list[tuple[Replica, list[int]]]:
+        """Live replicas, cheapest first, with the leading blocks of each prompt each is believed to hold.
+
+        Cost (in KV blocks, Dynamo's form): `overlap_weight * prefill + active`, where prefill is the prompt
+        blocks the replica would compute (not cached there) and active the blocks of its requests in flight after
+        this one joined (each request: its uncached blocks when routed, plus one)."""
+        live = [r for r in self.replicas if r.engine.is_running]
+        if not live:
+            return []
+        turn = next(self._turn)
+        if self.policy == "round_robin":  # the baseline the KV-aware policy is measured against
+            order = live[turn % len(live):] + live[:turn % len(live)]
+            return [(r, [r.index.match(h) for h in hashes]) for r in order]
+        scored = []
+        for k, r in enumerate(live):
+            matched = [r.index.match(h) for h in hashes]
+            prefill = sum(len(h) - m for h, m in zip(hashes, matched, strict=True))
+            active, requests = r.load()
+            cost = self.overlap_weight * prefill + active + prefill + len(hashes)
+            scored.append((cost, requests, (k - turn) % len(live), r, matched))
+        scored.sort(key=lambda s: s[:3])
+        return [(s[3], s[4]) for s in scored]
+
+    def abort(self, request_ids: list[str]) -> None:
+        for r in self.replicas:
+            r.engine.abort(request_ids)
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        """Runs a core utility on every live replica (LoRA adapters are loaded on all); returns the first's."""
+        live = [r.engine for r in self.replicas if r.engine.is_running]
+        if not live:
+            raise EngineOverloadedError(f"no replica is running ({self.dead or 'none started'})")
+        results = await asyncio.gather(*(e.call_utility(method, *args, timeout=timeout) for e in live))
+        return results[0]
+
+    # Following the replicas ----------------------------------------------------------------------------------
+    async def _follow(self, r: Replica) -> None:
+        """Drains the replica's prefix-cache events into its index, every `index_interval` seconds."""
+        full = True
+        while r.engine.is_running:
+            try:
+                r.index.apply(await r.engine.call_utility("kv_events", full, timeout=5.0))
+                full = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an answer lost (or no plugin): the next asks for everything
+                r.num_index_errors += 1
+                if r.num_index_errors == 1:
+                    logger.warning("replica %s: its prefix-cache events are not available (%s); routing on "
+                                   "predictions", r.name, e)
+                full = True
+            r.index.expire()
+            await asyncio.sleep(self.index_interval)
+
+    def _replica_died(self, r: Replica, why: str) -> None:
+        r.index.clear()
+        live = [x.name for x in self.replicas if x.engine.is_running]
+        logger.error("replica %s is gone (%s); %d replica(s) left", r.name, why, len(live))
+        if not live and self.dead is None:
+            self.dead = f"every replica is gone (the last: {why})"
+            for callback in self.on_dead:
+                callback(self.dead)
+
+
+class _RouterCollector:
+    """Per replica: kiln:router_replica_up, kiln:router_requests_total, kiln:router_matched_tokens_total (prompt
+    tokens the router expected cached where it sent them), kiln:replica_prefix_cache_{queries,hits}_total (tokens,
+    the replica's own counters), kiln:replica_num_requests_{running,waiting}."""
+
+    def __init__(self, router: ReplicaRouter) -> None:
+        self.router = router
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        bs = self.router.block_size
+        families = {
+            "up": GaugeMetricFamily("kiln:router_replica_up", "1 while the replica's engine core runs.",
+                                    labels=["replica"]),
+            "routed": CounterMetricFamily("kiln:router_requests", "Requests the router sent to the replica.",
+                                          labels=["replica"]),
+            "matched": CounterMetricFamily("kiln:router_matched_tokens", "Prompt tokens the router expected the "
+                                           "replica's prefix cache to hold when it chose it.", labels=["replica"]),
+            "queries": CounterMetricFamily("kiln:replica_prefix_cache_queries", "Prompt tokens the replica looked "
+                                           "up in its prefix cache (whole blocks).", labels=["replica"]),
+            "hits": CounterMetricFamily("kiln:replica_prefix_cache_hits", "Prompt tokens the replica's prefix "
+                                        "cache served (whole blocks).", labels=["replica"]),
+            "running": GaugeMetricFamily("kiln:replica_num_requests_running", "Sequences the replica steps.",
+                                         labels=["replica"]),
+            "waiting": GaugeMetricFamily("kiln:replica_num_requests_waiting", "Sequences waiting on the replica.",
+                                         labels=["replica"]),
+        }
+        for r in self.router.replicas:
+            s, label = r.engine.stats, [r.name]
+            families["up"].add_metric(label, 1.0 if r.engine.is_running else 0.0)
+            families["routed"].add_metric(label, r.num_routed)
+            families["matched"].add_metric(label, r.num_matched_blocks * bs)
+            families["queries"].add_metric(label, s.prefix_cache_queries * bs)
+            families["hits"].add_metric(label, s.prefix_cache_hits * bs)
+            families["running"].add_metric(label, s.num_requests_running)
+            families["waiting"].add_metric(label, s.num_requests_waiting)
+        yield from families.values()
+
+
+def start_replicas(stack: contextlib.ExitStack, config, num_replicas: int, disaggregate: dict | None = None, *,
+                   heartbeat_timeout: float = 10.0, **router_kw: Any) -> ReplicaRouter:
+    """`kiln serve --replicas N`: starts N replicas under `stack` (each a core with `config` plus the kv-events
+    plugin, or with `disaggregate` a prefill + decode pair; the CPUs this process may use split between the cores
+    unless `config.num_threads` is set) and returns the router over them (started by the server's lifespan)."""
+    from ..core_client import CoreProcess
+
+    cores_per_replica = 1 if disaggregate is None else 1 + int(disaggregate.get("prefill", 1))
+    threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // (num_replicas * cores_per_replica))
+    engines: list[AsyncLLMEngine] = []
+    # One after the other, from this thread: a core dies with the thread that started it (PR_SET_PDEATHSIG).
+    for _ in range(num_replicas):
+        cfg = msgspec.structs.replace(config, num_threads=threads, input_address="",
+                                      plugins=[*config.plugins, PLUGIN])
+        if disaggregate is None:
+            engines.append(AsyncLLMEngine.from_process(stack.enter_context(CoreProcess.start(cfg)),
+                                                       heartbeat_timeout=heartbeat_timeout))
+        else:
+            from .service import start_disaggregated
+            engines.append(start_disaggregated(stack, cfg, disaggregate, heartbeat_timeout=heartbeat_timeout))
+    return ReplicaRouter(engines, **router_kw)
