@@ -152,6 +152,18 @@ def test_block_manager_keeps_what_it_promised():
     bm.check_invariants([b])
 
 
+def test_a_disaggregated_transfer_never_leases_promised_blocks():
+    from kiln.runtime.disagg.lease import TransferLedger
+
+    bm = BlockManager(8, BLOCK)
+    a = make_seq(prompt=4, max_tokens=20, reasoning=True)
+    assert bm.allocate_slots(a, 4, reserve=6)  # 1 block held, 5 promised: 2 available
+    ledger = TransferLedger(bm)
+    assert ledger.reserve("t1", 3) is None and bm.num_available_blocks == 2  # 7 free, but 5 promised to a
+    assert ledger.reserve("t2", 2) is not None and bm.num_available_blocks == 0
+    assert bm.num_free_blocks == bm.num_reserved == 5
+
+
 TEXTS = ["The quick brown fox", "Once upon a time there was a small kiln that baked models", "héllo wörld",
          "Paged attention stores keys and values in fixed size blocks. The quick brown fox jumps"]
 
