@@ -59,8 +59,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", help="the model's thinking block: think (<think>), mistral ([THINK]) or none "
                    "(default: what the chat template implies)")
     p.add_argument("--reasoning-effort", type=_effort_budgets, metavar="EFFORT=TOKENS,...",
-                   help="thinking budgets of reasoning_effort values, e.g. low=512,medium=2048,high=8192 (over the "
-                   "recipe's serve.reasoning_effort, over none=0, minimal=0, low=1024, medium=2048, high=8192)")
+                   help="thinking budgets of reasoning_effort values, e.g. low=512,medium=2048,high=8192, over the "
+                   "recipe's serve.reasoning_effort (default: none=0, minimal=0, low=1024, medium=2048, high=8192)")
     p.set_defaults(func=run_serve)
 
 
