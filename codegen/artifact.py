@@ -23,7 +23,7 @@ from typing import Any
 from kiln.compiler.ir import Attrs, Program, TensorType
 from kiln.compiler.kv_layout import FP8_KV, kv_cache_nodes
 from kiln.compiler.options import CUDA_GRAPH_PLAN as PLAN
-from kiln.compiler.options import DEFAULT_MAX_MODEL_LEN, RecipeOptions
+from kiln.compiler.options import DEFAULT_MAX_MODEL_LEN, RecipeOptions, SchedulerOptions
 from kiln.compiler.placement import (
     collectives,
     local_kv_layout,
@@ -109,6 +109,23 @@ def _target(program: Program) -> Target:
         return get_target(name)
     except TargetError as e:
         raise CodegenError(str(e), None) from None
+
+
+# Options newer than an artifact format are written only when a recipe sets them otherwise than the default
+# (the runtime reads their absence as the default), so artifacts that do not use them stay byte-identical.
+def _scheduler_section(options: RecipeOptions) -> dict[str, Any]:
+    section = dataclasses.asdict(options.scheduler)
+    if section["kv_reserve"] == SchedulerOptions.kv_reserve:
+        del section["kv_reserve"]
+    return section
+
+
+def _serve_section(options: RecipeOptions) -> dict[str, Any]:
+    serve = options.serve
+    section: dict[str, Any] = {"host": serve.host, "port": serve.port, "served_name": serve.served_name}
+    if serve.reasoning_effort:
+        section["reasoning_effort"] = dict(serve.reasoning_effort)
+    return section
 
 
 def _kv_cache_section(program: Program) -> dict[str, Any]:
@@ -247,8 +264,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "model": {"name": program.name, "config": _jsonable(program.config)},
         "runtime": _runtime_section(program, hf_config, gen_config, max_model_len),
         "kv_cache": _kv_cache_section(program),
-        "scheduler": dataclasses.asdict(options.scheduler),
-        "serve": {"host": options.serve.host, "port": options.serve.port, "served_name": options.serve.served_name},
+        "scheduler": _scheduler_section(options),
+        "serve": _serve_section(options),
         # what `kiln serve --disaggregate` starts (runtime/disagg); absent when the recipe has no disaggregate
         # section (so such artifacts are byte-identical to those of a kiln without disaggregation)
         **({"disaggregate": dataclasses.asdict(options.disaggregate)} if "disaggregate" in options.set_sections

@@ -380,6 +380,23 @@ def _adapters(expr: A.Expr, key: str) -> None:
         _hf_dir(value, f"adapters.{name}")
 
 
+EFFORT_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def _effort_budgets(expr: A.Expr, key: str) -> None:
+    example = "{ low: 512, medium: 2048, high: 8192 }"
+    if not isinstance(expr, A.Map):
+        raise SourceError(f"'{key}' must be a map of reasoning efforts to thinking budgets in tokens, e.g. {example}",
+                          expr.loc)
+    for (name, value), loc in zip(expr.items, expr.key_locs or [expr.loc] * len(expr.items), strict=True):
+        if not EFFORT_NAME.fullmatch(name):
+            raise SourceError(f"reasoning effort '{name}' must be a lower-case word such as low or high", loc)
+        v = literal(value, f"'{key}.{name}'", "a thinking budget in tokens (an int >= 0)")
+        if not (type_name(v) == "int" and v >= 0):
+            raise SourceError(f"'{key}.{name}' must be a thinking budget in tokens (an int >= 0), got {v!r}",
+                              value.loc)
+
+
 def _size(expr: A.Expr, key: str) -> None:
     if not (isinstance(expr, A.Size) and expr.value > 0):
         raise SourceError(f"'{key}' must be a byte size such as 4GiB", expr.loc)
@@ -418,6 +435,8 @@ class SchedulerOptions:
     preemption: str = opt("recompute", _choice("recompute", "swap"))
     swap_space: int = opt(4 * GiB, _size)  # bytes of CPU memory for swapped-out KV blocks
     async_scheduling: bool | None = opt(None, _flag)  # None: on for CUDA devices, off for CPU
+    # admitted only with KV for their whole budget, never preempted: those with a thinking budget, all, none
+    kv_reserve: str = opt("reasoning", _choice("reasoning", "all", "none"))
 
 
 @dataclass(frozen=True)
@@ -501,6 +520,8 @@ class ServeOptions:
     port: int = opt(8000, _port)
     served_name: str | None = opt(None, _string)  # None: the artifact directory's name
     max_model_len: int | None = opt(None, _pos_int)  # None: the model's max_position, else the checkpoint's, else 4096
+    # reasoning_effort -> thinking budget (tokens), over the runtime's defaults (runtime/reasoning_parsers.py)
+    reasoning_effort: Mapping[str, int] = field(default_factory=dict, metadata={"check": _effort_budgets})
 
 
 @dataclass(frozen=True)

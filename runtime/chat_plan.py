@@ -87,8 +87,10 @@ class RequestPlan:
 
 
 def plan_chat(req: Any, prompt: str, tokenizer: Any, tool_parser: ToolParser | None,
-              reasoning_parser: ReasoningParser | None) -> RequestPlan:
-    """The plan of a ChatCompletionRequest whose rendered prompt is `prompt`."""
+              reasoning_parser: ReasoningParser | None, efforts: dict[str, int] | None = None) -> RequestPlan:
+    """The plan of a ChatCompletionRequest whose rendered prompt is `prompt`; `efforts` maps reasoning_effort to
+    a thinking budget (the server's table: reasoning_parsers.EFFORT_BUDGETS with the recipe's and the flag's
+    overrides)."""
     plan = RequestPlan(grammar=validated_grammar(req.response_format))
     tools = req.tools or None
     choice = req.tool_choice
@@ -110,7 +112,7 @@ def plan_chat(req: Any, prompt: str, tokenizer: Any, tool_parser: ToolParser | N
     elif choice not in (None, "none", "auto") and not tools:
         raise PlanError("tool_choice needs tools", "tool_choice")
     try:
-        budget = thinking_budget(req.reasoning_effort, req.max_thinking_tokens)
+        budget = thinking_budget(req.reasoning_effort, req.max_thinking_tokens, efforts)
     except RequestError as e:
         raise PlanError(str(e), "max_thinking_tokens" if req.max_thinking_tokens is not None
                         else "reasoning_effort") from None

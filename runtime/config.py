@@ -67,11 +67,14 @@ class SchedulerConfig:
     max_seqs: int
     max_batched_tokens: int
     chunked_prefill: int | None  # max prompt tokens of one sequence per step; None = only the budget
-    policy: str  # fcfs | priority
+    policy: str  # fcfs | priority | effort
     prefix_cache: str | None  # "radix"; None disables
     preemption: str  # recompute | swap: a preempted sequence's KV is copied to CPU memory
     swap_space: int  # bytes of CPU memory for swapped-out KV blocks (preemption = swap)
     async_scheduling: bool | None  # overlap host work with the device (LLMEngine); None: on for CUDA
+    # which sequences are admitted only with KV for their whole budget, and never preempted (scheduler.py):
+    # none | reasoning (those with a thinking budget) | all
+    kv_reserve: str = "reasoning"
 
     def with_overrides(self, **overrides: Any) -> SchedulerConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
@@ -110,7 +113,8 @@ def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
                            chunked_prefill=None if s["chunked_prefill"] is None else int(s["chunked_prefill"]),
                            policy=str(s["policy"]), prefix_cache=None if s["prefix_cache"] == "none" else "radix",
                            preemption=str(s["preemption"]), swap_space=int(s["swap_space"]),
-                           async_scheduling=s["async_scheduling"])
+                           async_scheduling=s["async_scheduling"],
+                           kv_reserve=str(s.get("kv_reserve", "reasoning")))  # artifacts before it: the default
 
 
 @dataclass(frozen=True, slots=True)

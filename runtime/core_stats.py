@@ -10,7 +10,8 @@ def core_stats(engine: Any) -> dict[str, float]:
     pc, sched, spec = engine.block_manager.prefix_cache, engine.scheduler, engine.speculator
     drafted, accepted = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
     return {"num_running": len(sched.running), "num_waiting": len(sched.waiting) + len(sched.swapped),
-            "kv_usage": engine.block_manager.usage, "num_preemptions": sched.num_preemptions,
+            "kv_usage": engine.block_manager.usage, "kv_reserved_blocks": engine.block_manager.num_reserved,
+            "num_preemptions": sched.num_preemptions,
             "num_swapped_out": sched.num_swapped_out,
             "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
             "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0,

@@ -60,17 +60,17 @@ class EngineCore(EngineLoRA):
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  chunked_prefill: int | None = None, prefix_cache: str | None | object = _UNSET,
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
-                 seed: int = 0, enforce_eager: bool = False, speculative: str | None | object = _UNSET,
-                 num_speculative_tokens: int | None = None, async_scheduling: bool | None = None,
-                 executor: str | None = None, grammar_max_whitespace: int | None = 8,
-                 grammar_compile_timeout: float = 10.0) -> None:
+                 kv_reserve: str | None = None, seed: int = 0, enforce_eager: bool = False,
+                 speculative: str | None | object = _UNSET, num_speculative_tokens: int | None = None,
+                 async_scheduling: bool | None = None, executor: str | None = None,
+                 grammar_max_whitespace: int | None = 8, grammar_compile_timeout: float = 10.0) -> None:
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact, device)
         self.model_config = cfg = self.artifact.model_config
         self.tokenizer = self.artifact.tokenizer
         kv, manifest = self.artifact.kv_cache_config, self.artifact.manifest
         sched = self.artifact.scheduler_config.with_overrides(
             max_seqs=max_num_seqs, max_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked_prefill,
-            policy=policy, preemption=preemption, swap_space=swap_space_bytes)
+            policy=policy, preemption=preemption, swap_space=swap_space_bytes, kv_reserve=kv_reserve)
         if sched.preemption not in ("recompute", "swap"):
             raise RequestError(f"unknown preemption mode {sched.preemption!r} (known: recompute, swap)")
         if prefix_cache is not _UNSET:

@@ -57,6 +57,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
     p.add_argument("--speculative", choices=["mtp", "none"],
                    help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
+    p.add_argument("--kv-reserve", choices=["reasoning", "all", "none"],
+                   help="which requests are admitted only with KV for their whole budget (prompt + max_tokens) and "
+                   "never preempted: those with a thinking budget, all, or none (default: the recipe's "
+                   "scheduler.kv_reserve, else reasoning)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous one's tokens are read back, overlapping "
                    "host work with the device (default: the recipe's, else on for CUDA, off for CPU)")
@@ -64,7 +68,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "deepseek_v3, ... or none (default: what the chat template implies)")
     p.add_argument("--reasoning-parser", help="the model's thinking block: think (<think>), mistral ([THINK]) or none "
                    "(default: what the chat template implies)")
+    p.add_argument("--reasoning-effort", type=_effort_budgets, metavar="EFFORT=TOKENS,...",
+                   help="thinking budgets of reasoning_effort values, e.g. low=512,medium=2048,high=8192, over the "
+                   "recipe's serve.reasoning_effort (default: none=0, minimal=0, low=1024, medium=2048, high=8192)")
     p.set_defaults(func=run_serve)
+
+
+def _effort_budgets(text: str) -> dict[str, int]:
+    from .errors import RequestError
+    from .reasoning_parsers import parse_effort_budgets
+
+    try:
+        return parse_effort_budgets(text)
+    except RequestError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -92,15 +109,18 @@ def serve_address(artifact: str, host: str | None, port: int | None) -> tuple[st
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from .artifact import read_manifest
     from .server import serve
 
     host, port = serve_address(args.artifact, args.host, args.port)
     if args.replicas < 1:
         from .errors import RequestError
         raise RequestError(f"--replicas {args.replicas}: give at least 1")
+    # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
+    recipe_efforts = read_manifest(args.artifact)["serve"].get("reasoning_effort") or {}
+    efforts = {**recipe_efforts, **(args.reasoning_effort or {})}
     disaggregate = None
     if args.disaggregate or args.kv_transport or args.remote_prefill:
-        from .artifact import read_manifest
         disaggregate = dict(read_manifest(args.artifact).get("disaggregate") or
                             {"prefill": 1, "decode": 1, "transport": "auto", "remote_prefill": "always"})
         if args.kv_transport:
@@ -110,10 +130,10 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(args.artifact, host=host, port=port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
-                 speculative=args.speculative, async_scheduling=args.async_scheduling,
+                 speculative=args.speculative, async_scheduling=args.async_scheduling, kv_reserve=args.kv_reserve,
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
-                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate, replicas=args.replicas,
-                 router_policy=args.router_policy)
+                 reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
+                 replicas=args.replicas, router_policy=args.router_policy)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -19,6 +19,12 @@ class BlockManager:
     in use (ref >= 1; ref > 1 only for full, immutable prefix blocks shared between sequences).
     `allocate_slots` is all-or-nothing; `free` returns every block of a sequence. Only the last,
     partially filled block of a sequence is ever written, and it is never shared.
+
+    Reservations: a sequence admitted with `reserve=N` blocks is promised its growth up to N blocks. The blocks
+    promised and not yet in its block table are counted in `num_reserved` (no block id is set aside: any free
+    one will do). Invariant: `num_free_blocks >= num_reserved`, so a reserved sequence's allocations within its
+    reservation always succeed; every other allocation (and a disaggregated transfer's lease) may take only
+    `num_available_blocks`.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None) -> None:
@@ -28,12 +34,23 @@ class BlockManager:
         self.prefix_cache = prefix_cache
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.num_reserved = 0  # blocks promised to reserved sequences' growth, not in their block tables yet
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take: truly free plus cached blocks nobody references."""
+        """Blocks nobody holds: truly free plus cached blocks nobody references."""
         evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
         return len(self._free) + evictable
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation outside a reservation may take: the free ones not promised to a reservation."""
+        return self.num_free_blocks - self.num_reserved
+
+    @staticmethod
+    def num_held_for(seq: Sequence) -> int:
+        """The blocks `seq`'s reservation still promises it (0 without one)."""
+        return max(0, seq.num_reserved_blocks - len(seq.block_table))
 
     @property
     def usage(self) -> float:
@@ -44,7 +61,7 @@ class BlockManager:
         return max(0, cdiv(covered, self.block_size) - len(seq.block_table) - num_computed_blocks)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_available_blocks + self.num_held_for(seq)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of `seq` (which holds no blocks yet). Read-only. At least one token is
@@ -56,22 +73,31 @@ class BlockManager:
         hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id)
         return self.prefix_cache.lookup(hashes[:max_blocks])
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Iterable[int] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Iterable[int] = (),
+                       reserve: int = 0) -> bool:
         """Extends `seq.block_table` to cover `computed_blocks` (prefix-cache hits, taken first) and then
-        `num_new_tokens` more tokens. Returns False and changes nothing when the pool is too small."""
-        if not computed_blocks and self.num_blocks_needed(seq, num_new_tokens) == 0:
+        `num_new_tokens` more tokens; with `reserve` (at admission), also promises the sequence its growth up to
+        `reserve` blocks in all. Returns False and changes nothing when the pool is too small: blocks within the
+        sequence's reservation are always there; the rest must come from `num_available_blocks`."""
+        if not computed_blocks and not reserve and self.num_blocks_needed(seq, num_new_tokens) == 0:
             return True  # most decode steps: the last block still has room
         computed_blocks = list(computed_blocks)
         assert not computed_blocks or not seq.block_table, "prefix hits are taken only at admission"
         need = self.num_blocks_needed(seq, num_new_tokens, len(computed_blocks))
         pinned = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)  # evictable hits we take
-        if need > self.num_free_blocks - pinned:
+        held = self.num_held_for(seq)
+        target = max(reserve, seq.num_reserved_blocks)
+        still_held = max(0, target - len(seq.block_table) - len(computed_blocks) - need)
+        # afterwards num_free_blocks - need - pinned >= num_reserved - held + still_held must hold
+        if need + pinned + still_held - held > self.num_available_blocks:
             return False
         self.pin(computed_blocks)
         if computed_blocks:
             seq.block_table.extend(computed_blocks)
             seq.num_registered_blocks = len(computed_blocks)  # already in the cache
         seq.block_table.extend(self._take_free_block() for _ in range(need))
+        seq.num_reserved_blocks = target
+        self.num_reserved += still_held - held
         return True
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -90,14 +116,19 @@ class BlockManager:
         """Drops the tail blocks of `seq` past its first `num_tokens` tokens (KV slots of rejected draft tokens);
         they were never published to the prefix cache, so nobody else holds them."""
         keep = cdiv(num_tokens, self.block_size)
+        held = self.num_held_for(seq)
         for b in seq.block_table[keep:]:
             assert self.ref_counts[b] == 1, f"tail block {b} of seq {seq.seq_id} has ref count {self.ref_counts[b]}"
             self.ref_counts[b] = 0
             self._free.append(b)
         del seq.block_table[keep:]
+        self.num_reserved += self.num_held_for(seq) - held  # slots of its reservation given back to it
 
     def free(self, seq: Sequence) -> None:
-        """Drops `seq`'s references, tail first, so the LRU evicts a prefix's last blocks before its first."""
+        """Drops `seq`'s references, tail first, so the LRU evicts a prefix's last blocks before its first, and
+        its reservation."""
+        self.num_reserved -= self.num_held_for(seq)
+        seq.num_reserved_blocks = 0
         self.unpin(reversed(seq.block_table))
         seq.block_table = []
         seq.num_registered_blocks = 0
@@ -130,10 +161,15 @@ class BlockManager:
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Debug/test helper: ref counts equal the references held by `live` sequences; pools are disjoint."""
         expected = [0] * self.num_blocks
+        held = 0
         for seq in live:
+            held += self.num_held_for(seq)
             for b in seq.block_table:
                 expected[b] += 1
         assert expected == self.ref_counts, "ref counts disagree with the block tables of live sequences"
+        assert held == self.num_reserved, f"{self.num_reserved} blocks reserved, live sequences hold {held}"
+        assert self.num_free_blocks >= self.num_reserved, \
+            f"{self.num_reserved} blocks promised to reservations but {self.num_free_blocks} free"
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
         for b in free:

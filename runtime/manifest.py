@@ -125,6 +125,7 @@ class SchedulerSection(_Section):
     preemption: Literal["recompute", "swap"]
     swap_space: NonNegInt
     async_scheduling: bool | None  # None: on for a CUDA device, off for CPU
+    kv_reserve: Literal["reasoning", "all", "none"] = "reasoning"  # the one default: artifacts compiled before it
 
 
 class WeightTensor(_Section):
@@ -220,6 +221,9 @@ class ServeSection(_Section):
     host: Annotated[str, Field(min_length=1)]
     port: Annotated[int, Field(strict=True, ge=1, le=65535)]
     served_name: str | None  # None: the artifact directory's name
+    # reasoning_effort -> thinking budget entries over the runtime's (reasoning_parsers.effort_budgets); artifacts
+    # compiled before it have none
+    reasoning_effort: dict[str, NonNegInt] = Field(default_factory=dict)
 
 
 class DisaggregateSection(_Section):

@@ -4,6 +4,7 @@ many tokens it took) and forces its end at a thinking budget, so the answer stil
 from __future__ import annotations
 
 import enum
+import re
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -207,7 +208,37 @@ def reasoning_parser_for(chat_template: str | None) -> str | None:
 # Thinking budgets ----------------------------------------------------------------------------------------------
 
 # reasoning_effort -> thinking budget in tokens (vLLM's proposal, #20859); "none"/"minimal" close the block at once.
+# A recipe's `serve { reasoning_effort = { low: 512, ... } }` and `kiln serve --reasoning-effort low=512,...`
+# change entries or add efforts (effort_budgets).
 EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 2048, "high": 8192}
+_EFFORT_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def effort_budgets(*overrides: dict[str, int] | None) -> dict[str, int]:
+    """EFFORT_BUDGETS with `overrides` applied in order (later ones win); RequestError for a bad entry."""
+    table = dict(EFFORT_BUDGETS)
+    for entries in overrides:
+        for name, budget in (entries or {}).items():
+            if not isinstance(name, str) or not _EFFORT_NAME.fullmatch(name):
+                raise RequestError(f"reasoning effort names are lower-case words such as low or high, got {name!r}")
+            if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+                raise RequestError(f"the thinking budget of reasoning effort {name!r} must be an integer >= 0 "
+                                   f"(tokens), got {budget!r}")
+            table[name] = budget
+    return table
+
+
+def parse_effort_budgets(text: str) -> dict[str, int]:
+    """`kiln serve --reasoning-effort low=512,high=4096`: the entries given; RequestError when malformed."""
+    entries: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise RequestError(f"--reasoning-effort takes EFFORT=TOKENS entries separated by commas (e.g. "
+                               f"low=512,high=4096), got {item!r}")
+        entries[name.strip()] = int(value)
+    effort_budgets(entries)  # checks the names
+    return entries
 
 
 def thinking_budget(reasoning_effort: str | None = None, max_thinking_tokens: int | None = None,

@@ -4,9 +4,11 @@ chat-completions path serves, the response object and stream events, and the bou
 
 A request is served as a chat completion: `instructions` (a system message, not carried to later turns, as
 OpenAI does), the stored conversation of `previous_response_id`, then `input`, rendered by the chat template;
-`max_output_tokens`, `temperature`, `top_p` and `text.format` become the chat request's `max_completion_tokens`,
-`temperature`, `top_p` and `response_format`, so constrained decoding and sampling go through the one code
-path chat completions use.
+`max_output_tokens`, `temperature`, `top_p`, `text.format` and `reasoning.effort` become the chat request's
+`max_completion_tokens`, `temperature`, `top_p`, `response_format` and `reasoning_effort`, so constrained decoding,
+sampling and thinking budgets go through the one code path chat completions use. A reasoning model's thinking
+comes back as a `reasoning` output item (its text as `reasoning_text` content; kiln writes no summaries) before
+the message, streamed as `response.reasoning_text.delta` events.
 """
 from __future__ import annotations
 
@@ -41,6 +43,12 @@ class TextConfig(_Strict):
     verbosity: str | None = None
 
 
+class ReasoningOptions(_Strict):
+    effort: str | None = None  # a thinking budget, as chat completions' reasoning_effort (the server's table)
+    summary: str | None = None  # accepted; kiln returns the reasoning text itself and no summary
+    generate_summary: str | None = None  # summary's deprecated name
+
+
 class ResponsesStreamOptions(_Strict):
     include_obfuscation: bool = False
 
@@ -70,7 +78,7 @@ class ResponsesRequest(_Strict):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningOptions | None = None
     background: bool | None = None
 
     def check_supported(self) -> None:
@@ -108,11 +116,17 @@ class ResponsesRequest(_Strict):
             schema["description"] = fmt.description
         return {"type": "json_schema", "json_schema": schema}
 
+    @property
+    def reasoning_effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None
+
     def input_messages(self) -> list[dict[str, Any]]:
-        """`input` as chat messages (role, text content); items that are not text messages are refused."""
+        """`input` as chat messages (role, text content). Reasoning items (an earlier response's output sent back)
+        are left out: a turn's thinking is not shown to the next one, as the templates of reasoning models drop
+        it; other items that are not text messages are refused."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [_input_message(i, item) for i, item in enumerate(self.input)]
+        return [_input_message(i, item) for i, item in enumerate(self.input) if item.get("type") != "reasoning"]
 
     def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion this response is served as (`history`: the previous turns' messages)."""
@@ -120,7 +134,8 @@ class ResponsesRequest(_Strict):
         body: dict[str, Any] = {
             "model": self.model, "messages": messages + history + self.input_messages(),
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "response_format": self.response_format(), "user": self.user}
+            "top_p": self.top_p, "response_format": self.response_format(), "user": self.user,
+            "reasoning_effort": self.reasoning_effort}
         if self.wants_logprobs:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         req = ChatCompletionRequest.model_validate(body)
@@ -129,7 +144,7 @@ class ResponsesRequest(_Strict):
 
 
 _CHAT_TO_RESPONSES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens",
-                      "max_tokens": "max_output_tokens", "messages": "input"}
+                      "max_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 def as_responses_error(e: APIError) -> APIError:
@@ -179,6 +194,12 @@ def message_item(item_id: str, text: str, status: str, logprobs: list | None) ->
             "content": [part] if status != "in_progress" else []}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking (the text, not a summary: there is none)."""
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+
+
 def output_text_part(text: str, logprobs: list | None) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": []}
     if logprobs is not None:
@@ -200,7 +221,8 @@ def response_object(response_id: str, req: ResponsesRequest, created: int, *, st
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": req.reasoning_effort, "summary": None},
         "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": text_format}, "tool_choice": req.tool_choice or "auto", "tools": [],
         "top_logprobs": req.top_logprobs, "top_p": 1.0 if req.top_p is None else req.top_p,
@@ -215,9 +237,9 @@ def final_status(finish_reason: str | None, error: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def usage_object(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def usage_object(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
 

@@ -1,5 +1,5 @@
 """Continuous-batching scheduler: token budget, chunked prefill, decodes first, preemption by recompute
-or by swapping KV blocks to CPU memory."""
+or by swapping KV blocks to CPU memory, and KV reservations for sequences that must not be preempted."""
 from __future__ import annotations
 
 import bisect
@@ -47,7 +47,7 @@ class ScheduledBatch:
 
 
 # `effort`: earliest virtual deadline first, in lanes. A sequence is due EFFORT_TOKENS_PER_ARRIVAL budget tokens
-# per arrival after it came, its budget being all it may generate (max_tokens: thinking and answer alike), so
+# per arrival after it came, its budget being what it is expected to generate at most (`effort_budget`), so
 # short requests overtake long-budget ones that arrived before them, but a sequence is only ever overtaken by
 # those that arrived before its deadline: its wait is bounded by budget / EFFORT_TOKENS_PER_ARRIVAL later
 # arrivals. And sequences with a budget over EFFORT_LONG_BUDGET hold at most half of max_seqs (at least one):
@@ -55,10 +55,21 @@ class ScheduledBatch:
 # long requests alone runs at most half the batch.
 EFFORT_TOKENS_PER_ARRIVAL = 16
 EFFORT_LONG_BUDGET = 128
+# the answer a reasoning request is expected to give after its thinking budget (it may give more, up to max_tokens)
+EFFORT_ANSWER_TOKENS = 256
+
+
+def effort_budget(seq: Sequence) -> int:
+    """All a sequence may generate (max_tokens: thinking and answer alike), or for one with a thinking budget
+    (reasoning_effort) that budget plus EFFORT_ANSWER_TOKENS when less: low effort overtakes high effort."""
+    thinking = seq.params.thinking
+    if thinking is None or thinking.budget is None:
+        return seq.max_tokens
+    return min(seq.max_tokens, thinking.budget + EFFORT_ANSWER_TOKENS)
 
 
 def _effort_key(seq: Sequence) -> tuple:
-    return (seq.arrival + seq.max_tokens // EFFORT_TOKENS_PER_ARRIVAL, seq.arrival)
+    return (seq.arrival + effort_budget(seq) // EFFORT_TOKENS_PER_ARRIVAL, seq.arrival)
 
 
 # Scheduling policies: the sort key of a sequence. Smallest key is served first; the largest running key is
@@ -67,6 +78,22 @@ POLICIES: dict[str, Callable[[Sequence], tuple]] = {
     "fcfs": lambda seq: (seq.arrival,),
     "priority": lambda seq: (seq.priority, seq.arrival),  # lower value = more urgent (vLLM's convention)
     "effort": _effort_key,
+}
+
+
+# KV reservation: which sequences are admitted only once the pool can hold all the KV they may grow to (prompt +
+# max_tokens, the bound OpenAI's max_completion_tokens states: visible and reasoning tokens alike), and are then
+# never preempted. "reasoning": those with a thinking budget (reasoning_effort, max_thinking_tokens), which would
+# otherwise be admitted optimistically and preempted mid-thought when the pool runs short; "all": every sequence
+# (no preemption at all, the least concurrency); "none": every one is admitted optimistically.
+def _reserves_reasoning(seq: Sequence) -> bool:
+    return seq.params.thinking is not None and seq.params.thinking.budget is not None
+
+
+KV_RESERVE: dict[str, Callable[[Sequence], bool]] = {
+    "none": lambda seq: False,
+    "reasoning": _reserves_reasoning,
+    "all": lambda seq: True,
 }
 
 
@@ -79,6 +106,13 @@ class Scheduler:
     `num_computed_tokens = 0` and is recomputed (prompt + tokens so far) when readmitted. With
     `preemption = "swap"` its blocks' contents are copied to CPU blocks and it waits in `swapped`, ahead of
     new requests, until enough device blocks are free to copy them back and continue where it stopped.
+
+    A sequence that `config.kv_reserve` selects is admitted with a reservation of every block it may grow to
+    (BlockManager.allocate_slots' `reserve`), or waits, as any sequence does whose admission does not fit; the
+    sequences behind it in policy order wait too, so it is not overtaken for good. Admitted, it never needs a
+    block it was not promised (speculative draft slots past its budget are dropped instead), and it is never a
+    preemption victim: only sequences without a reservation are, whose allocations never touch the blocks
+    promised to reservations.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
@@ -86,10 +120,14 @@ class Scheduler:
         if config.policy not in POLICIES:
             from .errors import ArtifactError
             raise ArtifactError(f"unknown scheduler policy {config.policy!r} (known: {', '.join(POLICIES)})")
+        if config.kv_reserve not in KV_RESERVE:
+            from .errors import ArtifactError
+            raise ArtifactError(f"unknown kv_reserve {config.kv_reserve!r} (known: {', '.join(KV_RESERVE)})")
         assert config.max_batched_tokens > 0 and config.max_seqs > 0, f"bad scheduler config {config}"
         self.config = config
         self.block_manager = block_manager
         self._key = POLICIES[config.policy]
+        self._reserves = KV_RESERVE[config.kv_reserve]
         self._chunk = config.chunked_prefill or config.max_batched_tokens
         self.swap_space = swap_space if config.preemption == "swap" else None
         self.waiting: list[Sequence] = []
@@ -128,7 +166,11 @@ class Scheduler:
                 continue
             n = self._num_new_tokens(seq, budget)
             while not self.block_manager.allocate_slots(seq, n):
-                victim = self.running.pop()  # the tail: `remove` would scan the whole queue for it
+                if seq.num_reserved_blocks and seq.draft_token_ids:  # draft slots past its reservation: none now
+                    seq.draft_token_ids = []
+                    n = self._num_new_tokens(seq, budget)
+                    continue
+                victim = self._pop_victim(i)
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
                 if victim is seq:
@@ -169,7 +211,7 @@ class Scheduler:
             # a sequence of an adapter not running waits while every adapter slot is taken by running ones, a
             # long-budget one (effort) while the long lane is full: the next waiting one may fit
             new_adapter = adapters is not None and seq.lora_id is not None and seq.lora_id not in adapters
-            long = lanes is not None and seq.max_tokens > EFFORT_LONG_BUDGET
+            long = lanes is not None and effort_budget(seq) > EFFORT_LONG_BUDGET
             if (new_adapter and len(adapters) >= self.max_loras) or (long and lanes == 0):
                 w += 1
                 continue
@@ -184,8 +226,14 @@ class Scheduler:
                 hits = [] if seq.needs_prompt_logprobs() else self.block_manager.get_computed_blocks(seq)
                 num_cached = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - num_cached, self._chunk, budget)
-            if not self.block_manager.allocate_slots(seq, n, hits):
-                break
+            reserve = cdiv(seq.num_prompt_tokens + seq.max_tokens, self.block_manager.block_size) \
+                if self._reserves(seq) else 0
+            if not self.block_manager.allocate_slots(seq, n, hits, reserve):
+                # With nothing running no reservation is outstanding and the pool holds any one request
+                # (check_request): only blocks held outside the queues (a disaggregated transfer's lease) can
+                # keep it short. Waiting could not end then: the sequence goes in unreserved, as any other.
+                if not reserve or self.running or not self.block_manager.allocate_slots(seq, n, hits):
+                    break
             self.waiting.pop(w)
             seq.num_computed_tokens = num_cached
             if not remote:  # (a remote prefill's own prefix hit is counted by the decode role)
@@ -199,12 +247,22 @@ class Scheduler:
         return ScheduledBatch(seqs=[s for s, _ in work], num_new_tokens=[n for _, n in work],
                               num_decodes=len(decodes), preempted=preempted, swap_out=swap_out, swap_in=swap_in)
 
+    def _pop_victim(self, first: int) -> Sequence:
+        """Takes the preemption victim out of `running`: the last sequence without a KV reservation among those
+        not scheduled yet in this step (from index `first` on; the one at `first` is the one that needs blocks).
+        Only when all of them have one (a reservation that fell short: a bug) the last of them."""
+        running = self.running
+        for j in range(len(running) - 1, first - 1, -1):
+            if not running[j].num_reserved_blocks:
+                return running.pop(j)
+        return running.pop()  # the tail: `remove` would scan the whole queue for it
+
     def _long_lanes(self) -> int | None:
         """`effort`: how many more long-budget sequences may run now (None: every policy but effort)."""
         if self.config.policy != "effort":
             return None
         cap = max(1, self.config.max_seqs // 2)
-        return max(0, cap - sum(1 for s in self.running if s.max_tokens > EFFORT_LONG_BUDGET))
+        return max(0, cap - sum(1 for s in self.running if effort_budget(s) > EFFORT_LONG_BUDGET))
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Marks the batch's tokens computed and appends each sampled token; returns the sequences that grew."""

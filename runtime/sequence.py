@@ -63,6 +63,10 @@ class Sequence:
     # multi-LoRA: the id of the loaded adapter this completion decodes with (lora.LoRAManager; None: the base
     # model). Unique per load, so it also keys the prefix cache: another adapter's K/V is never reused.
     lora_id: int | None = None
+    # KV reservation (scheduler `kv_reserve`): the blocks this sequence may grow to (prompt + max_tokens), held
+    # for it from admission on, so it is never preempted; the ones not yet in `block_table` count in the block
+    # manager's `num_reserved`. 0: none (admitted optimistically, preemptible).
+    num_reserved_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

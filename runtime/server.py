@@ -45,6 +45,7 @@ from .protocol import (
     TokenizeRequest,
     request_error_param,
 )
+from .reasoning_parsers import effort_budgets
 from .responses import (
     ResponsesRequest,
     ResponseStore,
@@ -53,6 +54,7 @@ from .responses import (
     message_item,
     new_response_id,
     output_text_part,
+    reasoning_item,
     response_object,
     usage_object,
 )
@@ -83,11 +85,12 @@ class OpenAIServer:
 
     `tool_parser` / `reasoning_parser`: registry names (or "none") overriding what the chat template implies
     (chat_plan.resolve_parsers); they turn `tools` into `tool_calls` and thinking into `reasoning_content`.
+    `reasoning_efforts`: reasoning_effort -> thinking budget entries over reasoning_parsers.EFFORT_BUDGETS.
     """
 
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
                  metrics_public: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, reasoning_efforts: dict[str, int] | None = None) -> None:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics_public = metrics_public
@@ -103,6 +106,7 @@ class OpenAIServer:
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
         self.lora = LoRAAdapters(self)  # `model` naming a LoRA adapter (lora_api.py)
         self.tool_parser, self.reasoning_parser = resolve_parsers(engine.tokenizer, tool_parser, reasoning_parser)
+        self.reasoning_efforts = effort_budgets(reasoning_efforts)
         self.responses = ResponseStore()
 
     # Request plumbing --------------------------------------------------------------------------------------
@@ -240,7 +244,8 @@ class OpenAIServer:
                           params: SamplingParams) -> tuple[SamplingParams, RequestPlan]:
         """response_format, tools and thinking (chat_plan.py) as the request's grammar and thinking budget."""
         try:
-            plan = plan_chat(req, text, self.tokenizer, self.tool_parser, self.reasoning_parser)
+            plan = plan_chat(req, text, self.tokenizer, self.tool_parser, self.reasoning_parser,
+                             self.reasoning_efforts)
         except PlanError as e:
             raise APIError(400, str(e), param=e.param) from None
         return self.planned(params, plan), plan
@@ -796,35 +801,44 @@ class _ChatFormatter(_Formatter):
 
 
 class _ResponsesFormatter(_ChatFormatter):
-    """A chat completion's deltas as a Responses API response: one output message of one output_text part;
-    streamed as the Responses event sequence (created, in_progress, output_item.added, content_part.added,
-    output_text.delta..., output_text.done, content_part.done, output_item.done, then completed, incomplete
-    or failed). The final response is stored (unless `store` is false) with the conversation it ends."""
+    """A chat completion's deltas as a Responses API response: one output message of one output_text part, after
+    a `reasoning` item when a reasoning model thought; streamed as the Responses event sequence (created,
+    in_progress, [output_item.added, reasoning_text.delta..., reasoning_text.done, output_item.done for the
+    reasoning,] output_item.added, content_part.added, output_text.delta..., output_text.done, content_part.done,
+    output_item.done, then completed, incomplete or failed). The final response is stored (unless `store` is
+    false) with the conversation it ends (the answer, not the thinking)."""
 
     def __init__(self, server: OpenAIServer, req: ChatCompletionRequest, response_id: str, group: RequestGroup,
                  rreq: ResponsesRequest, messages: list[dict[str, Any]], plan: RequestPlan | None = None) -> None:
         super().__init__(server, req, response_id, group, plan)
         self.rreq, self.messages = rreq, messages
-        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.item_id, self.reasoning_id = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         self.sequence_number = 0
 
-    def response(self, status: str, text: str = "", logprobs: list | None = None,
-                 error: str | None = None) -> dict[str, Any]:
+    def response(self, status: str, text: str = "", logprobs: list | None = None, error: str | None = None,
+                 reasoning: str | None = None) -> dict[str, Any]:
         done = status != "in_progress"
-        output = [message_item(self.item_id, text, "completed" if status == "completed" else "incomplete",
-                               logprobs)] if done and error is None else []
-        usage = usage_object(self.prompt_tokens, self.completion_tokens) if done else None
+        output = []
+        if done and error is None:
+            item_status = "completed" if status == "completed" else "incomplete"
+            if reasoning is not None:
+                output.append(reasoning_item(self.reasoning_id, reasoning, item_status))
+            output.append(message_item(self.item_id, text, item_status, logprobs))
+        usage = usage_object(self.prompt_tokens, self.completion_tokens, self.reasoning_tokens or 0) if done else None
         return response_object(self.request_id, self.rreq, self.created, status=status, output=output,
                                usage=usage, error=error)
 
     def finish(self, text: str, token_ids: list[int], positions: list[PositionLogprobs],
                finish_reason: str | None, error: str | None) -> dict[str, Any]:
         self.completion_tokens = len(token_ids)
+        if error is None:
+            self.count_reasoning(token_ids)
+        out = self.parsers[0].parse(text)
         logprobs = self.logprobs(token_ids, positions)
-        body = self.response(final_status(finish_reason, error), text,
-                             logprobs["content"] if logprobs is not None else None, error)
+        body = self.response(final_status(finish_reason, error), out.content or "",
+                             logprobs["content"] if logprobs is not None else None, error, out.reasoning)
         if self.rreq.store and error is None:
-            self.server.responses.put(body, [*self.messages, {"role": "assistant", "content": text}])
+            self.server.responses.put(body, [*self.messages, {"role": "assistant", "content": out.content or ""}])
         return body
 
     async def collect(self) -> Response:
@@ -845,14 +859,32 @@ class _ResponsesFormatter(_ChatFormatter):
         self.sequence_number += 1
         return f"event: {kind}\ndata: {_json_encode(body).decode()}\n\n"
 
+    def open_message(self, index: int) -> list[str]:
+        where = {"item_id": self.item_id, "output_index": index, "content_index": 0}
+        return [self.event("response.output_item.added", output_index=index,
+                           item=message_item(self.item_id, "", "in_progress", None)),
+                self.event("response.content_part.added", **where, part=output_text_part("", None))]
+
+    def begin_message(self, reasoning: list[str] | None) -> tuple[int, list[str]]:
+        """The message's output index and the events that end the reasoning item (if one began) and open it."""
+        if reasoning is None:
+            return 0, self.open_message(0)
+        text, where = "".join(reasoning), {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return 1, [self.event("response.reasoning_text.done", **where, text=text),
+                   self.event("response.output_item.done", output_index=0,
+                              item=reasoning_item(self.reasoning_id, text, "completed")), *self.open_message(1)]
+
     async def events(self) -> AsyncIterator[str]:
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         start = self.response("in_progress")
         yield self.event("response.created", response=start)
         yield self.event("response.in_progress", response=start)
-        yield self.event("response.output_item.added", output_index=0,
-                         item=message_item(self.item_id, "", "in_progress", None))
-        yield self.event("response.content_part.added", **where, part=output_text_part("", None))
+        parser = self.parsers[0] if self.plan.reasoning is not None else None
+        message_at = None  # the message's output index, once it is open: at once when the model does not think
+        if parser is None:
+            message_at, opening = self.begin_message(None)
+            for e in opening:
+                yield e
+        reasoning: list[str] | None = None  # the thinking streamed so far, once it has begun
         text, token_ids, positions, finish_reason = [], [], [], None
         try:
             async for delta in self.group:
@@ -860,19 +892,39 @@ class _ResponsesFormatter(_ChatFormatter):
                     token_ids += c.token_ids
                     positions += c.logprobs or []
                     finish_reason = c.finish_reason or finish_reason
-                    if c.text:
-                        text.append(c.text)
+                    text.append(c.text)
+                    out = parser.feed(c.text, c.finish_reason is not None) if parser is not None else None
+                    thought, content = (out.reasoning, out.content) if out is not None else (None, c.text)
+                    if thought and message_at is None:
+                        if reasoning is None:
+                            reasoning = []
+                            yield self.event("response.output_item.added", output_index=0,
+                                             item=reasoning_item(self.reasoning_id, "", "in_progress"))
+                        reasoning.append(thought)
+                        yield self.event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                         output_index=0, content_index=0, delta=thought)
+                    if content:
+                        if message_at is None:
+                            message_at, opening = self.begin_message(reasoning)
+                            for e in opening:
+                                yield e
                         logprobs = self.logprobs(c.token_ids, c.logprobs or [])
-                        yield self.event("response.output_text.delta", **where, delta=c.text,
+                        yield self.event("response.output_text.delta", item_id=self.item_id, output_index=message_at,
+                                         content_index=0, delta=content,
                                          logprobs=logprobs["content"] if logprobs is not None else [])
         except KilnRuntimeError as e:  # the engine failed this request mid-stream
             yield self.event("response.failed", response=self.finish("", [], [], None, str(e)))
             return
         body = self.finish("".join(text), token_ids, positions, finish_reason, None)
-        part = body["output"][0]["content"][0]
+        if message_at is None:  # no answer: the thinking ends here, then an empty message
+            message_at, opening = self.begin_message(reasoning)
+            for e in opening:
+                yield e
+        message = body["output"][-1]
+        part, where = message["content"][0], {"item_id": self.item_id, "output_index": message_at, "content_index": 0}
         yield self.event("response.output_text.done", **where, text=part["text"], logprobs=part.get("logprobs", []))
         yield self.event("response.content_part.done", **where, part=part)
-        yield self.event("response.output_item.done", output_index=0, item=body["output"][0])
+        yield self.event("response.output_item.done", output_index=message_at, item=message)
         yield self.event(f"response.{body['status']}", response=body)
 
 
@@ -951,12 +1003,12 @@ async def _until_disconnect(request: Request, work: Awaitable[Response],
 def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, api_key: str | None = None,
               metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout: float = BODY_TIMEOUT_S, tool_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, reasoning_efforts: dict[str, int] | None = None) -> FastAPI:
     """The app over `engine` (connected to its core when the app starts). `api_key` covers every route but
     `/health` (and `/metrics` when `metrics_public`). `/health` answers 503 once the engine core is gone."""
     server = OpenAIServer(engine, model_name=resolve_served_name(engine.info, served_model_name),
                           api_key=api_key, metrics_public=metrics_public, tool_parser=tool_parser,
-                          reasoning_parser=reasoning_parser)
+                          reasoning_parser=reasoning_parser, reasoning_efforts=reasoning_efforts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -1057,25 +1109,30 @@ def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = Tru
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
-          async_scheduling: bool | None = None, metrics_public: bool = False, num_threads: int | None = None,
-          tool_parser: str | None = None, reasoning_parser: str | None = None,
-          disaggregate: dict | None = None, replicas: int = 1, router_policy: str = "kv") -> int:
+          async_scheduling: bool | None = None, kv_reserve: str | None = None, metrics_public: bool = False,
+          num_threads: int | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None,
+          reasoning_efforts: dict[str, int] | None = None, disaggregate: dict | None = None, replicas: int = 1,
+          router_policy: str = "kv") -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
-    `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device;
+    `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device; `kv_reserve`
+    (None: the recipe's) says which requests are admitted only with KV for their whole budget (scheduler.py);
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
-    threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser`: see
-    OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router over one prefill and one
-    decode core instead of one core. `replicas` > 1: that many replicas (cores, or pairs) behind a KV-aware router
-    (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements)."""
+    threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser` /
+    `reasoning_efforts`: see OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router
+    over one prefill and one decode core instead of one core. `replicas` > 1: that many replicas (cores, or
+    pairs) behind a KV-aware router (runtime/disagg/router.py; `router_policy` "round_robin" for A/B
+    measurements)."""
     import uvicorn
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
+    effort_budgets(reasoning_efforts)  # so does a bad effort table
     threads.configure_api_server()
     config = CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
                         engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
-                                              speculative=speculative, async_scheduling=async_scheduling))
+                                              speculative=speculative, async_scheduling=async_scheduling,
+                                              kv_reserve=kv_reserve))
     with contextlib.ExitStack() as stack:
         if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas
@@ -1086,7 +1143,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
             from .disagg.service import start_disaggregated
             engine = start_disaggregated(stack, config, disaggregate)
         app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
-                        tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                        tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                        reasoning_efforts=reasoning_efforts)
         print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
         if replicas > 1:
             pids = ", ".join(str(r.engine.info.pid) for r in engine.replicas)

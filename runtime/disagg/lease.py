@@ -79,7 +79,7 @@ class TransferLedger:
         hit_blocks = list(hit_blocks)
         bm = self.bm
         pinned = sum(1 for b in hit_blocks if bm.ref_counts[b] == 0)
-        if num_blocks > bm.num_free_blocks - pinned:
+        if num_blocks > bm.num_available_blocks - pinned:  # never into blocks promised to reservations
             return None
         bm.pin(hit_blocks)
         blocks = [bm._take_free_block() for _ in range(num_blocks)]

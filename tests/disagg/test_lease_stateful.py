@@ -98,7 +98,8 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         assert lease.state is LeaseState.COMMITTED
         assert all(lease.digests[i] == f"{tid}/{i}".encode() for i in range(len(lease.blocks)))
-        seq = SimpleNamespace(block_table=lease.hit_blocks + lease.blocks, num_registered_blocks=0)
+        seq = SimpleNamespace(block_table=lease.hit_blocks + lease.blocks, num_registered_blocks=0,
+                              num_reserved_blocks=0)
         for b in lease.blocks:  # what the engine does: publish the received full blocks
             self.bm.prefix_cache.insert(self.next_hash, b)
             self.next_hash += 1
@@ -120,7 +121,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 4))
     def allocate(self, n: int) -> None:
         if n <= self.bm.num_free_blocks:
-            seq = SimpleNamespace(block_table=[self.bm._take_free_block() for _ in range(n)], num_registered_blocks=0)
+            seq = SimpleNamespace(block_table=[self.bm._take_free_block() for _ in range(n)], num_registered_blocks=0,
+                                  num_reserved_blocks=0)
             self.seqs.append(seq)
 
     @precondition(lambda self: self.seqs)

@@ -272,7 +272,9 @@ def served_recipe_artifact(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("serve_defaults")
     (work / "r.dsl").write_text(f'recipe r {{\n  model = {GOOD_MODEL}\n  weights = random(seed=0)\n'
-                                f'  serve {{ port = 8765; host = "0.0.0.0"; served_name = "tiny-r" }}\n}}\n')
+                                f'  scheduler {{ kv_reserve = all }}\n'
+                                f'  serve {{ port = 8765; host = "0.0.0.0"; served_name = "tiny-r"; '
+                                f'reasoning_effort = {{ low: 64, deep: 9000 }} }}\n}}\n')
     kiln.compile(work / "r.dsl", work / "art", progress=False)
     return work / "art"
 
@@ -292,6 +294,51 @@ def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifac
     assert seen["metrics_public"] is False and seen["served_model_name"] is None  # the server reads served_name
 
 
+def test_recipe_reasoning_effort_and_kv_reserve_reach_the_server_and_engine(served_recipe_artifact, monkeypatch):
+    import json
+
+    import kiln.runtime.server as server
+    from kiln.runtime.config import scheduler_config_from_manifest
+
+    manifest = json.loads((served_recipe_artifact / "manifest.json").read_text())
+    assert manifest["serve"]["reasoning_effort"] == {"low": 64, "deep": 9000}
+    assert scheduler_config_from_manifest(manifest).kv_reserve == "all"
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)
+    assert main(["serve", str(served_recipe_artifact)]) == 0
+    assert seen["reasoning_efforts"] == {"low": 64, "deep": 9000}
+    assert main(["serve", str(served_recipe_artifact), "--reasoning-effort", "low=32, high=4096"]) == 0
+    assert seen["reasoning_efforts"] == {"low": 32, "deep": 9000, "high": 4096}  # the flag over the recipe
+
+
+@pytest.mark.parametrize("flag, message", [("low=x", "EFFORT=TOKENS"), ("low", "EFFORT=TOKENS"),
+                                           ("Low=5", "lower-case words")])
+def test_serve_bad_reasoning_effort_is_a_flag_error(tmp_path, capsys, flag, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", str(tmp_path), "--reasoning-effort", flag])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --reasoning-effort" in err and message in err, err
+
+
+@pytest.mark.parametrize("section, message", [
+    ("serve { reasoning_effort = { low: -1 } }", "'reasoning_effort.low' must be a thinking budget in tokens"),
+    ("serve { reasoning_effort = { Low: 5 } }", "reasoning effort 'Low' must be a lower-case word"),
+    ("serve { reasoning_effort = 5 }", "'reasoning_effort' must be a map of reasoning efforts"),
+    ("scheduler { kv_reserve = maybe }", "'kv_reserve' must be one of reasoning, all, none"),
+])
+def test_bad_reasoning_effort_and_kv_reserve_in_a_recipe_are_located(tmp_path, capsys, section, message):
+    p = write(tmp_path, f"""
+        recipe r {{
+          model = {GOOD_MODEL}
+          weights = random(seed=0)
+          {section}
+        }}
+        """)
+    assert main(["compile", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{p}:4:") and message in err and "Traceback" not in err, err
+
+
 def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
     import kiln.runtime.server as server
 
@@ -303,6 +350,7 @@ def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
     monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
     assert main(["serve", str(tmp_path / "art"), "--metrics-public"]) == 0
     assert (seen["host"], seen["port"], seen["metrics_public"]) == ("127.0.0.1", 8000, True)
+    assert seen["reasoning_efforts"] is None  # the runtime's table
 
 
 def test_recipe_values_contradicting_the_checkpoint_config_warn(tmp_path, llama_ckpt, capsys):

@@ -119,6 +119,29 @@ def test_effort_policy_lets_short_budgets_overtake_long_ones_within_a_bound():
         [s.seq_id for s in shorts[3:]]
 
 
+def test_effort_policy_orders_reasoning_requests_by_their_thinking_budget():
+    """The effort dial is a scheduler input: of two reasoning requests with the same max_tokens, the low-effort one
+    overtakes the high-effort one that arrived before it."""
+    from kiln.runtime.reasoning_parsers import ThinkingConfig
+    from kiln.runtime.scheduler import EFFORT_ANSWER_TOKENS, EFFORT_TOKENS_PER_ARRIVAL, effort_budget
+
+    sched = make_scheduler(policy="effort", max_seqs=1, max_batched_tokens=100)
+    seqs = []
+    for budget in (8192, 1024, None):
+        seq = make_seq(3)
+        seq.max_tokens = 4096
+        thinking = ThinkingConfig(start_ids=(5,), end_ids=(6,), force_ids=(6,), budget=budget)
+        seq.params = SamplingParams(max_tokens=4096, thinking=thinking)
+        seqs.append(seq)
+    high, low, unbudgeted = seqs
+    assert effort_budget(high) == 4096 and effort_budget(low) == 1024 + EFFORT_ANSWER_TOKENS
+    assert effort_budget(unbudgeted) == 4096  # a thinking block without a budget: max_tokens bounds it
+    for seq in seqs:
+        sched.add(seq)
+    assert sched.waiting == [low, high, unbudgeted]
+    assert (high.arrival + 4096 // EFFORT_TOKENS_PER_ARRIVAL) > low.arrival  # within the bound: it may be overtaken
+
+
 def test_effort_policy_keeps_a_lane_for_short_budgets():
     from kiln.runtime.scheduler import EFFORT_LONG_BUDGET
 

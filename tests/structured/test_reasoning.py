@@ -12,7 +12,9 @@ from kiln.runtime.reasoning_parsers import (
     ThinkingConfig,
     ThinkPhase,
     count_reasoning_tokens,
+    effort_budgets,
     get_reasoning_parser,
+    parse_effort_budgets,
     reasoning_parser_for,
     thinking_budget,
 )
@@ -76,6 +78,20 @@ def test_reasoning_effort_maps_to_a_budget():
     for bad in ({"reasoning_effort": "extreme"}, {"max_thinking_tokens": -1}, {"max_thinking_tokens": True}):
         with pytest.raises(RequestError):
             thinking_budget(**bad)
+
+
+def test_effort_tables_override_the_defaults_in_order():
+    table = effort_budgets({"low": 64, "deep": 9000}, parse_effort_budgets("low=32, high=4096"))
+    assert table == {"none": 0, "minimal": 0, "low": 32, "medium": 2048, "high": 4096, "deep": 9000}
+    assert thinking_budget("deep", efforts=table) == 9000 and thinking_budget("low", efforts=table) == 32
+    with pytest.raises(RequestError, match="one of none, minimal, low, medium, high, deep"):
+        thinking_budget("max", efforts=table)
+    for bad in ("low", "low=", "low=-3", "low=1.5", "Low=3", "=3"):
+        with pytest.raises(RequestError):
+            parse_effort_budgets(bad)
+    for entries in ({"low": -1}, {"low": True}, {"low": "8"}, {"hi gh": 8}):
+        with pytest.raises(RequestError):
+            effort_budgets(entries)
 
 
 END, NL, START = 900, 10, 899

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
+import httpx
 import pytest
 from schemas import PERSON, TOOLS
 
@@ -26,6 +27,8 @@ pydantic = pytest.importorskip("pydantic")
 MODEL = "embedded"
 ENGINE = {"grammar_max_whitespace": 2, "max_num_seqs": 64}  # see test_embedded_constrained's backend fixture
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+# the thinking server's reasoning_effort table (as a recipe's serve.reasoning_effort or --reasoning-effort set it)
+EFFORTS = {"low": 6, "high": 24, "deep": 32}
 
 # A template that opens a thinking block (as Qwen3-Thinking-2507's does) and drops past turns' thinking.
 THINKING_TEMPLATE = (
@@ -58,7 +61,7 @@ def thinking_server(embedded_artifact, tmp_path_factory):
     config = json.loads(config_path.read_text())
     config["chat_template"] = THINKING_TEMPLATE
     config_path.write_text(json.dumps(config))
-    s = LiveServer(art, ENGINE, served_model_name=MODEL)
+    s = LiveServer(art, ENGINE, served_model_name=MODEL, reasoning_efforts=EFFORTS)
     try:
         yield s
     finally:
@@ -269,3 +272,125 @@ def test_thinking_then_schema_in_the_answer(thinking_server):
                                            extra_body={"max_thinking_tokens": 12})
         assert r.usage.completion_tokens_details.reasoning_tokens <= 12
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+@pytest.mark.parametrize("effort", ["low", "high", "deep"])
+def test_reasoning_effort_budgets_come_from_the_servers_table(thinking_server, effort):
+    """The server's table, not the defaults (low = 1024 would let the model think up to max_tokens here), on both
+    chat completions and the Responses API; an effort it does not know is a 400 naming the field."""
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    budget, forced = EFFORTS[effort], 0
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a fortune."}],
+                                           max_tokens=budget + 30, temperature=1.0, seed=seed, reasoning_effort=effort)
+        reasoning = r.usage.completion_tokens_details.reasoning_tokens
+        assert 0 < reasoning <= budget
+        forced += reasoning == budget
+        out = client.responses.create(model=MODEL, input="Tell me a fortune.", max_output_tokens=budget + 30,
+                                      temperature=1.0, reasoning={"effort": effort})
+        assert 0 < out.usage.output_tokens_details.reasoning_tokens <= budget
+        assert out.reasoning.effort == effort
+    assert forced >= 2  # the model rarely ends its thinking that early on its own: the budget did
+    for url, body, param in [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "max"},
+             "reasoning_effort"),
+            ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "max"}}, "reasoning.effort")]:
+        r = httpx.post(thinking_server.url + url, json={"model": MODEL, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "deep" in r.json()["error"]["message"]  # it lists the server's efforts
+
+
+def test_responses_reasoning_item_streamed_and_whole(thinking_server):
+    """A reasoning model's thinking is a `reasoning` output item before the message, in the whole response and as
+    reasoning_text events; the answer (not the thinking) is what the next turn continues."""
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kwargs = dict(model=MODEL, input="Tell me a fortune.", max_output_tokens=60, temperature=0.0,
+                  reasoning={"effort": "high"})
+    whole = client.responses.create(**kwargs)
+    assert [item.type for item in whole.output] == ["reasoning", "message"], whole.output
+    thought = whole.output[0].content[0].text
+    assert thought and "<think>" not in thought and "</think>" not in thought
+    assert "</think>" not in whole.output_text
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= EFFORTS["high"]
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert {e.output_index for e in events if e.type == "response.output_text.delta"} <= {1}
+    final = events[-1].response
+    assert final.status == whole.status and [i.type for i in final.output] == ["reasoning", "message"]
+    follow = client.responses.create(model=MODEL, input="And another?", previous_response_id=whole.id,
+                                     max_output_tokens=8, temperature=0.0, reasoning={"effort": "low"})
+    assert follow.status in ("completed", "incomplete")
+    echoed = [{"role": "user", "content": "Tell me a fortune."},
+              *[item.model_dump(exclude_none=True) for item in whole.output],  # the reasoning item is left out
+              {"role": "user", "content": "And another?"}]
+    again = client.responses.create(model=MODEL, input=echoed, max_output_tokens=8, temperature=0.0,
+                                    reasoning={"effort": "low"})
+    assert again.output_text == follow.output_text  # the same conversation as previous_response_id's
+
+
+def _slow_grammar_compiles(engine, seconds, timeout):
+    """In the engine core: every grammar compile first sleeps `seconds` (0: as before) and a compile may take
+    `timeout` seconds before its request fails."""
+    import time as _time
+
+    from kiln.runtime import structured_output
+
+    cls = structured_output.GrammarBackend
+    real = cls.__dict__.get("_kiln_real_compile_now") or cls._compile_now
+    cls._kiln_real_compile_now = real
+
+    def slow(self, spec):
+        _time.sleep(seconds)
+        return real(self, spec)
+    cls._compile_now = slow if seconds else real
+    engine.constraints.compile_timeout = timeout
+
+
+def test_a_grammar_compile_timeout_is_a_500_and_an_invalid_schema_a_400(server):
+    """A grammar that does not compile within the bound is the server's failure to serve it (500, server_error,
+    streamed: an error event), on both APIs; an invalid schema is the client's (400 naming the field); the server
+    is unharmed either way."""
+    server.in_engine(_slow_grammar_compiles, 3.0, 0.3)
+    try:
+        for i, stream in enumerate((False, True)):
+            fmt = {"type": "regex", "regex": f"timeout-{i}-[0-9]+"}  # a grammar not in the cache
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "messages": MESSAGES, "max_tokens": 8, "response_format": fmt, "stream": stream})
+            if stream:
+                assert r.status_code == 200  # the stream began: the failure is its last event
+                events = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+                error = events[-1]["error"]
+                assert r.text.rstrip().endswith("data: [DONE]")
+            else:
+                assert r.status_code == 500, r.text
+                error = r.json()["error"]
+            assert error["type"] == "server_error" and "took longer than 0.3 s" in error["message"], error
+        schema = {"format": {"type": "json_schema", "name": "p", "schema": {"type": "object", "properties": {
+            "slow": {"type": "string", "pattern": "^timeout-[0-9]+$"}}}}}
+        r = httpx.post(server.url + "/v1/responses", timeout=30,
+                       json={"model": MODEL, "input": "Hi", "max_output_tokens": 8, "text": schema})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        schema["format"]["schema"]["properties"]["slow"]["pattern"] = "^timeout-[a-z]+$"
+        r = httpx.post(server.url + "/v1/responses", timeout=30,
+                       json={"model": MODEL, "input": "Hi", "max_output_tokens": 8, "text": schema, "stream": True})
+        failed = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")][-1]
+        assert failed["type"] == "response.failed" and "took longer than" in failed["response"]["error"]["message"]
+    finally:
+        server.in_engine(_slow_grammar_compiles, 0, 10.0)
+    bad = {"format": {"type": "json_schema", "name": "p", "schema": {"type": "wizard"}}}
+    r = httpx.post(server.url + "/v1/responses", timeout=30,
+                   json={"model": MODEL, "input": "Hi", "max_output_tokens": 8, "text": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    assert "invalid json_schema" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 8, "response_format": {"type": "regex", "regex": "("}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 8, "response_format": {"type": "regex", "regex": "ok[0-9]"}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].startswith("ok")
+    server.wait_idle()
