@@ -45,8 +45,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "recipe's disaggregate section, else transport tcp, remote_prefill always)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
-    p.add_argument("--speculative", choices=["mtp", "none"],
-                   help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
+    p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "none"],
+                   help="speculative decoding: the artifact's MTP draft head, n-gram prompt lookup, a draft model "
+                   "(--speculative-model), or none (default: the recipe's)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="draft tokens a step, verified in one forward pass (default: the recipe's speculative.tokens)")
+    p.add_argument("--speculative-model", help="with --speculative draft: a compiled artifact of a smaller model "
+                   "sharing the tokenizer (default: the recipe's)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous one's tokens are read back, overlapping "
                    "host work with the device (default: the recipe's, else on for CUDA, off for CPU)")
@@ -97,7 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
                  speculative=args.speculative, async_scheduling=args.async_scheduling,
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
-                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate)
+                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate,
+                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model)
 
 
 def _token_ids(text: str) -> list[int]:
