@@ -67,8 +67,9 @@ def test_penalties_and_logprobs_equal_plain(target):
     assert 0 < s["spec_num_accepted_tokens"] < s["spec_num_draft_tokens"]
     assert tokens(got) == tokens(want)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(torch.tensor([[lp.logprob for lp in p.values()] for p in g.logprobs]),
-                                   torch.tensor([[lp.logprob for lp in p.values()] for p in w.logprobs]),
+        assert [list(p) for p in g.logprobs] == [list(p) for p in w.logprobs]  # the same tokens at each position
+        torch.testing.assert_close(torch.tensor([lp.logprob for p in g.logprobs for lp in p.values()]),
+                                   torch.tensor([lp.logprob for p in w.logprobs for lp in p.values()]),
                                    atol=1e-4, rtol=0)
 
 
