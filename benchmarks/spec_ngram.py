@@ -1,8 +1,8 @@
 """Decode speed and acceptance of n-gram (prompt lookup) speculative decoding, on vs off, in-process on this CPU.
 
-The workload repeats its context, as code edits and summaries that quote their source do: each prompt is a
-short document of fortunes (held-out text) followed by its first half again, so a model that copies goes on
-with the document's second half. Every request decodes `--max-tokens` greedy tokens (ignore_eos). For each
+The workload repeats its context, as code edits, summaries that quote their source and chat transcripts do:
+each prompt is a two-turn chat transcript in the embedded model's own format that stops inside the third
+turn, and the model goes on writing turns in the format the prompt repeats. Every request decodes `--max-tokens` greedy tokens (ignore_eos). For each
 batch size, modes alternate (off, ngram, off, ngram, ...) `--repeats` times on fresh engines so that a noisy
 machine hits both alike; the median tokens/s of each is reported with the ngram run's acceptance.
 
@@ -33,14 +33,13 @@ FORTUNES = [
 ]
 
 
+TURN = "<|im_start|>user\nSay something wise.<|im_end|>\n<|im_start|>assistant\n{}<|im_end|>\n"
+
+
 def prompts(tokenizer, n: int) -> list[list[int]]:
-    """n documents of 4 fortunes each (rotating), each followed by its first half again."""
-    out = []
-    for i in range(n):
-        doc = " ".join(FORTUNES[(i + j) % len(FORTUNES)] for j in range(4))
-        ids = tokenizer.encode(doc)
-        out.append(ids + ids[1:len(ids) // 2])  # (the second copy without the bos token)
-    return out
+    """n chat transcripts of two turns (rotating fortunes) that stop inside the third turn's question."""
+    return [tokenizer.encode("".join(TURN.format(FORTUNES[(i + j) % len(FORTUNES)]) for j in range(2))
+                             + "<|im_start|>user\nSay something") for i in range(n)]
 
 
 def run_once(artifact: Path, batch: list[list[int]], speculative: str | None, k: int, max_tokens: int) -> dict:
