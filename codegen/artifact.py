@@ -286,7 +286,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         # draft heads (named forwards, e.g. DeepSeek MTP) for speculative decoding, only when there are some;
         # `speculative.method` (the recipe's) turns decoding with one on by default
         **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
-        "speculative": {"method": options.speculative.method, "num_tokens": options.speculative.tokens},
+        "speculative": {"method": options.speculative.method, "num_tokens": options.speculative.tokens,
+                        **({"draft_model": DRAFT_DIR} if options.speculative.method == "draft" else {})},
         # multi-LoRA (recipe `lora { }`): the lora_injection pass's adapted linears and the compiled-in adapters
         **({"lora": _lora_section(program, options)} if "lora" in options.set_sections else {}),
         # the recipe's `quantize` values as written (readers: humans)
@@ -296,6 +297,7 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
 
 
 LORA_DIR = "lora"
+DRAFT_DIR = "draft"  # speculative { method = draft }: the draft model's own artifact (kiln/driver.py compiles it)
 
 
 def lora_targets(program: Program) -> list[dict[str, Any]]:

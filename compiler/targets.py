@@ -79,13 +79,15 @@ class Target:
         if q.kv_cache is not None and "fp8" not in self.kv_schemes:
             refuse(f"quantize.kv_cache: target {self.name} has no fp8 KV cache", "quantize.kv_cache")
         spec = options.speculative
-        if spec.draft is not None:
-            refuse("speculative decoding with a separate draft model is not implemented yet; method = mtp uses the "
-                   "model's own MTP head", "speculative.draft")
-        if spec.method is not None:
+        if (spec.draft is not None) != (spec.method == "draft"):
+            refuse("a separate draft model is `speculative { method = draft; draft = \"hf:DIR\" }`, the checkpoint "
+                   "of a smaller model sharing the tokenizer (method = ngram needs no model, method = mtp uses the "
+                   "model's own MTP head)", "speculative.draft" if spec.draft is not None else "speculative.method")
+        if spec.method is not None and spec.method not in MODEL_FREE_METHODS:
             if spec.method not in self.draft_methods:
                 refuse(f"speculative decoding method {spec.method!r} is not implemented yet (kiln builds: "
-                       f"{', '.join(self.draft_methods)}, a draft head compiled into the model)", "speculative.method")
+                       f"{', '.join(MODEL_FREE_METHODS)}, prompt lookup; {', '.join(self.draft_methods)}, a draft "
+                       "head compiled into the model)", "speculative.method")
             if spec.tokens != self.draft_methods[spec.method]:
                 refuse(f"speculative.tokens = {spec.tokens}: an {spec.method.upper()} head proposes "
                        f"{self.draft_methods[spec.method]} token a step", "speculative.tokens")
@@ -147,6 +149,9 @@ def _lora_supported(options: RecipeOptions, refuse) -> None:
 
 
 # Recipe sections kiln parses but cannot build on any target yet: an error at the section, never ignored.
+# speculative methods that need no draft head in the model (any k): n-gram prompt lookup, a separate draft model
+MODEL_FREE_METHODS = ("ngram", "draft")
+
 _NOT_YET = {
 }
 

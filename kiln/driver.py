@@ -7,18 +7,22 @@ from __future__ import annotations
 import difflib
 import hashlib
 import math
+import os
+import shutil
+import tempfile
 import warnings as pywarnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.codegen import write_artifact
+from kiln.codegen.artifact import DRAFT_DIR
 from kiln.compiler import PassContext, PassManager, Program
 from kiln.compiler.instantiate import instantiate_model
 from kiln.compiler.options import RecipeOptions, check_config_values, recipe_options
 from kiln.compiler.pass_manager import PassError, load_pass
 from kiln.compiler.report import format_report
-from kiln.compiler.targets import TargetError, get_target
+from kiln.compiler.targets import MODEL_FREE_METHODS, TargetError, get_target
 from kiln.dsl import ast as A
 from kiln.dsl import load_recipe
 from kiln.dsl.errors import KilnError, SourceError, SourceWarning
@@ -78,10 +82,38 @@ def _check_compiled(options: RecipeOptions, program: Program) -> None:
                           "random weights have none (fp8 quantizes them at compile time)",
                           options.loc("quantize.weights"))
     method = options.speculative.method
-    if method is not None and method not in program.forward_graphs():
+    if method is not None and method not in MODEL_FREE_METHODS and method not in program.forward_graphs():
         raise SourceError(f"speculative method {method} needs a model with that draft head (a "
                           f"`forward {method}(...)`, e.g. deepseek_v3 with nextn >= 1; from-hf sets it "
                           "when the checkpoint has MTP weights)", options.loc("speculative.method"))
+
+
+def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progress: bool) -> Path:
+    """`speculative { method = draft; draft = "hf:DIR" }`: the draft checkpoint's recipe (`kiln recipe from-hf`
+    with this recipe's target and dtype) compiled on its own, into a staging directory beside `out` whose `art/`
+    becomes the artifact's `draft/` once the artifact is written (the runtime loads it as a second model)."""
+    from kiln.recipe_from_hf import recipe_from_hf
+
+    loc = options.loc("speculative.draft")
+    value = options.speculative.draft
+    if not (isinstance(value, str) and value.startswith("hf:")):
+        raise SourceError('speculative.draft: give the draft model as a checkpoint directory, draft = "hf:DIR"', loc)
+    ckpt = Path(value[3:]).expanduser()
+    if not ckpt.is_absolute():
+        ckpt = (recipe_file.parent / ckpt).resolve()
+    if not ckpt.is_dir():
+        raise SourceError(f"draft checkpoint directory {ckpt} does not exist", loc)
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.draft-", dir=out.resolve().parent))
+    try:
+        recipe = stage / "draft.dsl"
+        recipe.write_text(recipe_from_hf(ckpt, target=options.target, dtype=options.dtype, out_file=recipe,
+                                         name="draft"), encoding="utf-8")
+        compile(recipe, stage / "art", progress=progress)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return stage
 
 
 def check_lora_adapters(recipe: A.RecipeDecl, recipe_file: Path, options: RecipeOptions,
@@ -234,10 +266,17 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
         _check_compiled(options, program)
         text = recipe_file.read_text(encoding="utf-8")
         adapters = check_lora_adapters(recipe, recipe_file, options, program)
-        manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, tokenizer_dir=tokenizer,
-                                  seed=seed, recipe_text=text, lora_adapters=adapters,
-                                  recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),
-                                  progress=progress)
+        draft = _compile_draft(options, recipe_file, Path(out_dir), progress) if options.speculative.draft else None
+        try:
+            manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, tokenizer_dir=tokenizer,
+                                      seed=seed, recipe_text=text, lora_adapters=adapters,
+                                      recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),
+                                      progress=progress)
+            if draft is not None:
+                os.replace(draft / "art", Path(out_dir) / DRAFT_DIR)
+        finally:
+            if draft is not None:
+                shutil.rmtree(draft, ignore_errors=True)
     return CompileResult(program, options, pass_log, Path(out_dir) if out_dir else None, manifest, report, found)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .errors import ArtifactError
-from .manifest import MLA_LAYOUT
+from .manifest import MLA_LAYOUT, SPECULATIVE_METHODS
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -119,24 +119,43 @@ def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding with a draft head compiled into the artifact (manifest `drafts`): `method` names
-    the head (DeepSeek's "mtp"), `model_method` its model.py method; it proposes `num_tokens` tokens a step."""
+    """Speculative decoding (runtime/speculative/): `method` proposes up to `num_tokens` drafts a step.
+
+    Methods: a draft head compiled into the artifact (manifest `drafts`, e.g. DeepSeek's "mtp"; `model_method` is
+    its model.py method), "ngram" (prompt lookup of the last `ngram_max` down to `ngram_min` tokens), "draft" (the
+    compiled artifact `draft_model`, a smaller model sharing the tokenizer)."""
 
     method: str
-    model_method: str
+    model_method: str | None = None
     num_tokens: int = 1
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str | None = None
 
 
-def speculative_config(manifest: dict, method: str | None, num_tokens: int | None = None) -> SpeculativeConfig | None:
-    """`method` (e.g. "mtp"; None or "none": off) checked against the artifact's draft heads."""
+def speculative_config(manifest: dict, method: str | None, num_tokens: int | None = None,
+                       draft_model: str | None = None) -> SpeculativeConfig | None:
+    """`method` (None or "none": off) checked against what the artifact has: a draft head of that name, or a
+    draft model for "draft"; `num_tokens` drafts a step (default 1)."""
     if method in (None, "none"):
         return None
+    n = 1 if num_tokens is None else int(num_tokens)
+    if n < 1:
+        raise ArtifactError(f"speculative {method}: {n} draft tokens per step; at least 1")
+    if method == "ngram":
+        return SpeculativeConfig(method, num_tokens=n)
+    if method == "draft":
+        draft_model = draft_model or (manifest.get("speculative") or {}).get("draft_model")
+        if not draft_model:
+            raise ArtifactError("speculative draft: no draft model; give the directory of a compiled artifact "
+                                "sharing the target's tokenizer (--speculative-model DIR, speculative_model=DIR)")
+        return SpeculativeConfig(method, num_tokens=n, draft_model=str(draft_model))
     drafts = manifest.get("drafts") or {}
     if method not in drafts:
         have = ", ".join(drafts) or "none"
         raise ArtifactError(f"speculative method {method!r} needs a draft head of that name in the artifact "
-                            f"(it has: {have}); compile a checkpoint with an MTP layer (DeepSeek-V3, nextn >= 1)")
-    n = 1 if num_tokens is None else int(num_tokens)
+                            f"(it has: {have}); compile a checkpoint with an MTP layer (DeepSeek-V3, nextn >= 1), "
+                            f"or use one of {', '.join(SPECULATIVE_METHODS)}")
     if n != 1:
         raise ArtifactError(f"speculative {method}: {n} draft tokens per step; an MTP head proposes 1")
     return SpeculativeConfig(method, str(drafts[method]["method"]), n)

@@ -191,7 +191,8 @@ class EngineCoreProc:
         s = self.engine.stats()
         self.latest = (self.latest[0] + 1, CoreStats(s["num_running"], s["num_waiting"], s["kv_usage"], s["num_preemptions"],
                                s["prefix_cache_queries"], s["prefix_cache_hits"], s["spec_num_draft_tokens"],
-                               s["spec_num_accepted_tokens"], s["num_nonfinite_logits"], self.num_step_errors))
+                               s["spec_num_accepted_tokens"], s["num_nonfinite_logits"], self.num_step_errors,
+                               s["spec_num_drafts"]))
 
     def _fail_all(self, error: str) -> list[SeqDelta]:
         engine = self.engine

@@ -17,7 +17,8 @@ import msgspec
 
 from .sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name
+PROTOCOL_VERSION = 4  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
+# 4: CoreStats.spec_num_drafts
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
@@ -85,6 +86,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_num_accepted_tokens: int = 0
     num_nonfinite_logits: int = 0
     num_step_errors: int = 0
+    spec_num_drafts: int = 0  # speculative verify steps (of one sequence with drafts)
 
 
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

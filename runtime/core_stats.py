@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
+# SpeculativeDecoder.stats(): verify steps (of a sequence with drafts), drafts verified and accepted in them
+NO_SPECULATION = {"spec_num_drafts": 0, "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
+                  "spec_acceptance_rate": 0.0, "spec_mean_acceptance_length": 0.0}
+
 
 def core_stats(engine: Any) -> dict[str, float]:
     """Counts are of sequences; prefix-cache queries and hits are cumulative, in KV blocks;
-    cuda_graph_bytes is the device memory the decode graphs took when captured at load."""
+    cuda_graph_bytes is the device memory the decode graphs took when captured at load; spec_* count speculative
+    decoding's verify steps and draft tokens (mean acceptance length: tokens a verify step gains)."""
     pc, sched, spec = engine.block_manager.prefix_cache, engine.scheduler, engine.speculator
-    drafted, accepted = (spec.num_draft_tokens, spec.num_accepted_tokens) if spec else (0, 0)
     return {"num_running": len(sched.running), "num_waiting": len(sched.waiting) + len(sched.swapped),
             "kv_usage": engine.block_manager.usage, "kv_reserved_blocks": engine.block_manager.num_reserved,
             "num_preemptions": sched.num_preemptions,
@@ -16,7 +20,6 @@ def core_stats(engine: Any) -> dict[str, float]:
             "prefix_cache_queries": pc.queries if pc else 0, "prefix_cache_hits": pc.hits if pc else 0,
             "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0,
             "cuda_graph_bytes": engine.runner.graph_runner.memory_bytes if engine.runner.graph_runner else 0,
-            "spec_num_draft_tokens": drafted, "spec_num_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            **(spec.stats() if spec else NO_SPECULATION),
             "num_nonfinite_logits": engine.num_nonfinite_logits, **engine.constraints.stats()}
 

@@ -25,7 +25,7 @@ from .sampler import NONFINITE_TOKEN, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PLACEHOLDER_TOKEN, Request, Sequence
-from .speculative import Launched, SpeculativeDecoder
+from .speculative import Launched, make_speculator
 from .stops import TokenStops
 from .validation import check_request
 
@@ -43,8 +43,9 @@ class EngineCore(EngineLoRA):
     KV pool size: `num_kv_blocks`, else the manifest's `kv_cache.num_blocks`, else `kv_cache_bytes` (CPU
     default 256 MiB), else on CUDA the memory plan (memory_plan.py); `runner.memory_plan` keeps it. Scheduler
     limits default to the manifest's `scheduler` section. On CUDA a manifest `cuda_graphs` plan has decode
-    graphs captured at load; `enforce_eager=True` skips that. `speculative="mtp"` (default: the manifest's)
-    decodes with the artifact's draft head (speculative.py). `async_scheduling` (default: the manifest's, else
+    graphs captured at load; `enforce_eager=True` skips that. `speculative` (default: the manifest's): "mtp" (the
+    artifact's draft head), "ngram" or "draft" (the artifact `speculative_model`) drafts `num_speculative_tokens`
+    a step (speculative/). `async_scheduling` (default: the manifest's, else
     on for CUDA, off for CPU) launches step N+1 before step N's tokens reach the host (overlap.py), so `step()`
     returns the deltas of the step before the one it launched.
 
@@ -62,8 +63,9 @@ class EngineCore(EngineLoRA):
                  policy: str | None = None, preemption: str | None = None, swap_space_bytes: int | None = None,
                  kv_reserve: str | None = None, seed: int = 0, enforce_eager: bool = False,
                  speculative: str | None | object = _UNSET, num_speculative_tokens: int | None = None,
-                 async_scheduling: bool | None = None, executor: str | None = None,
-                 grammar_max_whitespace: int | None = 8, grammar_compile_timeout: float = 10.0) -> None:
+                 speculative_model: str | None = None, async_scheduling: bool | None = None,
+                 executor: str | None = None, grammar_max_whitespace: int | None = 8,
+                 grammar_compile_timeout: float = 10.0) -> None:
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact, device)
         self.model_config = cfg = self.artifact.model_config
         self.tokenizer = self.artifact.tokenizer
@@ -86,11 +88,10 @@ class EngineCore(EngineLoRA):
         self.attach_lora()  # an artifact compiled with `lora { }`: its adapters and slots (lora.py)
         self.sampler = Sampler(seed, device)
         spec = manifest.get("speculative") or {}
-        self.speculative = speculative_config(
-            manifest, spec.get("method") if speculative is _UNSET else speculative,
-            num_speculative_tokens if num_speculative_tokens is not None else spec.get("num_tokens"))
-        self.speculator = None if self.speculative is None else SpeculativeDecoder(
-            self.speculative, self.runner, self.sampler, cfg.max_model_len)
+        self.speculative = speculative_config(manifest, spec.get("method") if speculative is _UNSET else speculative,
+                                              spec.get("num_tokens") if num_speculative_tokens is None
+                                              else num_speculative_tokens, speculative_model)
+        self.speculator = make_speculator(self.speculative, self.runner, self.sampler, self.artifact)
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -197,7 +198,7 @@ class EngineCore(EngineLoRA):
 
     def _commit(self, batch: ScheduledBatch, launched: Launched) -> list[SeqDelta]:
         """update: the launched step's tokens become the sequences' (a request with a non-finite row is failed
-        first and left out), token stops end what they end, the deltas are built; then the draft head runs."""
+        first and left out), token stops end what they end, the deltas are built; then the proposer drafts."""
         sampled, new_tokens, full_batch = launched.sampled, launched.new_tokens, batch
         if new_tokens is None:
             failed = NONFINITE_TOKEN in sampled.sampled and [t == NONFINITE_TOKEN for t in sampled.sampled]
@@ -214,8 +215,7 @@ class EngineCore(EngineLoRA):
             return self.update(batch, sampled, self.scheduler.update(batch, sampled.sampled))
         grown = self.scheduler.update_verified(batch, new_tokens)
         deltas = self.update(batch, sampled, grown, [len(t) for t in new_tokens if t])  # grown's order
-        if launched.draft_input is not None:  # the whole batch: the draft head's rows are the forward's
-            self.speculator.propose(full_batch, launched)
+        self.speculator.propose(full_batch, launched)  # the whole batch: a draft head's rows are the forward's
         return deltas
 
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> list[SeqDelta]:
@@ -266,7 +266,7 @@ class EngineCore(EngineLoRA):
                     deltas.append(SeqDelta(seq.request_id, seq.index, [], None, plp))
                     continue
             if plp is not None or lp is not None:
-                logprobs[seq.seq_id] = ([lp] if lp is not None else None, plp)
+                logprobs[seq.seq_id] = ([lp] if isinstance(lp, tuple) else lp, plp)  # speculative: a list
         return deltas + self._deltas(grown, added, logprobs)
 
     def _deltas(self, grown: list[Sequence], added: list[int] | None = None,
@@ -279,8 +279,8 @@ class EngineCore(EngineLoRA):
                 continue
             kept = self.stops.check_each(seq, m)
             lp, plp = logprobs.get(seq.seq_id, (None, None)) if logprobs else (None, None)
-            deltas.append(SeqDelta(seq.request_id, seq.index, seq.token_ids[-kept:], lp, plp, seq.finish_reason,
-                                   seq.stop_reason))
+            deltas.append(SeqDelta(seq.request_id, seq.index, seq.token_ids[-kept:], lp and lp[:kept], plp,
+                                   seq.finish_reason, seq.stop_reason))
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 request = requests[seq.request_id]

@@ -55,8 +55,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "measurements) (default kv)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
-    p.add_argument("--speculative", choices=["mtp", "none"],
-                   help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
+    p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "none"],
+                   help="speculative decoding: the artifact's MTP draft head, n-gram prompt lookup, a draft model "
+                   "(--speculative-model), or none (default: the recipe's)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="draft tokens a step, verified in one forward pass (default: the recipe's speculative.tokens)")
+    p.add_argument("--speculative-model", help="with --speculative draft: a compiled artifact of a smaller model "
+                   "sharing the tokenizer (default: the recipe's)")
     p.add_argument("--kv-reserve", choices=["reasoning", "all", "none"],
                    help="which requests are admitted only with KV for their whole budget (prompt + max_tokens) and "
                    "never preempted: those with a thinking budget, all, or none (default: the recipe's "
@@ -133,7 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  speculative=args.speculative, async_scheduling=args.async_scheduling, kv_reserve=args.kv_reserve,
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
                  reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
-                 replicas=args.replicas, router_policy=args.router_policy)
+                 replicas=args.replicas, router_policy=args.router_policy,
+                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model)
 
 
 def _token_ids(text: str) -> list[int]:

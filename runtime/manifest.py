@@ -186,9 +186,14 @@ class DraftSection(_Section):
     num_hidden: NonNegInt
 
 
+# speculative methods that need no draft head in the artifact (runtime/speculative/)
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
 class SpeculativeSection(_Section):
-    method: str | None  # None: off
+    method: str | None  # None: off; a draft head's name (`drafts`) or one of SPECULATIVE_METHODS
     num_tokens: PosInt
+    draft_model: str | None = None  # method draft: the draft artifact's directory, relative to this one
 
 
 class LoRATargetSection(_Section):
@@ -303,7 +308,7 @@ class Manifest(_Section):
                                  f" of {self.kv_cache.num_layers}")
         if self.parallel is not None and self.parallel.ranks[0] != self.weights:
             raise ValueError("parallel.ranks[0] must be the `weights` section (rank 0's)")
-        if self.speculative.method is not None and self.speculative.method not in self.drafts:
+        if self.speculative.method not in (None, *SPECULATIVE_METHODS) and self.speculative.method not in self.drafts:
             raise ValueError(f"speculative.method {self.speculative.method!r} is not one of the drafts "
                              f"({', '.join(self.drafts) or 'none'})")
         return self

@@ -23,7 +23,8 @@ class ServerMetrics(RequestObserver):
     """Latency histograms and token counters fed by the engine's output task; gauges and the engine's own counters
     (prefix cache, preemptions) read from `stats()` at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], CoreStats], block_size: int) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats], block_size: int,
+                 speculative: str | None = None) -> None:
         disable_created_metrics()  # no `*_created` series, as vLLM
         self.registry = CollectorRegistry()
         labels, values = ["model_name"], [model_name]
@@ -47,7 +48,7 @@ class ServerMetrics(RequestObserver):
         self._success = Counter("kiln:request_success", "Requests that finished (not aborted).",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
-        self.registry.register(_EngineCollector(model_name, stats, block_size))
+        self.registry.register(_EngineCollector(model_name, stats, block_size, speculative))
 
     # RequestObserver: called on the event loop.
     def on_queued(self, seconds: float) -> None:
@@ -79,10 +80,12 @@ class ServerMetrics(RequestObserver):
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], CoreStats], block_size: int) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], CoreStats], block_size: int,
+                 speculative: str | None) -> None:
         self._model_name = model_name
         self._stats = stats
         self._block_size = block_size
+        self._speculative = speculative or "none"  # the `method` label of the spec_decode series
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -103,18 +106,31 @@ class _EngineCollector(Collector):
                 ("kiln:prefix_cache_hits", "Prompt tokens served by the prefix cache (whole blocks).",
                  s.prefix_cache_hits * self._block_size),
                 ("kiln:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions),
-                ("kiln:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
-                 s.spec_num_draft_tokens),
-                ("kiln:spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
-                 s.spec_num_accepted_tokens),
                 ("kiln:nonfinite_logits", "Requests failed because the model's logits for them were NaN or "
                  "infinite.", s.num_nonfinite_logits)):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(values, value)
             yield family
-        family = GaugeMetricFamily("kiln:spec_decode_draft_acceptance_rate",
-                                   "Accepted / verified draft tokens since start (0 without speculation).",
-                                   labels=labels)
-        family.add_metric(values, s.spec_num_accepted_tokens / s.spec_num_draft_tokens
-                          if s.spec_num_draft_tokens else 0.0)
-        yield family
+        yield from self._speculative_metrics(s)
+
+    def _speculative_metrics(self, s: CoreStats) -> Iterator[Metric]:
+        """Speculative decoding, labelled with its method (mtp, ngram, draft; "none" when off)."""
+        labels, values = ["model_name", "method"], [self._model_name, self._speculative]
+        drafts, drafted, accepted = s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+        for name, doc, value in (
+                ("kiln:spec_decode_num_drafts", "Verify steps of a sequence with draft tokens.", drafts),
+                ("kiln:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).", drafted),
+                ("kiln:spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).", accepted)):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            yield family
+        for name, doc, value in (
+                ("kiln:spec_decode_draft_acceptance_rate",
+                 "Accepted / verified draft tokens since start (0 without speculation).",
+                 accepted / drafted if drafted else 0.0),
+                ("kiln:spec_decode_mean_acceptance_length",
+                 "Tokens a verify step gains on average, 1 + accepted drafts (0 without speculation).",
+                 1 + accepted / drafts if drafts else 0.0)):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            yield family

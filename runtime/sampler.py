@@ -89,22 +89,27 @@ class Sampler:
             out.sampled[i] = tokens[j]
         want = [j for j, s in enumerate(batch) if s.params.logprobs is not None and tokens[j] != NONFINITE_TOKEN]
         if want:
-            lp = torch.log_softmax(rows[want], dim=-1)
-            gathered = _gather_logprobs(lp, [tokens[j] for j in want], max(batch[j].params.logprobs for j in want))
-            for k, j in enumerate(want):
-                ids, lps, ranks = gathered[k]
-                top_n = 1 + batch[j].params.logprobs
-                out.logprobs[idx[j]] = (ids[:top_n], lps[:top_n], ranks[:top_n])
+            lps = self.token_logprobs(rows[want], [tokens[j] for j in want], [batch[j].params.logprobs for j in want])
+            for j, lp in zip(want, lps, strict=True):
+                out.logprobs[idx[j]] = lp
         return out
 
+    @staticmethod
+    def token_logprobs(logits: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[TokenLogprobs]:
+        """Row j's logprob of tokens[j] and its top_ns[j] likeliest tokens (the log-softmax of the rows given)."""
+        gathered = _gather_logprobs(torch.log_softmax(logits, dim=-1), tokens, max(top_ns))
+        return [(ids[:1 + n], lps[:1 + n], ranks[:1 + n]) for (ids, lps, ranks), n in zip(gathered, top_ns, strict=True)]
+
     @torch.inference_mode()
-    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row, row j with seqs[j]'s parameters and generator (speculative decoding's verification
-        rows: the target model's token after each draft)."""
+    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence],
+                      drafts: list[list[int]] | None = None) -> list[int]:
+        """One token per row, row j with seqs[j]'s parameters and generator, its penalties counting `drafts[j]`
+        as output tokens too (speculative decoding's verification rows: the target model's token after each
+        draft, those before it included). `logits` is left as it is."""
         if any(s.params.logit_bias for s in seqs):
             logits = logits.clone()
             apply_logit_bias(logits, seqs)
-        return self._sample_rows(logits, seqs)
+        return self._sample_rows(logits, seqs, drafts)
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, layout: LogitsLayout,
@@ -121,8 +126,9 @@ class Sampler:
         tokens, top = self._sample_tensor(logits, batch)
         return tokens, tokens.where(top.isfinite(), NONFINITE_TOKEN)
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        tokens, top = self._sample_tensor(logits, seqs)
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
+                     ) -> list[int]:
+        tokens, top = self._sample_tensor(logits, seqs, drafts)
         if tokens.device.type != "cpu":
             return tokens.where(top.isfinite(), NONFINITE_TOKEN).tolist()
         ids = tokens.tolist()
@@ -131,12 +137,13 @@ class Sampler:
             return ids
         return [t if math.isfinite(v) else NONFINITE_TOKEN for t, v in zip(ids, tops, strict=True)]
 
-    def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_tensor(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, top): a token per row, always a valid id (a broken row's is meaningless), and the row's
         max logit, finite unless nothing can be sampled from the row (see the class docstring)."""
         params = [s.params for s in seqs]
         if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits.clone(), seqs)
+            logits = apply_penalties(logits.clone(), seqs, drafts)
         top, greedy_tokens = logits.max(dim=-1)
         if all(p.greedy for p in params):
             return greedy_tokens, top
@@ -187,14 +194,16 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     logits.index_put_((index[0], index[1]), host_to_device(values, logits.dtype, device), accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
+                    ) -> torch.Tensor:
     """vLLM semantics: repetition penalty over prompt and output tokens (divide positive logits, multiply
-    negative ones); presence and frequency penalties over output tokens only."""
+    negative ones); presence and frequency penalties over output tokens only. `drafts[j]`: tokens row j's
+    position comes after beyond seqs[j]'s own (speculative verification), counted as output tokens."""
     vocab, device = logits.shape[1], logits.device
     counts = torch.zeros_like(logits)
     seen = torch.zeros_like(logits, dtype=torch.bool)
     for j, seq in enumerate(seqs):
-        out_ids = seq.output_token_ids
+        out_ids = seq.output_token_ids if drafts is None else seq.output_token_ids + drafts[j]
         if out_ids:
             ids = torch.tensor(out_ids, device=device)
             counts[j] = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)

@@ -97,7 +97,8 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.limits.max_model_len
         self.max_prompt_chars = self.max_model_len * _longest_token_chars(engine.tokenizer)
-        self.metrics = ServerMetrics(model_name, lambda: self.async_engine.stats, engine.info.limits.block_size)
+        self.metrics = ServerMetrics(model_name, lambda: self.async_engine.stats, engine.info.limits.block_size,
+                                     engine.info.speculative)
         for collector in getattr(engine, "metrics_collectors", ()):  # a disaggregated router's (runtime/disagg)
             self.metrics.registry.register(collector)
         self.async_engine = engine
@@ -1112,10 +1113,12 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           async_scheduling: bool | None = None, kv_reserve: str | None = None, metrics_public: bool = False,
           num_threads: int | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None,
           reasoning_efforts: dict[str, int] | None = None, disaggregate: dict | None = None, replicas: int = 1,
-          router_policy: str = "kv") -> int:
+          router_policy: str = "kv", num_speculative_tokens: int | None = None,
+          speculative_model: str | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
-    artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
+    artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
+    `speculative_model`, "none"; `num_speculative_tokens` a step) overrides the recipe's;
     `async_scheduling` (None: the recipe's, else on for CUDA) overlaps host work with the device; `kv_reserve`
     (None: the recipe's) says which requests are admitted only with KV for their whole budget (scheduler.py);
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
@@ -1132,7 +1135,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     config = CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
                         engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
                                               speculative=speculative, async_scheduling=async_scheduling,
-                                              kv_reserve=kv_reserve))
+                                              kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
+                                              speculative_model=speculative_model))
     with contextlib.ExitStack() as stack:
         if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas

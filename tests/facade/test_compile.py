@@ -91,7 +91,7 @@ def test_disable_pass_in_recipe(recipe, tmp_path):
 
 @pytest.mark.parametrize("old,new,needle", [
     ("  serve ", "  quantize { weights = int8 }\n  serve ", "unknown weight quantization 'int8'"),
-    ("  serve ", "  speculative { method = ngram; tokens = 4 }\n  serve ", "speculative decoding"),
+    ("  serve ", "  speculative { method = draft; tokens = 4 }\n  serve ", "a separate draft model is"),
     ("  serve ", "  parallel { pp = 2 }\n  serve ", "pipeline parallelism is not implemented"),
     ("kv_cache  {", "kv_cache  { offload = cpu(16GiB);", "offload"),
 ])

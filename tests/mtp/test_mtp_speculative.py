@@ -112,7 +112,7 @@ def test_verifying_a_sampled_draft_keeps_the_target_distribution(mtp_artifact):
     layout = LogitsLayout(sample_rows=list(range(0, 2 * n, 2)), prompt_rows=[None] * n)
     batch = ScheduledBatch(seqs=seqs, num_new_tokens=[2] * n)
     sampled = engine.sampler.sample(logits, layout, seqs)
-    tokens = engine.speculator.verify(batch, logits, layout, sampled.sampled)
+    tokens = engine.speculator.verify(batch, logits, layout, sampled)
     first = torch.tensor([t[0] for t in tokens])
     freq = torch.stack([(first == v).float().mean() for v in (3, 7, 9)])
     torch.testing.assert_close(freq, p[[3, 7, 9]], atol=0.03, rtol=0)

@@ -78,7 +78,7 @@ def test_verification_rows_are_masked(mtp_artifact):
         logits[:, a] = 5.0  # the grammar's best choice where the favourite is forbidden
         batch = SimpleNamespace(seqs=[probe])
         sampled = engine.sampler.sample(logits, SimpleNamespace(prompt_rows=[None], sample_rows=[0]), [probe])
-        return engine.speculator.verify(batch, logits, SimpleNamespace(sample_rows=[0]), sampled.sampled)[0]
+        return engine.speculator.verify(batch, logits, SimpleNamespace(sample_rows=[0]), sampled)[0]
 
     # z is the model's favourite everywhere and the draft: forbidden, so row 0 picks a and z is rejected
     assert verify([z], [z, z]) == [a]

@@ -19,10 +19,17 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
+def _trees(module: str) -> list[ast.Module]:
+    """A runtime module's syntax tree; a package's (runtime/speculative/): each of its files'."""
+    path = RUNTIME / f"{module}.py"
+    files = [path] if path.exists() else sorted((RUNTIME / module).glob("*.py"))
+    return [ast.parse(f.read_text()) for f in files]
+
+
 def _private_members(module: str) -> set[str]:
     """Private names a runtime module defines: functions, methods, classes, module globals, `self._x` attributes."""
     names = set()
-    for node in ast.walk(ast.parse((RUNTIME / f"{module}.py").read_text())):
+    for node in (n for tree in _trees(module) for n in ast.walk(tree)):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and _private(node.name):
             names.add(node.name)
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr):
