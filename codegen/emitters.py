@@ -50,6 +50,7 @@ EMITTERS: dict[str, str] = {
     # collectives (parallel programs): through the rank's communicator
     "cpu.all_reduce": "K.all_reduce({0}, self.comm)",
     "cpu.all_gather": "K.all_gather({0}, self.comm, dim={dim}, size={gathered_size})",
+    "cpu.gather_logits": "K.gather_logits({0}, self.comm, batch.logit_candidates, size={gathered_size})",
     "cpu.dp_gather": "K.dp_gather({0}, self.comm, {dp_counts})",
     "cpu.dp_scatter": "K.dp_scatter({0}, self.comm, batch.dp_num_tokens)",
     "cpu.all_reduce_add_rms_norm": "K.all_reduce_add_rms_norm({0}, {1}, {2}, self.comm, eps={eps})",

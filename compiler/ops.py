@@ -896,6 +896,14 @@ register_op(OpDef("all_gather", 1, 1, infer=_infer_all_gather, reference=_identi
                       "vocab-parallel LM head's logits."))
 
 
+register_op(OpDef("gather_logits", 1, 1, infer=_infer_all_gather, reference=_identity, cost=_collective_cost,
+                  attrs={"dim": 1},
+                  doc="The vocab-parallel LM head's logits on every rank: all of them (an all_gather, padding "
+                      "dropped), or, in a step whose rows need no more (`batch.logit_candidates` = k > 0: greedy, "
+                      "top-k sampling), each row's k largest, found from every rank's top k (value, index) pairs, the "
+                      "other columns -inf (passes/vocab_parallel_sampling.py)."))
+
+
 def _infer_dp_gather(ins: list[TensorType], a: Attrs) -> TensorType:
     _check(a.get("rows", "tokens") in ("tokens", "logits"), f"dp_gather rows={a.get('rows')!r}: tokens or logits")
     return ins[0]

@@ -102,6 +102,7 @@ _CPU_TORCH: dict[str, Entry] = {
     # collectives (parallel programs, compiler/placement.py): through the communicator model.py is given
     "all_reduce": "cpu.all_reduce",
     "all_gather": "cpu.all_gather",
+    "gather_logits": "cpu.gather_logits",
     "dp_gather": "cpu.dp_gather",
     "dp_scatter": "cpu.dp_scatter",
     "all_reduce_add_rms_norm": "cpu.all_reduce_add_rms_norm",

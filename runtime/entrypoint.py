@@ -45,6 +45,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "recipe's disaggregate section, else transport tcp, remote_prefill always)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="serve N replicas of the model behind this server, each its own engine core (and, for a "
+                   "parallel artifact, its own ranks: TP=2 x N); requests go to the least busy (default 1)")
     p.add_argument("--speculative", choices=["mtp", "none"],
                    help="speculative decoding with the artifact's MTP draft head, or none (default: the recipe's)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -81,8 +84,24 @@ def serve_address(artifact: str, host: str | None, port: int | None) -> tuple[st
     return host or serve["host"], port or serve["port"]
 
 
+def launched_worker(artifact: str) -> int | None:
+    """Under a torchrun-style launch (RANK, WORLD_SIZE set) every rank runs the same command: rank 0 is the engine,
+    and a rank > 0 becomes that artifact's rank worker here (runtime/distributed/worker.py); None on rank 0."""
+    import os
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or int(os.environ["RANK"]) == 0:
+        return None
+    from .distributed.worker import main
+
+    return main([str(artifact)])
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from .server import serve
+
+    status = launched_worker(args.artifact)
+    if status is not None:
+        return status
 
     host, port = serve_address(args.artifact, args.host, args.port)
     disaggregate = None
@@ -97,7 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,
                  speculative=args.speculative, async_scheduling=args.async_scheduling,
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
-                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate)
+                 reasoning_parser=args.reasoning_parser, disaggregate=disaggregate,
+                 data_parallel_size=args.data_parallel_size)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -115,6 +135,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
+    status = launched_worker(args.artifact)
+    if status is not None:
+        return status
     llm = LLM(str(args.artifact))
     if llm.get_tokenizer() is None and not args.token_ids:
         raise RequestError(f"{args.artifact} has no tokenizer (compiled with random weights and no `tokenizer = "

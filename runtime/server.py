@@ -1059,7 +1059,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
           async_scheduling: bool | None = None, metrics_public: bool = False, num_threads: int | None = None,
           tool_parser: str | None = None, reasoning_parser: str | None = None,
-          disaggregate: dict | None = None) -> int:
+          disaggregate: dict | None = None, data_parallel_size: int = 1) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "none") overrides the recipe's;
@@ -1067,7 +1067,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
     threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser`: see
     OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router over one prefill and one
-    decode core instead of one core."""
+    decode core instead of one core. `data_parallel_size` > 1: that many engine cores (replicas, each with its own
+    ranks for a parallel artifact) behind this server (runtime/dp_engine.py)."""
     import uvicorn
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
@@ -1076,7 +1077,12 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
                         engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
                                               speculative=speculative, async_scheduling=async_scheduling))
     with contextlib.ExitStack() as stack:
-        if disaggregate is None:
+        if disaggregate is not None and data_parallel_size > 1:
+            raise KilnRuntimeError("--disaggregate with --data-parallel-size > 1 is not implemented yet")
+        if data_parallel_size > 1:  # replicas of the whole engine core (and of its mesh)
+            from .dp_engine import start_data_parallel
+            engine = start_data_parallel(stack, config, data_parallel_size)
+        elif disaggregate is None:
             engine = AsyncLLMEngine.from_process(stack.enter_context(CoreProcess.start(config)))
         else:  # a router over a prefill and a decode core (runtime/disagg)
             from .disagg.service import start_disaggregated
@@ -1084,6 +1090,9 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
         app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
                         tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
+        if data_parallel_size > 1:
+            print(f"kiln serve: {data_parallel_size} data-parallel replicas, engine core pids "
+                  f"{', '.join(str(r.info.pid) for r in engine.replicas)} (each line above is replica 0's)", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
         engine.on_dead.append(lambda why: setattr(server, "should_exit", True))
