@@ -45,6 +45,7 @@ EMITTERS: dict[str, str] = {
                              "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
                              "group_score={group_score})"),
     "cpu.moe_experts": "K.moe_experts({args}{expert_map})",
+    "cpu.moe_experts_a2a": "K.moe_experts_a2a({args}, comm=self.comm, experts_by_rank={expert_owners})",
     # the adapters' rows of each token (batch.lora: slots and token segments, None without adapters)
     "cpu.lora": "K.lora({0}, {1}, batch.lora, {target}, layer)",
     # collectives (parallel programs): through the rank's communicator

@@ -863,6 +863,13 @@ register_op(OpDef(
         "Σ_k weights[:, k] · down_e(silu(gate_e(x)) · up_e(x)) for e = ids[:, k]."))
 
 
+register_op(OpDef(
+    "moe_experts_a2a", 5, 6, infer=_infer_moe_experts, reference=_ref_moe_experts, cost=_moe_experts_cost,
+    doc="moe_experts under data-parallel attention with every expert group one rank: each rank's own rows go, "
+        "pair by (token, expert) pair, to the rank holding the expert and come back computed (all_to_all), "
+        "instead of every rank gathering all rows and reduce-scattering partial sums. Same meaning."))
+
+
 # ---------------------------------------------------------------- collectives (parallel programs)
 #
 # The IR keeps global shapes: a collective's meaning on the global values is the identity (an all-reduce of a
