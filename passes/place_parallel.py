@@ -58,9 +58,9 @@ class PlaceParallel(Pass):
     data-parallel (token-sharded, weights replicated): each MLP gathers every rank's rows (`dp_gather`) and
     reduce-scatters its partial output back (`dp_scatter`), except a MoE with one rank per expert group whose
     rows nothing else gathers (`moe_experts_a2a`: all_to_all to the experts' ranks and back); logits rows are
-    gathered at the end. KV heads that
-    do not divide the ranks are replicated when the ranks divide them; any other shape is an error at the
-    recipe's `parallel` line naming the tensor and the numbers. Global shapes are unchanged."""
+    gathered at the end. KV heads that do not divide the ranks are replicated when the ranks divide them; any
+    other shape is an error at the recipe's `parallel` line naming the tensor and the numbers. Global shapes are
+    unchanged."""
 
     def run(self, program: Program, ctx: PassContext) -> Program:
         mesh = mesh_of(program)

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 import kiln
 
@@ -110,7 +109,8 @@ def test_dp2_x_tp2_server_matches_single_device_and_survives_a_replica(compile_p
         assert re.search(r'^kiln:dp_replicas\{state="dead"\} 1(\.0)?$', metrics, re.M), metrics
         assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert proc.wait(30) in (0, 130)  # stopped by the user (uvicorn re-raises the SIGINT it handled), not 1
+        assert "exiting: the engine core is gone" not in proc.stdout.read().decode()
     finally:
         if proc.poll() is None:
             proc.kill()
