@@ -20,7 +20,7 @@ import httpx
 import kiln
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from live_server import child_pids, free_port, pid_alive, wait_serving  # noqa: E402
+from live_server import child_pids, free_port, pid_alive, stop_and_reap, wait_serving  # noqa: E402
 
 PROMPTS = [[7, 8, 9, 10, 11], list(range(40, 57))]
 
@@ -112,13 +112,5 @@ def test_dp2_x_tp2_server_matches_single_device_and_survives_a_replica(compile_p
         assert proc.wait(30) in (0, 130)  # stopped by the user (uvicorn re-raises the SIGINT it handled), not 1
         assert "exiting: the engine core is gone" not in proc.stdout.read().decode()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for pid in procs:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(pid_alive(p) for p in procs)
+        gone = stop_and_reap(proc, procs)
+    assert gone
