@@ -45,11 +45,13 @@ EMITTERS: dict[str, str] = {
                              "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
                              "group_score={group_score})"),
     "cpu.moe_experts": "K.moe_experts({args}{expert_map})",
+    "cpu.moe_experts_a2a": "K.moe_experts_a2a({args}, comm=self.comm, experts_by_rank={expert_owners})",
     # the adapters' rows of each token (batch.lora: slots and token segments, None without adapters)
     "cpu.lora": "K.lora({0}, {1}, batch.lora, {target}, layer)",
     # collectives (parallel programs): through the rank's communicator
     "cpu.all_reduce": "K.all_reduce({0}, self.comm)",
     "cpu.all_gather": "K.all_gather({0}, self.comm, dim={dim}, size={gathered_size})",
+    "cpu.gather_logits": "K.gather_logits({0}, self.comm, batch.logit_candidates, size={gathered_size})",
     "cpu.dp_gather": "K.dp_gather({0}, self.comm, {dp_counts})",
     "cpu.dp_scatter": "K.dp_scatter({0}, self.comm, batch.dp_num_tokens)",
     "cpu.all_reduce_add_rms_norm": "K.all_reduce_add_rms_norm({0}, {1}, {2}, self.comm, eps={eps})",

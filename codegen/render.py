@@ -197,7 +197,7 @@ class _Model:
         mesh = self.placements.mesh
         for g in graphs:
             for _, node in self.program.graphs[g].items():
-                if node.op != "moe_experts":
+                if node.op not in ("moe_experts", "moe_experts_a2a"):
                     continue
                 down = self.program.graphs[g].node(node.inputs[-1])
                 spec = self.program.params[down.attrs["name"]]
@@ -289,6 +289,12 @@ def _expert_map_field(fn: _Function, vid: str, node: Node) -> str:
     return f", local_experts=self.{attr}" if attr else ""
 
 
+def _expert_owners_field(fn: _Function, vid: str, node: Node) -> str:
+    """moe_experts_a2a: every rank's experts (global ids in local order), from which it routes each pair."""
+    down = fn.graph.node(node.inputs[-1])
+    return f"EXPERTS[{json.dumps(down.attrs['name'])}]"
+
+
 def _gathered_size_field(fn: _Function, vid: str, node: Node) -> str:
     """The global size of an all_gather's dim: what is left of the gathered parts once padding is dropped."""
     return literal(int(_type_of(fn.graph, vid).shape[node.attrs["dim"]]))
@@ -303,6 +309,7 @@ def _dp_counts_field(fn: _Function, vid: str, node: Node) -> str:
 CONTEXT_FIELDS: dict[str, ContextField] = {
     "dp_counts": _dp_counts_field,  # data-parallel attention: the ranks' row counts of this step
     "expert_map": _expert_map_field,  # experts split over ranks: this rank's global -> local expert map
+    "expert_owners": _expert_owners_field,  # moe_experts_a2a: every rank's experts (EXPERTS of model.py)
     "gathered_size": _gathered_size_field,  # all_gather: the global (unpadded) size of the gathered dim
     "fused_rope": _fused_rope_field,  # the cos/sin table of an attention with a fused rope, as a keyword
     "kv_scales": _kv_scales_field,  # an fp8 KV cache's per-head scales, as keyword arguments

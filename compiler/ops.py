@@ -863,6 +863,13 @@ register_op(OpDef(
         "Σ_k weights[:, k] · down_e(silu(gate_e(x)) · up_e(x)) for e = ids[:, k]."))
 
 
+register_op(OpDef(
+    "moe_experts_a2a", 5, 6, infer=_infer_moe_experts, reference=_ref_moe_experts, cost=_moe_experts_cost,
+    doc="moe_experts under data-parallel attention with every expert group one rank: each rank's own rows go, "
+        "pair by (token, expert) pair, to the rank holding the expert and come back computed (all_to_all), "
+        "instead of every rank gathering all rows and reduce-scattering partial sums. Same meaning."))
+
+
 # ---------------------------------------------------------------- collectives (parallel programs)
 #
 # The IR keeps global shapes: a collective's meaning on the global values is the identity (an all-reduce of a
@@ -894,6 +901,14 @@ register_op(OpDef("all_gather", 1, 1, infer=_infer_all_gather, reference=_identi
                   attrs={"dim": REQUIRED},
                   doc="Every rank's part of a value sharded on `dim`, concatenated (padding dropped): the "
                       "vocab-parallel LM head's logits."))
+
+
+register_op(OpDef("gather_logits", 1, 1, infer=_infer_all_gather, reference=_identity, cost=_collective_cost,
+                  attrs={"dim": 1},
+                  doc="The vocab-parallel LM head's logits on every rank: all of them (an all_gather, padding "
+                      "dropped), or, in a step whose rows need no more (`batch.logit_candidates` = k > 0: greedy, "
+                      "top-k sampling), each row's k largest, found from every rank's top k (value, index) pairs, the "
+                      "other columns -inf (passes/vocab_parallel_sampling.py)."))
 
 
 def _infer_dp_gather(ins: list[TensorType], a: Attrs) -> TensorType:

@@ -38,7 +38,8 @@ EXPERT_ORDERS = ("contiguous", "round_robin")
 # ops whose input may be partial (the reductions), by input index
 REDUCING_INPUTS: dict[str, tuple[int, ...]] = {"all_reduce": (0,), "dp_scatter": (0,), "add": (0, 1),
                                                 "all_reduce_add_rms_norm": (0,)}
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "dp_gather", "dp_scatter", "all_reduce_add_rms_norm")
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "gather_logits", "dp_gather", "dp_scatter", "all_reduce_add_rms_norm",
+                  "moe_experts_a2a")
 
 
 class PlacementError(Exception):
@@ -546,6 +547,16 @@ def _moe_experts(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     return P
 
 
+def _moe_experts_a2a(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
+    x, weights, ids, *mats = ins
+    if not (x == weights == ids == T):
+        raise PlacementError(f"moe_experts_a2a reads token-sharded rows, weights and ids, got {x}, {weights}, {ids}")
+    for m in mats:
+        if len(m.shards) != 1 or m.shards[0].dim != 0 or m.shards[0].axis != "ep":
+            raise PlacementError(f"moe_experts_a2a reads whole experts split over ep groups of one rank, got {m}")
+    return T
+
+
 def _reduction(result: Placement):
     """The rule of a collective that reduces a partial value to `result` (all_reduce: R, dp_scatter: T)."""
     def rule(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
@@ -560,7 +571,7 @@ def _all_gather(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     x = ins[0]
     dim = node.attrs["dim"]
     if x.kind != "S" or len(x.shards) != 1 or x.shards[0].dim != dim:
-        raise PlacementError(f"all_gather(dim={dim}) reads a value sharded on dim {dim} only, got {x}")
+        raise PlacementError(f"{node.op}(dim={dim}) reads a value sharded on dim {dim} only, got {x}")
     return R
 
 
@@ -577,7 +588,9 @@ _RULES = {
     "rope": _rope, "attention": _attention, "mla_attention": _mla_attention, "silu": _elementwise,
     "mul": _elementwise, "add": _elementwise, "bias_add": _bias_add, "deinterleave": _lastwise, "silu_mul": _silu_mul, "concat": _concat,
     "logits": _logits, "moe_topk_softmax": _router, "moe_topk_grouped": _router, "moe_experts": _moe_experts,
-    "all_reduce": _reduction(R), "all_gather": _all_gather, "dp_gather": _dp_gather, "dp_scatter": _reduction(T),
+    "moe_experts_a2a": _moe_experts_a2a,
+    "all_reduce": _reduction(R), "all_gather": _all_gather, "gather_logits": _all_gather, "dp_gather": _dp_gather,
+    "dp_scatter": _reduction(T),
     "block": lambda node, ins, t: ins[0],  # check_placements holds it to the block graph's own placements
     "getitem": lambda node, ins, t: ins[0].items[node.attrs["index"]] if ins[0].kind == "tuple" else ins[0],
 }
@@ -694,9 +707,12 @@ def collectives(program: Program) -> list[Collective]:
                 continue
             t = graph.node(node.inputs[0]).out
             per_row = math.prod(d for d in t.shape if isinstance(d, int)) * DTYPE_BYTES.get(t.dtype, 4)
-            if node.op == "all_gather":
+            if node.op in ("all_gather", "gather_logits"):  # the most it moves: every logit
                 per_row = math.prod(d for d in node.out.shape if isinstance(d, int)) * DTYPE_BYTES.get(t.dtype, 4)
-            per = "row" if node.op in ("all_gather", "dp_gather") and graph.node(node.inputs[0]).op == "logits" else "token"
+            elif node.op == "moe_experts_a2a":  # each of a token's top_k rows there and back
+                per_row *= 2 * graph.node(node.inputs[2]).out.shape[-1]
+            logits_rows = graph.node(node.inputs[0]).op == "logits"
+            per = "row" if node.op in ("all_gather", "gather_logits", "dp_gather") and logits_rows else "token"
             out.append(Collective(gname, vid, node.op, reps[gname], per_row, per))
     return out
 

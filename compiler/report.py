@@ -71,7 +71,7 @@ def expert_param_bytes(program: Program) -> tuple[int, int]:
     for spec in program.blocks.values():
         g = program.graphs[spec.graph]
         for _, n in g.items():
-            if n.op != "moe_experts":
+            if n.op not in ("moe_experts", "moe_experts_a2a"):
                 continue
             top_k = g.node(n.inputs[2]).out.shape[1]
             for w in n.inputs[3:]:

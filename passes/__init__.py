@@ -17,6 +17,7 @@ from kiln.passes import (  # noqa: F401 - imported to register the passes
     quantize_kv_cache,
     quantize_weights,
     shape_inference,
+    vocab_parallel_sampling,
 )
 from kiln.passes.pipeline import build_pipeline
 

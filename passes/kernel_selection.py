@@ -98,10 +98,12 @@ _CPU_TORCH: dict[str, Entry] = {
     "moe_topk_softmax": "cpu.moe_topk_softmax",
     "moe_topk_grouped": "cpu.moe_topk_grouped",
     "moe_experts": "cpu.moe_experts",
+    "moe_experts_a2a": "cpu.moe_experts_a2a",
     "lora": "cpu.lora",
     # collectives (parallel programs, compiler/placement.py): through the communicator model.py is given
     "all_reduce": "cpu.all_reduce",
     "all_gather": "cpu.all_gather",
+    "gather_logits": "cpu.gather_logits",
     "dp_gather": "cpu.dp_gather",
     "dp_scatter": "cpu.dp_scatter",
     "all_reduce_add_rms_norm": "cpu.all_reduce_add_rms_norm",

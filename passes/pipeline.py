@@ -23,6 +23,7 @@ from kiln.passes.place_parallel import PlaceParallel
 from kiln.passes.quantize_kv_cache import QuantizeKVCache
 from kiln.passes.quantize_weights import QuantizeWeights
 from kiln.passes.shape_inference import ShapeInference
+from kiln.passes.vocab_parallel_sampling import VocabParallelSampling
 
 
 def _llm(target: Target) -> list[Pass]:
@@ -48,6 +49,7 @@ def _llm(target: Target) -> list[Pass]:
         # q/k/v and gate/up projections are sharded per segment
         PlaceParallel(),
         FuseAllReduceAddRMSNorm(),  # the row-parallel reduction with the residual add + RMSNorm after it
+        VocabParallelSampling(),  # the LM head's gather: only each row's top candidates when that is all a step needs
         # Phase 4: cleanup (fusions keep the IR typed, so shape inference need not run again)
         DeadCodeElimination(),
         # Phase 5: lowering, on targets with a kernel table

@@ -56,9 +56,11 @@ class PlaceParallel(Pass):
     LM head split the vocabulary (padded to a multiple of the ranks) with a masked lookup + all_reduce and a logits
     all_gather. A partial value is all-reduced where it meets anything but a reduction. With dp > 1 attention is
     data-parallel (token-sharded, weights replicated): each MLP gathers every rank's rows (`dp_gather`) and
-    reduce-scatters its partial output back (`dp_scatter`); logits rows are gathered at the end. KV heads that
-    do not divide the ranks are replicated when the ranks divide them; any other shape is an error at the
-    recipe's `parallel` line naming the tensor and the numbers. Global shapes are unchanged."""
+    reduce-scatters its partial output back (`dp_scatter`), except a MoE with one rank per expert group whose
+    rows nothing else gathers (`moe_experts_a2a`: all_to_all to the experts' ranks and back); logits rows are
+    gathered at the end. KV heads that do not divide the ranks are replicated when the ranks divide them; any
+    other shape is an error at the recipe's `parallel` line naming the tensor and the numbers. Global shapes are
+    unchanged."""
 
     def run(self, program: Program, ctx: PassContext) -> Program:
         mesh = mesh_of(program)
@@ -177,6 +179,9 @@ class _Planner:
         if node.op == "linear" and len(ins) == 3 and self.pl[ins[1]].kind == "S" and self.pl[ins[1]].shard(1):
             bias, ins = ins[2], ins[:2]  # row-parallel: the bias is added once, after the reduction
         new = node.with_(inputs=tuple(ins))
+        if node.op == "moe_experts" and self.pl[ins[0]].kind == "T":  # rows left on their ranks (_dp_gathers)
+            new = new.with_(op="moe_experts_a2a")
+            self.inserted["moe_experts_a2a"] += 1
         try:
             placement = infer_placement(new, [self.pl[i] for i in ins], [self._type(i) for i in ins])
         except PlacementError as e:
@@ -379,11 +384,15 @@ class _Planner:
 
     def _dp_gathers(self) -> set[str]:
         """Data-parallel attention: the token-sharded rows an MLP reads (a column-parallel projection's input, a
-        sharded MoE's), gathered once right where they are made so every reader of them reads all ranks' rows."""
+        sharded MoE's), gathered once right where they are made so every reader of them reads all ranks' rows.
+        With one rank per expert group (ep = tp x dp) a MoE's rows are not gathered for it: they stay on their
+        ranks and its (token, expert) pairs travel to the experts' ranks (moe_experts_a2a) — unless another MLP
+        (shared experts) gathers them anyway."""
         if self.mesh.attention != "dp":
             return set()
+        a2a = self.mesh.etp == 1
         out = set()
         for vid, node in self.graph.items():
-            if (node.op == "linear" and vid in self.columns) or node.op == "moe_experts":
+            if (node.op == "linear" and vid in self.columns) or (node.op == "moe_experts" and not a2a):
                 out.add(node.inputs[0])
         return out

@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "measurements) (default kv)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="serve N replicas of the model behind this server, each its own engine core (and, for a "
+                   "parallel artifact, its own ranks: TP=2 x N); requests go to the least busy (default 1)")
     p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "none"],
                    help="speculative decoding: the artifact's MTP draft head, n-gram prompt lookup, a draft model "
                    "(--speculative-model), or none (default: the recipe's)")
@@ -113,9 +116,25 @@ def serve_address(artifact: str, host: str | None, port: int | None) -> tuple[st
     return host or serve["host"], port or serve["port"]
 
 
+def launched_worker(artifact: str) -> int | None:
+    """Under a torchrun-style launch (RANK, WORLD_SIZE set) every rank runs the same command: rank 0 is the engine,
+    and a rank > 0 becomes that artifact's rank worker here (runtime/distributed/worker.py); None on rank 0."""
+    import os
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or int(os.environ["RANK"]) == 0:
+        return None
+    from .distributed.worker import main
+
+    return main([str(artifact)])
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from .artifact import read_manifest
     from .server import serve
+
+    status = launched_worker(args.artifact)
+    if status is not None:
+        return status
 
     host, port = serve_address(args.artifact, args.host, args.port)
     if args.replicas < 1:
@@ -139,7 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
                  reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
                  replicas=args.replicas, router_policy=args.router_policy,
-                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model)
+                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
+                 data_parallel_size=args.data_parallel_size)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -157,6 +177,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
+    status = launched_worker(args.artifact)
+    if status is not None:
+        return status
     llm = LLM(str(args.artifact))
     if llm.get_tokenizer() is None and not args.token_ids:
         raise RequestError(f"{args.artifact} has no tokenizer (compiled with random weights and no `tokenizer = "

@@ -29,6 +29,9 @@ class ForwardBatch:
     # logits row counts of every rank's batch in this step, by which the model gathers and scatters MLP rows
     dp_num_tokens: list[int] | None = None
     dp_num_rows: list[int] | None = None
+    # a vocab-parallel LM head (gather_logits) may return only each row's top `logit_candidates` logits, the other
+    # columns -inf: a mesh executor sets it when the step samples from no more (greedy: 1, top-k: k); 0: all
+    logit_candidates: int = 0
 
     @property
     def num_tokens(self) -> int:

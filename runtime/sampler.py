@@ -175,6 +175,29 @@ class Sampler:
         return torch.where(greedy, greedy_tokens, sampled), top
 
 
+def logit_candidates(seqs: list[Sequence], layout: LogitsLayout) -> int:
+    """How many of each row's largest logits the sampler reads for this step (0: every logit): 1 when every row is
+    greedy, the largest top_k when every row is greedy or top-k; 0 when a row needs the whole distribution (its
+    logprobs or prompt logprobs, penalties, a logit bias, a grammar or thinking budget, sampling without top-k).
+    Given only those k (the others -inf), `sample` picks the same tokens from the same noise: the max is the max,
+    and top-k, top-p and min-p act inside the same k."""
+    if any(rows is not None for rows in layout.prompt_rows):
+        return 0
+    k = 1
+    for seq, row in zip(seqs, layout.sample_rows, strict=True):
+        if row is None:
+            continue
+        p = seq.params
+        if (p.logprobs is not None or p.has_penalties or p.logit_bias or p.structured_output is not None
+                or p.thinking is not None):
+            return 0
+        if not p.greedy:
+            if p.top_k <= 0:
+                return 0
+            k = max(k, p.top_k)
+    return k
+
+
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Adds row j's request `logit_bias` to row j of `logits`, in place, in one scatter for the whole batch;
     rows of requests without one are untouched (and a batch without any costs one scan of the params)."""

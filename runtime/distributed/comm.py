@@ -6,6 +6,8 @@ Contract (the generated kernels rely on exactly this; `x` is this rank's tensor)
   all_gather(x, dim)             -> the ranks' x concatenated along dim, in rank order (equal shapes)
   all_gather_rows(x, counts)     -> the ranks' rows (rank r has counts[r]) concatenated in rank order
   reduce_scatter_rows(x, counts) -> x is [sum(counts), ...] partial on every rank: this rank's rows of the sum
+  all_to_all(x, send, recv)      -> x's first send[r] rows go to rank r, the next send[r+1] to rank r+1...; the
+                                    rows every rank sent this one (recv[r] from rank r), in rank order
 A failure to communicate (a peer gone or not answering within the timeout) raises `CommError`: the mesh cannot run
 another step.
 """
@@ -95,6 +97,12 @@ class ProcessGroupComm:
         # gloo's reduce-scatter is one all-reduce per rank (pytorch#149869); one all-reduce and a slice is cheaper
         return self.all_reduce(x)[start:start + counts[self.rank]]
 
+    def all_to_all(self, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
+        x = x.contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        self._wait(self.data.alltoall_base(out, x, recv, send, dist.AllToAllOptions()), "all_to_all")
+        return out
+
     # ---- rank 0's commands
     def broadcast_command(self, payload: Tensor | None) -> Tensor:
         """Rank 0 sends `payload` (int64, host); the others receive it. Two broadcasts: its length, then it."""
@@ -170,3 +178,7 @@ class ThreadComm:
     def reduce_scatter_rows(self, x: Tensor, counts: list[int]) -> Tensor:
         start = _rows_offset(counts, self.rank)
         return self.all_reduce(x)[start:start + counts[self.rank]]
+
+    def all_to_all(self, x: Tensor, send: list[int], recv: list[int]) -> Tensor:
+        parts = self.mesh.exchange(self.rank, x.split(send))
+        return torch.cat([p[self.rank] for p in parts], dim=0)

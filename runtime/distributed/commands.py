@@ -23,7 +23,7 @@ from ..scheduler import ScheduledBatch
 class Cmd(enum.IntEnum):
     STOP = 0
     ALLOCATE = 1  # ints: num_blocks, num_swap_blocks
-    EXECUTE = 2  # ints: keep_hidden; batches
+    EXECUTE = 2  # ints: keep_hidden, logit_candidates (ForwardBatch's); batches
     PROPOSE = 3  # ints: draft method index, n, input_ids(n), rows...
     SWAP = 4  # ints: n_out, (device, cpu) * n_out, n_in, (cpu, device) * n_in
     PROFILE = 5  # ints: prefill lengths
@@ -107,6 +107,7 @@ class RankState:
         if cmd is Cmd.EXECUTE:
             host = batches[self.comm.rank] if len(batches) > 1 else batches[0]
             fb = runner.forward_batch(host)
+            fb.logit_candidates = ints[1]
             if ints[0]:  # keep what the draft head reads next
                 with torch.inference_mode():
                     logits, hidden = art.model.forward(fb, runner.kv_caches, return_hidden=True)

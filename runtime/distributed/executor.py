@@ -37,6 +37,7 @@ from ..model_runner import (
     HostBatch,
     LogitsLayout,
 )
+from ..sampler import logit_candidates
 from ..scheduler import ScheduledBatch
 from ..sequence import SequenceStatus
 from .comm import CommError, ProcessGroupComm, ThreadMesh
@@ -159,13 +160,13 @@ class MeshExecutor:
         self._check()
         self.swap(batch)
         batches, layout = self._plan(batch, input_patch)
-        return self._step(Cmd.EXECUTE, [0], batches), layout
+        return self._step(Cmd.EXECUTE, [0, self._candidates(batch, layout)], batches), layout
 
     def execute_with_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:
         self._check()
         self.swap(batch)
         batches, layout = self._plan(batch, None)
-        logits = self._step(Cmd.EXECUTE, [1], batches)
+        logits = self._step(Cmd.EXECUTE, [1, self._candidates(batch, layout)], batches)
         return logits, layout, self.states[0].draft
 
     def propose(self, method: str, draft: DraftInput, input_ids: list[int], rows: list[int]) -> list[int]:
@@ -174,6 +175,11 @@ class MeshExecutor:
         return logits.argmax(dim=-1).tolist()
 
     # ------------------------------------------------------------ planning a step
+    def _candidates(self, batch: ScheduledBatch, layout: LogitsLayout) -> int:
+        """The logits each row needs (ForwardBatch.logit_candidates): with a vocab-parallel LM head, a step whose
+        rows are all greedy or top-k gets only each row's top k from the ranks (gather_logits)."""
+        return 0 if self.data_parallel else logit_candidates(batch.seqs, layout)
+
     def _plan(self, batch: ScheduledBatch, input_patch) -> tuple[list[HostBatch], LogitsLayout]:
         runner = self.states[0].runner
         patch = None
@@ -326,7 +332,9 @@ class ProcessMeshExecutor(MeshExecutor):
         startup = _env_float("KILN_DIST_STARTUP_TIMEOUT", STARTUP_TIMEOUT_S)
         import datetime
 
-        self.store = dist.TCPStore(host, port, world, True, datetime.timedelta(seconds=startup),
+        # torchrun's agent may host the store itself (TORCHELASTIC_USE_AGENT_STORE): then every rank is its client
+        agent_store = external and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        self.store = dist.TCPStore(host, port, world, not agent_store, datetime.timedelta(seconds=startup),
                                    wait_for_workers=False)
         if not external:
             for rank in range(1, world):

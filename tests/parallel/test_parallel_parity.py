@@ -26,6 +26,7 @@ CASES = [
     ("mixtral", "tp = 2; ep = 2", {}),  # two whole experts per rank
     ("qwen3_moe", "tp = 2; ep = 2; expert_placement = round_robin", {}),
     ("qwen3_moe", "tp = 4; ep = 2", {}),  # 2 expert groups of 2 ranks, each splitting its experts' width
+    ("qwen3_moe", "dp = 2; ep = 2", {}),  # data-parallel attention, experts reached by all_to_all
     ("deepseek_v3", "tp = 2", {}),  # MLA heads sharded; dense layer 0, MoE layers 1-2
     ("deepseek_v3", "dp = 2; ep = 2", {}),  # data-parallel attention around expert-parallel MoE
 ]

@@ -20,7 +20,7 @@ import pytest
 import kiln
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from live_server import child_pids, free_port, pid_alive, wait_serving  # noqa: E402
+from live_server import child_pids, free_port, stop_and_reap, wait_serving  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -93,13 +93,5 @@ def test_tp2_server_matches_single_device_and_dies_with_its_rank(compile_paralle
         assert "kiln serve: exiting: the engine core is gone" in log, log[-2000:]  # the core exited 1 after failing them
         assert "the model's ranks cannot run" in log, log[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        for pid in workers:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(pid_alive(p) for p in workers)
+        gone = stop_and_reap(proc, workers)
+    assert gone

@@ -22,7 +22,7 @@ import kiln
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
 from pass_testlib import assert_programs_equal, logits_before_after, run_pass, tiny_llama_ir, typed  # noqa: E402
 
-COLLECTIVES = {"all_reduce", "all_gather", "dp_gather", "dp_scatter", "all_reduce_add_rms_norm"}
+COLLECTIVES = {"all_reduce", "all_gather", "gather_logits", "dp_gather", "dp_scatter", "all_reduce_add_rms_norm"}
 
 
 def with_mesh(program, **parallel):
@@ -143,10 +143,10 @@ def test_dense_decoder_has_two_reductions_per_layer(tmp_path, vocab):
 
     assert not {decoder.node(v).op for v in nx.ancestors(decoder.g, attn)} & COLLECTIVES
     # the vocabulary-parallel embedding's all_reduce and the LM head's gather (vocab 61: padded to 62, the
-    # padded columns cut off by the gather)
-    assert collectives(program.graphs["entry"]) == ["all_reduce", "all_gather"]
+    # padded columns cut off by the gather; vocab_parallel_sampling made it a gather_logits)
+    assert collectives(program.graphs["entry"]) == ["all_reduce", "gather_logits"]
     assert program.params["embed"].sharding["placement"] == ("S0[64x1]" if vocab == 64 else "S0[61x1/62]")
-    (gather,) = [n for _, n in program.graphs["entry"].items() if n.op == "all_gather"]
+    (gather,) = [n for _, n in program.graphs["entry"].items() if n.op == "gather_logits"]
     assert gather.out.shape == ("T", vocab)
 
 
@@ -271,7 +271,7 @@ def test_report_per_rank_plan_llama3_70b_tp8(tmp_path):
     assert f"KV bytes per token     {layers * 1 * hd * 2 * 2:,} B" in report  # one of the 8 KV heads per rank
     lines = report.split("parallel plan", 1)[1].splitlines()
     assert sum("decoder x80" in line for line in lines) == 2
-    assert any("all_gather" in line and f"{v * 4:,} B per row" in line for line in lines)  # fp32 logits
+    assert any("gather_logits" in line and f"{v * 4:,} B per row" in line for line in lines)  # fp32 logits, at most
     wire = 2 * 7 / 8 * h * 2 * (1 + 2 * layers) + 7 / 8 * v * 4
     assert f"communication floor {wire / 900e9 * 1e6:,.2f} us" in report
     assert f"memory floor {rank_bytes / 4.8e12 * 1e6:,.2f} us" in report

@@ -7,7 +7,7 @@ from pass_testlib import logits_before_after, tiny_llama_ir, typed
 
 CPU = ["shape_inference", "quantize_weights", "fuse_qkv", "fuse_gate_up", "fuse_expert_gate_up", "fuse_silu_mul",
        "fuse_add_rms_norm", "mla_absorption", "fuse_dequant_linear", "quantize_kv_cache", "fuse_rope_kv_write", "place_parallel",
-       "fuse_all_reduce_add_rms_norm", "dead_code_elimination",
+       "fuse_all_reduce_add_rms_norm", "vocab_parallel_sampling", "dead_code_elimination",
        "kernel_selection"]
 
 

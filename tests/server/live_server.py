@@ -50,6 +50,21 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def stop_and_reap(proc: subprocess.Popen, pids: list[int], timeout: float = 10) -> bool:
+    """Kills `proc` (a `kiln serve` subprocess) if it still runs and every process of `pids` still alive (its engine
+    cores, their rank workers); True once all of them are gone within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout)
+    for pid in pids:
+        if pid_alive(pid):
+            os.kill(pid, 9)
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(pid_alive(p) for p in pids)
+
+
 def wait_serving(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
     """Polls `url`/health until it answers 200; fails with the output of a `kiln serve` process that exits first
     (its stdout a pipe) or that is not up within `timeout` seconds."""
