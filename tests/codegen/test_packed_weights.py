@@ -15,6 +15,7 @@ import pytest
 import torch
 from kiln.runtime import artifact as artifact_mod
 from kiln.runtime.artifact import load_artifact
+from kiln.runtime.memory_plan import profile_batch
 
 pytest.importorskip("tvm")
 
@@ -57,8 +58,8 @@ def _stored_bytes(manifest: dict) -> int:
 
 @pytest.mark.parametrize("arch", ["llama", "llama_tied", "qwen2"])
 def test_model_holds_each_weight_once(arch, compile_hf, monkeypatch):
-    """The tensors the loaded model holds add up to the weight files' bytes (plus its rotary tables), and every
-    stored tensor model.py packed is freed: nothing anywhere in the process still references it."""
+    """After a step, the tensors the loaded model holds add up to the weight files' bytes (plus its rotary
+    tables), and every stored tensor model.py packed is freed: nothing anywhere in the process references it."""
     _, art, _ = compile_hf(arch)
     originals: dict[str, weakref.ref] = {}
     real = artifact_mod._load_weights
@@ -70,13 +71,19 @@ def test_model_holds_each_weight_once(arch, compile_hf, monkeypatch):
 
     monkeypatch.setattr(artifact_mod, "_load_weights", recording)
     loaded = load_artifact(art, load_tokenizer=False)
+    kv = loaded.kv_cache_config  # one step first: a kernel library caching anything on first use would show
+    batch = profile_batch([5, 1], kv.block_size, torch.device("cpu"), vocab_size=64)
+    caches = [torch.zeros((batch.block_tables.numel(), *kv.shape), dtype=kv.dtype) for _ in range(kv.num_layers)]
+    assert loaded.model.forward(batch, caches).isfinite().all()
+    del batch, caches
     gc.collect()
     module = sys.modules[type(loaded.model).__module__]
     packed, PackedWeight = module.PACKED_WEIGHTS, module.K.PackedWeight
     assert packed <= set(originals)
     held = _held_storages(loaded.model)
     rope = sum(t.untyped_storage().nbytes() for name, t in vars(loaded.model).items() if name.startswith("rope_cache"))
-    assert sum(held.values()) == _stored_bytes(loaded.manifest) + rope
+    plan = sum(t.untyped_storage().nbytes() for t in module.K._plan if t is not None)  # the step's work items
+    assert sum(held.values()) == _stored_bytes(loaded.manifest) + rope + plan
     for name, ref in originals.items():
         assert (ref() is None) == (name in packed), name  # packed: the stored tensor is gone; else: it is held
     held_weights = [w for v in vars(loaded.model).values() for w in (v if isinstance(v, list) else [v])]
@@ -126,6 +133,7 @@ def test_resident_memory_after_load_is_one_copy_of_the_weights(tiny_checkpoint, 
     script = textwrap.dedent(f"""
         import gc, sys, torch
         from kiln.runtime.artifact import load_artifact
+from kiln.runtime.memory_plan import profile_batch
 
         def rss():
             with open("/proc/self/status") as f:
