@@ -2,12 +2,15 @@
 
     python benchmarks/cpu_kernels.py [--repeats 30] [--json out.json]
     python benchmarks/cpu_kernels.py --offline ART [ART ...] [--batch-sizes 1,16,64]
+    python benchmarks/cpu_kernels.py --streaming [--rows 1,2,4] [--passes 10]
+    python benchmarks/cpu_kernels.py --step-profile ART [--batch-sizes 1,16]
+    python benchmarks/cpu_kernels.py --sampler
 
 Builds the cpu kernel package (kernels/cpu.py, kernels/tvm.py, kernels/tvm_cpu/cpu.so) for the embedded model's
 shapes (hidden 256, 8 query / 4 KV heads, head_dim 32) and a ~100 M Llama's (hidden 576, 9 / 3 heads,
 head_dim 64), then times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
 `paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass),
-`add_rms_norm` and `silu_mul`; and the ~100 M model's GEMMs (fp32 and bf16, batch 1/16/64 and a 128-row
+`add_rms_norm`, `rms_norm` and `silu_mul`; and the ~100 M model's GEMMs (fp32 and bf16, batch 1/16/64 and a 128-row
 prefill) through torch's F.linear against the TVM `linear` kernel, interleaved (`--gemms-only`: just those).
 Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
@@ -17,6 +20,9 @@ second) at each batch size (random 128-token prompts, 64 greedy tokens each, ign
 first; `--rounds N`: N rounds, the artifacts alternating, all loaded in one process), and whether the
 artifact's TVM library loaded — compile a recipe once normally and once with KILN_TVM_ISA=none (torch kernels)
 to compare the two on the same model.
+
+`--streaming` times the small-M GEMMs where decode is bound, on a whole step's weights (434 MB, from DRAM)
+against the weight-streaming limit benchmarks/cpu_peer.py measures (see `streaming_rows`).
 """
 from __future__ import annotations
 
@@ -89,42 +95,31 @@ def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int):
     return q, k, v, kv, batch
 
 
-def _time(fn, repeats: int) -> float:
-    """Median µs of `repeats` timed calls after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
-
-
-def run(repeats: int) -> list[dict]:
+def run(repeats: int, only: set[str] | None = None) -> list[dict]:
+    """Each kernel (or those in `only`) at each CASE on both SHAPES: TVM and torch timed interleaved."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for model, (hidden, heads, kv_heads, head_dim, ffn) in SHAPES.items():
-            tvm, ref, _ = _package(Path(tmp), hidden, heads, kv_heads, head_dim)
+            tvm, ref, _ = _package(Path(tmp), hidden, heads, kv_heads, head_dim,
+                                   kernels=("tvm.paged_attention", "tvm.add_rms_norm", "tvm.rms_norm", "tvm.silu_mul"))
             rope = ref.rope_cache(head_dim, 4096, 10000.0)
             for kind, n in CASES:
                 q, k, v, kv, batch = _batch(kind, n, heads, kv_heads, head_dim)
-                for kernel, lib in (("paged_attention", tvm), ("paged_attention", ref)):
-                    call = functools.partial(lib.paged_attention, q, k, v, kv, batch, head_dim ** -0.5,
-                                             rope_cache=rope)
-                    us = _time(call, repeats)
-                    rows.append({"model": model, "kernel": kernel, "case": f"{kind} {n}", "impl": lib.__name__, "us": us})
                 x, r = torch.randn(q.shape[0], hidden), torch.randn(q.shape[0], hidden)
-                w = torch.randn(hidden)
-                for lib in (tvm, ref):
-                    us = _time(functools.partial(lib.add_rms_norm, x, r, w, 1e-5), repeats)
-                    rows.append({"model": model, "kernel": "add_rms_norm", "case": f"{kind} {n}",
-                                 "impl": lib.__name__, "us": us})
-                gate_up = torch.randn(q.shape[0], 2 * ffn)
-                for lib in (tvm, ref):
-                    us = _time(functools.partial(lib.silu_mul, gate_up), repeats)
-                    rows.append({"model": model, "kernel": "silu_mul", "case": f"{kind} {n}", "impl": lib.__name__,
-                                 "us": us})
+                w, gate_up = torch.randn(hidden), torch.randn(q.shape[0], 2 * ffn)
+                calls = {  # kernel -> (args, keywords) as model.py passes them
+                    "paged_attention": ((q, k, v, kv, batch, head_dim ** -0.5), {"rope_cache": rope}),
+                    "add_rms_norm": ((x, r, w, 1e-5), {}),
+                    "rms_norm": ((x, w, 1e-5), {}),
+                    "silu_mul": ((gate_up,), {}),
+                }
+                for kernel, (args, kw) in calls.items():
+                    if only and kernel not in only:
+                        continue
+                    us = _time_ab({lib.__name__: functools.partial(getattr(lib, kernel), *args, **kw)
+                                   for lib in (tvm, ref)}, repeats)
+                    rows += [{"model": model, "kernel": kernel, "case": f"{kind} {n}", "impl": impl, "us": t}
+                             for impl, t in us.items()]
     return rows
 
 
@@ -160,12 +155,92 @@ def gemm_rows(repeats: int) -> list[dict]:
                 for k, n in GEMMS:
                     x, w = torch.randn(m, k).to(torch_dtype), (torch.randn(n, k) / k ** 0.5).to(torch_dtype)
                     us = _time_ab({"cpu": functools.partial(torch.nn.functional.linear, x, w),
-                                   "tvm": functools.partial(tvm.linear, x, w)}, repeats)
+                                   "tvm": functools.partial(tvm.linear, x, tvm.pack_weight(w))}, repeats)
                     case = f"{'decode' if m < 128 else 'prefill'} {m} [{k}->{n}]"
                     for impl, t in us.items():
                         rows.append({"model": f"llama-100M {dtype}", "kernel": "linear", "case": case, "impl": impl,
                                      "us": t, "weight_GB_s": w.numel() * w.element_size() / t / 1e3})
     return rows
+
+
+# one decode step's matrices of the ~100 M Llama (fused q/k/v, o, fused gate/up, down per layer; the tied LM head)
+STEP_LAYERS = 30
+STEP_MATRICES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+
+
+def streaming_rows(rows_list: list[int], passes: int, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> list[dict]:
+    """Every matrix one decode step of the ~100 M Llama reads (30 layers + the LM head: 434 MB in fp32, distinct
+    tensors, so they stream from DRAM, not the L3), one pass after another, the candidates alternating per pass:
+    `limit` = one torch.mv per matrix (benchmarks/cpu_peer.py's weight-streaming limit), `read` = a torch.sum
+    over each matrix (reading it and nothing else), then for each row count M torch's F.linear and the TVM
+    `linear` over the packed weights. Reports ms per pass (wall, and CPU time of this process: with one thread,
+    time other jobs hold the core does not count) and the weight bytes streamed per second."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        for dtype in dtypes:
+            tvm = _package(Path(tmp), 576, 9, 3, 64, dtype=dtype, kernels=("tvm.linear",))[0]
+            out += _stream(tvm, getattr(torch, dtype), rows_list, passes)
+    return out
+
+
+def _stream(tvm, dtype: torch.dtype, rows_list: list[int], passes: int) -> list[dict]:
+    shapes = [(k, n) for _ in range(STEP_LAYERS) for k, n in STEP_MATRICES] + [(576, 4096)]
+    g = torch.Generator().manual_seed(0)
+    mats = [(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype) for k, n in shapes]
+    packed = [tvm.pack_weight(w) for w in mats]
+    nbytes = sum(w.numel() * w.element_size() for w in mats)
+    xs = {m: {k: torch.randn(m, k).to(dtype) for k in {576, 1536}} for m in rows_list}
+    vec = {k: torch.randn(k).to(dtype) for k in {576, 1536}}
+    ys = [torch.empty(w.shape[0], dtype=dtype) for w in mats]
+
+    def limit():
+        for w, y in zip(mats, ys, strict=True):
+            torch.mv(w, vec[w.shape[1]], out=y)
+
+    def read():
+        for w in mats:
+            w.sum()
+
+    def torch_rows(m):
+        for w in mats:
+            torch.nn.functional.linear(xs[m][w.shape[1]], w)
+
+    def tvm_rows(m):
+        for w in packed:
+            tvm.linear(xs[m][w.shape[1]], w)
+
+    fns = {"limit (torch.mv)": limit, "read (torch.sum)": read}
+    for m in rows_list:
+        fns[f"torch M={m}"] = functools.partial(torch_rows, m)
+        fns[f"tvm M={m}"] = functools.partial(tvm_rows, m)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up pass
+        fn()
+    for _ in range(passes):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    out = []
+    for name, ts in samples.items():
+        best, med, cpu_med = min(ts), statistics.median(ts), statistics.median(cpu[name])
+        out.append({"dtype": str(dtype).removeprefix("torch."), "candidate": name, "weight_MB": nbytes / 1e6,
+                    "passes": passes, "ms_best": best * 1e3, "ms_median": med * 1e3, "cpu_ms_median": cpu_med * 1e3,
+                    "GB_s_best": nbytes / best / 1e9, "GB_s_median": nbytes / med / 1e9,
+                    "GB_s_per_cpu_s": nbytes / cpu_med / 1e9})
+    return out
+
+
+def streaming_table(rows: list[dict]) -> str:
+    out = ["| dtype | candidate | weights MB | ms per pass, best / median | CPU ms, median | GB/s, best / median "
+           "| GB per CPU second |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['dtype']} | {r['candidate']} | {r['weight_MB']:.0f} | {r['ms_best']:.1f} / "
+                   f"{r['ms_median']:.1f} | {r['cpu_ms_median']:.1f} | {r['GB_s_best']:.1f} / {r['GB_s_median']:.1f} "
+                   f"| {r['GB_s_per_cpu_s']:.1f} |")
+    return "\n".join(out)
 
 
 def table(rows: list[dict]) -> str:
@@ -220,6 +295,103 @@ def offline(artifacts: list[str], batch_sizes: list[int], prompt_len: int = 128,
     return rows
 
 
+def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """apply_top_p before the candidates path: every row sorted whole (the baseline `--sampler` times)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)
+    drop_sorted[:, 0] = False
+    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
+
+
+def sampler_rows(repeats: int) -> list[dict]:
+    """The sampler's top-p on [B, V] logits (rows as peaked as an LM's: randn * 6), whole-row sort (before)
+    against runtime/sampler.py's apply_top_p (after), interleaved; and the greedy path's row max for scale."""
+    from kiln.runtime.sampler import apply_top_p
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for vocab in (4096, 32000, 128256):
+            for b in (1, 16, 64):
+                logits = torch.randn(b, vocab, generator=g) * 6
+                top_p = torch.full((b,), 0.9)
+                us = _time_ab({"sort": functools.partial(_top_p_by_sort, logits, top_p),
+                               "candidates": functools.partial(apply_top_p, logits, top_p),
+                               "greedy max": functools.partial(logits.max, dim=-1)}, repeats)
+                rows += [{"model": f"vocab {vocab}", "kernel": "top_p", "case": f"batch {b}", "impl": impl, "us": t}
+                         for impl, t in us.items()]
+    return rows
+
+
+def step_profile(art: str, batch: int, prompt_len: int, output_len: int) -> dict:
+    """Where a decode step of `art` goes: `kiln.LLM.generate` of `batch` random prompts, every kernel call
+    model.py makes (`K.<name>(...)`) and the forward itself timed by wrappers; only steps that are all decodes
+    count. Returns ms per decode step: the engine step (wall time of generate / steps, prefill excluded), the
+    forward, each kernel, and the forward's time outside the kernel calls (model.py's own Python)."""
+    import re
+    from collections import defaultdict
+
+    from kiln.runtime.artifact import read_manifest
+
+    import kiln
+
+    llm = kiln.LLM(art, max_num_seqs=batch)
+    model = llm.engine.runner.model
+    K = sys.modules[type(model).__module__].K
+    names = sorted(set(re.findall(r"\bK\.(\w+)\(", (Path(art) / "model.py").read_text())))
+    spent: dict[str, float] = defaultdict(float)
+    state = {"decode": False, "steps": 0}
+
+    def timed(name, fn):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                if state["decode"]:
+                    spent[name] += time.perf_counter() - t0
+        return call
+
+    for name in names:
+        setattr(K, name, timed(name, getattr(K, name)))
+    forward = model.forward
+
+    def forward_timed(fb, kv_caches, *a, **kw):
+        state["decode"] = fb.num_decodes == fb.input_ids.numel()
+        t0 = time.perf_counter()
+        try:
+            return forward(fb, kv_caches, *a, **kw)
+        finally:
+            if state["decode"]:
+                spent["forward"] += time.perf_counter() - t0
+                state["steps"] += 1
+            state["decode"] = False
+
+    model.forward = forward_timed
+    vocab = read_manifest(art)["runtime"]["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    llm.generate(prompts, kiln.SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    spent.clear()
+    state["steps"] = 0
+    llm.generate(prompts, kiln.SamplingParams(max_tokens=1, ignore_eos=True))  # the prefill alone
+    t0 = time.perf_counter()
+    llm.generate(prompts, kiln.SamplingParams(max_tokens=1, ignore_eos=True))
+    prefill = time.perf_counter() - t0
+    spent.clear()
+    state["steps"] = 0
+    t0 = time.perf_counter()
+    llm.generate(prompts, kiln.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    wall = time.perf_counter() - t0 - prefill
+    steps = max(1, state["steps"])
+    per_step = {name: t * 1e3 / steps for name, t in sorted(spent.items(), key=lambda kv: -kv[1])}
+    kernels = sum(v for k, v in per_step.items() if k != "forward")
+    return {"artifact": art, "batch": batch, "decode_steps": steps, "step_ms": wall * 1e3 / steps,
+            "forward_ms": per_step.get("forward", 0.0), "model_py_ms": per_step.get("forward", 0.0) - kernels,
+            "kernels_ms": {k: v for k, v in per_step.items() if k != "forward"}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=30)
@@ -227,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline", nargs="+", metavar="ART", help="measure these artifacts' LLM.generate instead")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--gemms-only", action="store_true", help="time only the GEMMs (torch vs the TVM linear)")
+    ap.add_argument("--streaming", action="store_true",
+                    help="a decode step's weights streamed from DRAM: torch.mv (the limit) vs the GEMMs at --rows")
+    ap.add_argument("--rows", default="1,2,4", help="--streaming: rows (decode batch sizes) to time")
+    ap.add_argument("--passes", type=int, default=10, help="--streaming: timed passes per candidate")
+    ap.add_argument("--step-profile", metavar="ART", help="where a decode step of ART goes, per kernel call")
+    ap.add_argument("--sampler", action="store_true", help="time the sampler's top-p, before/after")
+    ap.add_argument("--only", help="comma-separated kernels of the per-kernel table to time (default: all)")
     ap.add_argument("--threads", type=int, help="torch intra-op threads, and so TVM's pool (default: torch's)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -240,7 +419,31 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0
-    rows = ([] if args.gemms_only else run(args.repeats)) + gemm_rows(args.repeats)
+    if args.sampler:
+        rows = sampler_rows(args.repeats)
+        print(f"torch threads {torch.get_num_threads()}; median µs per call")
+        for r in rows:
+            print(f"| {r['model']} | {r['case']} | {r['impl']} | {r['us']:.1f} |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
+    if args.step_profile:
+        for b in [int(b) for b in args.batch_sizes.split(",")]:
+            r = step_profile(args.step_profile, b, args.prompt_len, args.output_len)
+            print(f"batch {b}: {r['decode_steps']} decode steps, {r['step_ms']:.2f} ms per step (engine), forward "
+                  f"{r['forward_ms']:.2f} ms, model.py's own Python {r['model_py_ms']:.2f} ms")
+            for name, ms in r["kernels_ms"].items():
+                print(f"    {name:28s} {ms:8.3f} ms  {ms / r['step_ms']:6.1%}")
+        return 0
+    if args.streaming:
+        rows = streaming_rows([int(m) for m in args.rows.split(",")], args.passes)
+        print(f"torch threads {torch.get_num_threads()}")
+        print(streaming_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        return 0
+    only = set(args.only.split(",")) if args.only else None
+    rows = ([] if args.gemms_only else run(args.repeats, only)) + ([] if only else gemm_rows(args.repeats))
     print(f"torch threads {torch.get_num_threads()}; decode context {CONTEXT}; KV block {BLOCK_SIZE}; "
           "fp32 unless the model says bf16")
     print(table(rows))

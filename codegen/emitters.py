@@ -62,11 +62,20 @@ EMITTERS: dict[str, str] = {
 EMITTERS.update({
     "tvm.paged_attention": EMITTERS["cpu.paged_attention"],
     "tvm.add_rms_norm": EMITTERS["cpu.add_rms_norm"],
+    "tvm.rms_norm": EMITTERS["cpu.rms_norm"],
     "tvm.silu_mul": EMITTERS["cpu.silu_mul"],
     "tvm.linear": EMITTERS["cpu.linear"],
     "tvm.logits": EMITTERS["cpu.logits"],
     "tvm.all_reduce_add_rms_norm": EMITTERS["cpu.all_reduce_add_rms_norm"],
+    "tvm.embedding": EMITTERS["cpu.embedding"],  # also gathers rows of a table held packed for the LM head
 })
+
+# Kernels that read a weight in the tvm library's packed GEMM layout (kernels/tvm.py `PackedWeight`), and at
+# which input. model.py packs a param once, when the model is built, and drops its [N, K] tensor, when every
+# use of the param is one of these and at least one is a GEMM (`PACKED_WEIGHT_GEMMS`): each weight is then
+# held once, in the layout the GEMM streams (a tied embedding's lookups gather rows from it).
+PACKED_WEIGHT_READERS: dict[str, int] = {"tvm.linear": 1, "tvm.logits": 1, "tvm.embedding": 1}
+PACKED_WEIGHT_GEMMS = frozenset({"tvm.linear", "tvm.logits"})
 
 # GPU targets (kernels/triton.py, imported as K): same signatures as the cpu library, so the same calls.
 EMITTERS.update({

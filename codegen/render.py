@@ -23,7 +23,7 @@ from kiln.compiler.placement import PlacementTable, local_slice, units_of
 from kiln.compiler.placement import R as REPLICATED
 from kiln.compiler.targets import get_target
 
-from .emitters import EMITTERS, STRUCTURAL_OPS
+from .emitters import EMITTERS, PACKED_WEIGHT_GEMMS, PACKED_WEIGHT_READERS, STRUCTURAL_OPS
 from .errors import CodegenError
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -32,6 +32,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 _RESERVED = frozenset({
     "self", "layer", "batch", "kv_caches", "weights", "device", "K", "torch", "Tensor", "ForwardBatch",
     "MAX_MODEL_LEN", "TYPE_CHECKING", "annotations", "range", "i", "_", "rank", "comm", "MESH", "EXPERTS",
+    "PACKED_WEIGHTS",
 })
 
 
@@ -91,6 +92,32 @@ def kernels_used(program: Program) -> list[str]:
             if kernel != "inline":
                 ids.add(kernel)
     return sorted(ids)
+
+
+def packed_params(program: Program) -> list[str]:
+    """Params model.py holds only in the tvm library's packed GEMM layout: every use of the param (over every
+    graph the model runs) is a kernel of PACKED_WEIGHT_READERS at the input it reads packed, and at least one is
+    a GEMM. Anything else reading it (a slice, a torch kernel, an input other than the weight) keeps it as
+    stored."""
+    uses: dict[str, list[bool]] = {}  # param name -> for each use, whether it reads the packed layout
+    gemm: set[str] = set()  # params some GEMM reads
+    for name in used_graphs(program):
+        graph = program.graphs[name]
+        for vid, node in graph.items():
+            if node.op != "param":
+                continue
+            param = node.attrs["name"]
+            for user in graph.users(vid):
+                unode = graph.node(user)
+                kernel = kernel_of(graph, user, unode)
+                at = PACKED_WEIGHT_READERS.get(kernel)
+                reads = [i for i, v in enumerate(unode.inputs) if v == vid]
+                uses.setdefault(param, []).append(at is not None and reads == [at])
+                if kernel in PACKED_WEIGHT_GEMMS:
+                    gemm.add(param)
+            if vid in graph.outputs:
+                uses.setdefault(param, []).append(False)
+    return sorted(p for p, ok in uses.items() if p in gemm and all(ok))
 
 
 # Ops that own a paged KV cache (one tensor per node per layer): MHA/GQA K/V, or MLA's latent [c_kv | k_pe].
@@ -167,6 +194,7 @@ class _Model:
     method_of_graph: dict[str, str] = field(default_factory=dict)
     rope_caches: dict[tuple, str] = field(default_factory=dict)  # rope_key -> self.<attr>
     init_lines: list[str] = field(default_factory=list)
+    packed: list[str] = field(init=False)  # params held packed for the tvm GEMM (packed_params)
     # parallel programs: placements, and the expert map of each moe_experts whose experts are split over ranks
     placements: PlacementTable = field(init=False)
     expert_maps: dict[str, str] = field(default_factory=dict)  # expert-stack param name -> self.<attr>
@@ -184,6 +212,7 @@ class _Model:
         for spec in program.params.values():
             self.attr_of_param[spec.name] = identifier(spec.name, taken)
         self._expert_maps(graphs, taken)
+        self.packed = packed_params(program)
         ropes = [rope_key(program.graphs[g], vid, n) for g in graphs
                  for vid, n in program.graphs[g].items() if _has_rope(n)]
         distinct = list(dict.fromkeys(ropes))
@@ -211,6 +240,8 @@ class _Model:
 
     def _init_lines(self) -> None:
         program, lines = self.program, self.init_lines
+        if self.packed:
+            lines.append("K.pack_weights(weights, PACKED_WEIGHTS)  # in place: each packed weight held once")
         for spec in program.params.values():
             if spec.block is None:
                 lines.append(f"self.{self.attr_of_param[spec.name]} = weights[{json.dumps(spec.name)}]")
@@ -220,7 +251,7 @@ class _Model:
                 continue
             lines.append(f"# block {block.name}: {block.count} layers, weights indexed by layer")
             for spec in specs:
-                name = spec.layer_name(0).replace(f"{block.name}.0.", f"{block.name}.{{i}}.", 1)
+                name = _layer_pattern(spec, block.name)
                 assert "{" not in spec.name and '"' not in spec.name, f"odd param name {spec.name!r}"
                 lines.append(f'self.{self.attr_of_param[spec.name]} = [weights[f"{name}"] '
                              f"for i in range({block.count})]")
@@ -235,6 +266,23 @@ class _Model:
             head_dim, *items = key
             extra = "".join(f", {k}={literal(v)}" for k, v in items if k == "theta" or v != defaults[k])
             lines.append(f"self.{attr} = K.rope_cache({head_dim}, MAX_MODEL_LEN{extra}).to(self.device)")
+
+    def packed_weights(self) -> list[str]:
+        """PACKED_WEIGHTS of model.py as Python expressions: a name, or a block param's names over its layers."""
+        out = []
+        for name in self.packed:
+            spec = self.program.params[name]
+            if spec.block is None:
+                out.append(json.dumps(name))
+            else:
+                count = self.program.blocks[spec.block].count
+                out.append(f'*(f"{_layer_pattern(spec, spec.block)}" for i in range({count}))')
+        return out
+
+
+def _layer_pattern(spec, block: str) -> str:
+    """A block param's checkpoint-free weight name with the layer index as `{i}`: `decoder.{i}.wq`."""
+    return spec.layer_name(0).replace(f"{block}.0.", f"{block}.{{i}}.", 1)
 
 
 # ---------------------------------------------------------------- one function per graph
@@ -520,6 +568,7 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         vocab_size=vocab_size(program),
         num_kv_caches=len(kv_cache_nodes(program)),
         init_lines=model.init_lines,
+        packed_weights=model.packed_weights(),
         forward_lines=forward_lines,
         returns_hidden=len(program.entry.outputs) > 1,
         forwards=forwards,

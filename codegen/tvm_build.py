@@ -47,10 +47,12 @@ class TVMKernel:
     functions: tuple[str, ...]
 
 
-# kernel id (as kernel selection picks it) -> its TVMScript
+# kernel id (as kernel selection picks it) -> its TVMScript. `tvm.embedding` has none: a row gather from the packed
+# GEMM layout, in kernels/tvm.py.
 TVM_KERNELS: dict[str, TVMKernel] = {
     "tvm.paged_attention": TVMKernel("tvm/paged_attention.py.j2", ("paged_attention", "kv_write", "rope_kv_write")),
     "tvm.add_rms_norm": TVMKernel("tvm/norm.py.j2", ("add_rms_norm", "add_rms_norm_serial")),
+    "tvm.rms_norm": TVMKernel("tvm/norm.py.j2", ("rms_norm", "rms_norm_serial")),
     "tvm.silu_mul": TVMKernel("tvm/norm.py.j2", ("silu_mul", "silu_mul_serial")),
     "tvm.linear": TVMKernel("tvm/linear.py.j2", ("linear",)),
     "tvm.logits": TVMKernel("tvm/linear.py.j2", ("linear",)),  # the LM head: the same packed GEMM

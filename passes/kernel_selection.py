@@ -113,7 +113,11 @@ _CPU_TORCH: dict[str, Entry] = {
 _CPU_TORCH["embedding"] = (KernelChoice("cpu.vocab_parallel_embedding", _vocab_parallel), "cpu.embedding")
 register_kernels("cpu", {
     **_CPU_TORCH,
+    # a lookup that also reads a table held packed for the LM head (tied embeddings); else F.embedding
+    "embedding": (*_CPU_TORCH["embedding"][:-1], KernelChoice("tvm.embedding", _dtype_in("f32", "bf16")),
+                  "cpu.embedding"),
     "attention": (KernelChoice("tvm.paged_attention", _tvm_attention), "cpu.paged_attention"),
+    "rms_norm": (KernelChoice("tvm.rms_norm", _dtype_in("f32", "bf16")), "cpu.rms_norm"),
     "add_rms_norm": (KernelChoice("tvm.add_rms_norm", _dtype_in("f32", "bf16")), "cpu.add_rms_norm"),
     "silu_mul": (KernelChoice("tvm.silu_mul", _dtype_in("f32", "bf16")), "cpu.silu_mul"),
     "linear": (KernelChoice("tvm.linear", _dtype_in("f32", "bf16")), "cpu.linear"),

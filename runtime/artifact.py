@@ -194,7 +194,10 @@ def _load_weights(art: Path, wcfg: dict, device: torch.device) -> dict[str, torc
             with safe_open(str(file), framework="pt") as f:
                 header = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
             _check_header(file, header, want)
-            shard = load_file(str(file), device=str(device))
+            # On the CPU each tensor is read into its own memory (pread), not mapped from the file: the generated
+            # model may replace tensors when it is built (the tvm GEMM's packed weights), and a file mapping keeps
+            # the replaced tensors' pages resident for as long as any tensor of the file lives.
+            shard = load_file(str(file), device=str(device), backend="pread" if device.type == "cpu" else "mmap")
         except SafetensorError as e:
             raise ArtifactError(f"{file}: not a readable safetensors file ({e})") from None
         weights.update(shard)

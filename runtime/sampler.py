@@ -156,12 +156,13 @@ class Sampler:
         greedy = vec([p.greedy for p in params])
         temperature = vec([p.temperature if not p.greedy else 1.0 for p in params])
         x = logits / temperature.unsqueeze(1)
+        max_k = None  # the most logits a row keeps finite after top-k (None: no top-k)
         if any(p.top_k > 0 for p in params):
             vocab = x.shape[1]
-            x = apply_top_k(x, vec([p.top_k for p in params]),
-                            max_k=min(vocab, max(p.top_k if p.top_k > 0 else vocab for p in params)))
+            max_k = min(vocab, max(p.top_k if p.top_k > 0 else vocab for p in params))
+            x = apply_top_k(x, vec([p.top_k for p in params]), max_k=max_k)
         if any(p.top_p < 1.0 for p in params):
-            x = apply_top_p(x, vec([p.top_p for p in params], x.dtype))
+            x = apply_top_p(x, vec([p.top_p for p in params], x.dtype), max_k=max_k)
         if any(p.min_p > 0.0 for p in params):
             x = apply_min_p(x, vec([p.min_p for p in params], x.dtype))
         probs = torch.softmax(x, dim=-1)
@@ -253,8 +254,29 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = N
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keeps the smallest set of most likely tokens whose mass reaches p (always at least one)."""
+# apply_top_p on the CPU: rows are sorted whole only when their top-p set is not among this many most likely tokens
+TOP_P_CANDIDATES = 1024
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose mass reaches p (always at least one; p >= 1 keeps the
+    row). `max_k`: at most this many logits per row are finite (after apply_top_k), as the caller knows.
+
+    Sorting whole rows of a large vocabulary costs more than the rest of sampling together, and the set is
+    almost always among a row's few hundred most likely tokens: on the CPU the candidates (`max_k`, else
+    TOP_P_CANDIDATES) come from one topk, their probabilities from the row's logsumexp, and the rows are sorted
+    whole only when some row's set reaches beyond them. Not on a device: the check reads back a flag (a sync)."""
+    vocab = logits.shape[1]
+    k = min(vocab, max_k or TOP_P_CANDIDATES)
+    if logits.device.type == "cpu" and k < vocab:
+        values, order = logits.topk(k, dim=-1)  # descending
+        probs = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+        keep_row = top_p >= 1.0
+        if bool(((probs.sum(dim=-1) >= top_p) | keep_row).all()):  # every row's set is among the candidates
+            keep_sorted = probs.cumsum(dim=-1) - probs < top_p.unsqueeze(1)
+            keep_sorted[:, 0] = True
+            keep = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, keep_sorted)
+            return logits.masked_fill(~(keep | keep_row.unsqueeze(1)), float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs

@@ -104,6 +104,9 @@ def test_hf_parity_artifacts_run_the_tvm_kernels(arch, compile_hf):
     loaded = load_artifact(art, load_tokenizer=False)
     kernels = __import__(type(loaded.model).__module__, fromlist=["K"]).K
     assert kernels.LIBRARY is not None and "paged_attention" in kernels.LIBRARY.functions
+    # and its GEMMs run on weights packed at load (tests/codegen/test_packed_weights.py: held once)
+    held = [w for v in vars(loaded.model).values() for w in (v if isinstance(v, list) else [v])]
+    assert "tvm.linear" in result.manifest["kernels"] and any(isinstance(w, kernels.PackedWeight) for w in held)
 
 
 def test_serving_loads_the_library_through_tvm_ffi_without_the_compiler(compile_hf):

@@ -164,7 +164,7 @@ def test_unsupported_calls_run_the_torch_kernel(package, monkeypatch):
     out = K.paged_attention(q, k, v, kv_cache, batch, 0.125)
     assert calls == [1]
     torch.testing.assert_close(out, _reference(dense, 0.125, 0, False), rtol=0, atol=2e-5)
-    assert K.rms_norm is K._ref.rms_norm  # kernels the library has none of: the torch ones
+    assert K.silu is K._ref.silu  # kernels the library has none of: the torch ones
 
 
 def _fallback_lines(caplog) -> list[str]:
@@ -229,6 +229,34 @@ def test_add_rms_norm_matches_op_reference(package, rows, width, dtype):
     assert torch.equal(summed, ref_summed)
     tol = 1e-6 if dtype == "float32" else 2e-2
     torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows,width", ROWS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_matches_op_reference(package, rows, width, dtype, monkeypatch):
+    K = package(8, 2, 64, 16, dtype=dtype)
+    monkeypatch.setattr(K._ref, "rms_norm", None)  # the TVM kernel, never the torch fallback
+    torch_dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(width + 1)
+    x = (torch.randn(rows, width + 3, generator=g) * 3).to(torch_dtype)[:, 1:1 + width]  # rows strided
+    w = (torch.randn(width, generator=g) * 0.5 + 1).to(torch_dtype)
+    ref = OPS["rms_norm"].reference(RefContext(positions=torch.arange(rows)), x, w, eps=1e-5)
+    out = K.rms_norm(x, w, 1e-5)
+    assert out.dtype == torch_dtype and out.shape == x.shape
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_rms_norm_per_head_and_fallbacks(package):
+    """q/k norm over [T, heads, head_dim] with a [head_dim] weight; another dtype runs the torch kernel."""
+    K = package(8, 2, 64, 16)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 8 * 64 + 64, generator=g)[:, :8 * 64].unflatten(-1, (8, 64))  # a slice of a fused projection
+    w = torch.randn(64, generator=g)
+    ref = OPS["rms_norm"].reference(RefContext(positions=torch.arange(6)), q, w, eps=1e-6)
+    torch.testing.assert_close(K.rms_norm(q, w, 1e-6), ref, rtol=1e-6, atol=1e-6)
+    q64, w64 = q.double(), w.double()
+    torch.testing.assert_close(K.rms_norm(q64, w64, 1e-6), K._ref.rms_norm(q64, w64, 1e-6))
 
 
 @pytest.mark.parametrize("rows,width", ROWS)
@@ -301,8 +329,10 @@ def test_linear_matches_op_reference(gemm, rows, k, n, dtype, bias):
     b = torch.randn(n, generator=g).to(torch_dtype) if bias else None
     ctx = RefContext(positions=torch.arange(rows))
     ref = OPS["linear"].reference(ctx, *(t.double() for t in (x, w, *((b,) if bias else ()))))
-    out = K.linear(x, w, b)
-    assert out.dtype == torch_dtype and out.shape == (rows, n) and (rows == 0 or id(w) in K._packed)
+    packed = K.pack_weight(w)
+    assert isinstance(packed, K.PackedWeight) and packed.shape == w.shape and packed.nbytes == w.numel() * w.element_size()
+    out = K.linear(x, packed, b)
+    assert out.dtype == torch_dtype and out.shape == (rows, n)
     tol = 1e-5 if dtype == "float32" else 2e-2  # fp32: sums of up to 1,536 products in fp32
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     if dtype == "bfloat16":  # as close as torch's own bf16 GEMM (fp32 accumulation, one rounding)
@@ -310,18 +340,30 @@ def test_linear_matches_op_reference(gemm, rows, k, n, dtype, bias):
                                    rtol=2e-2, atol=2e-2)
 
 
-def test_linear_packs_once_and_repacks_a_weight_edited_in_place(gemm):
+def test_linear_of_a_3d_x_and_of_a_column_strided_x(gemm):
+    """x of any rank (rows flattened), x with a column stride (copied once), x of the wrong width (an error)."""
     K = gemm("float32")
-    x, w = torch.randn(3, 64), torch.randn(32, 64)
-    K.linear(x, w)
-    packed = K._packed[id(w)][1]
-    K.linear(x, w)
-    assert K._packed[id(w)][1] is packed  # packed once per weight
-    w.mul_(2)
-    torch.testing.assert_close(K.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
-    key = id(w)
-    del w
-    assert key not in K._packed  # freed with its weight
+    w = torch.randn(32, 24)
+    packed = K.pack_weight(w)
+    x = torch.randn(2, 3, 24)
+    torch.testing.assert_close(K.linear(x, packed), x @ w.T, rtol=1e-5, atol=1e-5)
+    xt = torch.randn(24, 5).T  # column stride 5
+    torch.testing.assert_close(K.linear(xt, packed), xt @ w.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="24"):
+        K.linear(torch.randn(2, 23), packed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weight_gives_back_its_rows(gemm, dtype):
+    """unpack() is the stored weight bit for bit; rows(ids) / embedding() are F.embedding of it (a tied table)."""
+    K = gemm(dtype)
+    w = torch.randn(48, 40).to(getattr(torch, dtype))
+    packed = K.pack_weight(w)
+    assert torch.equal(packed.unpack(), w)
+    ids = torch.tensor([0, 47, 16, 15, 31, 8, 8], dtype=torch.int32)
+    assert torch.equal(packed.rows(ids), torch.nn.functional.embedding(ids, w))
+    assert torch.equal(K.embedding(ids, packed), torch.nn.functional.embedding(ids, w))
+    assert torch.equal(K.embedding(ids, w), torch.nn.functional.embedding(ids, w))  # a plain table: F.embedding
 
 
 def test_logits_matches_op_reference(gemm):
@@ -329,21 +371,46 @@ def test_logits_matches_op_reference(gemm):
     g = torch.Generator().manual_seed(3)
     x, table = torch.randn(9, 64, generator=g), torch.randn(4096, 64, generator=g)
     indices = torch.tensor([0, 4, 8], dtype=torch.int32)
-    out = K.logits(x, table, indices)
+    out = K.logits(x, K.pack_weight(table), indices)
     ref = OPS["logits"].reference(RefContext(positions=torch.arange(3)), x[indices.long()], table)
-    assert out.dtype == torch.float32 and id(table) in K._packed
+    assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-5)
 
 
+def test_pack_weights_holds_each_weight_once(gemm):
+    """model.py's K.pack_weights(weights, PACKED_WEIGHTS): in place; a tensor stored under two names packed once;
+    one that another name reads unpacked, or that the kernel does not take, left as stored; a packed original is
+    freed once the dict lets go of it."""
+    import gc
+    import weakref
+
+    K = gemm("float32")
+    tied, own, shared, odd = torch.randn(64, 16), torch.randn(32, 16), torch.randn(16, 16), torch.randn(40, 16)
+    weights = {"embed": tied, "lm_head": tied, "wq": own, "a": shared, "b": shared, "odd": odd, "norm": torch.ones(16)}
+    alive = {name: weakref.ref(t) for name, t in (("tied", tied), ("own", own), ("shared", shared))}
+    K.pack_weights(weights, {"embed", "lm_head", "wq", "a", "odd"})
+    assert isinstance(weights["embed"], K.PackedWeight) and weights["lm_head"] is weights["embed"]
+    assert isinstance(weights["wq"], K.PackedWeight) and torch.equal(weights["wq"].unpack(), own)
+    assert weights["a"] is shared and weights["b"] is shared  # "b" is not packed-only: both keep the tensor
+    assert weights["odd"] is odd and weights["norm"].dtype == torch.float32  # 40 rows are not whole panels
+    del tied, own, shared
+    gc.collect()
+    assert alive["tied"]() is None and alive["own"]() is None and alive["shared"]() is not None
+
+
 def test_gemms_the_library_does_not_cover_run_the_torch_kernel(gemm, monkeypatch):
-    """N not a whole number of panels, another dtype, a weight that needs grad: kernels/cpu.py's linear."""
+    """N not a whole number of panels, another dtype, a weight that needs grad: not packed, so kernels/cpu.py's
+    linear; and a weight passed unpacked runs torch's too."""
     K = gemm("float32")
     calls = []
     real = K._ref.linear
     monkeypatch.setattr(K._ref, "linear", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(4, 64)
-    weights = (torch.randn(40, 64), torch.randn(32, 64, dtype=torch.float64), torch.randn(32, 64, requires_grad=True))
+    weights = (torch.randn(40, 64), torch.randn(32, 64, dtype=torch.float64), torch.randn(32, 64, requires_grad=True),
+               torch.randn(32, 64))
+    for w in weights[:3]:
+        assert K.pack_weight(w) is w
     for w in weights:
         xw = x.to(w.dtype)
-        torch.testing.assert_close(K.linear(xw, w), xw @ w.T)
-    assert calls == [1, 1, 1] and all(K._packed[id(w)][1] is None for w in weights)  # decided once, not packed
+        torch.testing.assert_close(K.linear(xw, K.pack_weight(w) if w is not weights[3] else w), xw @ w.T)
+    assert calls == [1, 1, 1, 1]

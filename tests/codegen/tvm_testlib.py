@@ -12,7 +12,8 @@ _ids = itertools.count()
 
 
 def build_kernel_package(root: Path, *, head_dim: int, num_heads: int, num_kv_heads: int, block_size: int,
-                         dtype: str = "float32", kernels=("tvm.paged_attention", "tvm.add_rms_norm", "tvm.silu_mul")):
+                         dtype: str = "float32",
+                         kernels=("tvm.paged_attention", "tvm.add_rms_norm", "tvm.rms_norm", "tvm.silu_mul")):
     """Writes root/kernels/ for the shape and imports it as a fresh package; returns its `tvm` module (which
     forwards to the torch library for what it does not cover) and the build record."""
     params = {"target": "cpu", "head_dim": head_dim, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
