@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import marshal
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -48,6 +49,16 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """Stops a `kiln serve` subprocess as a user does (SIGINT), killing it if it has not exited within `timeout`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def stop_and_reap(proc: subprocess.Popen, pids: list[int], timeout: float = 10) -> bool:

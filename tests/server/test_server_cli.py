@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 
 import httpx
-from live_server import free_port, wait_serving
+from live_server import free_port, interrupt, wait_serving
 
 
 def test_kiln_serve_subprocess(standin_dir):
@@ -27,12 +26,7 @@ def test_kiln_serve_subprocess(standin_dir):
         assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
         assert httpx.get(url + "/metrics").status_code == 401 and httpx.get(url + "/health").status_code == 200
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
     assert proc.returncode is not None
     # One startup line: the model, the target, the KV pool in bytes and in tokens (64 blocks of 4 tokens; a
     # block holds K and V of every layer: layers x 2 x block_size x kv_heads x head_dim float32 values).

@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, free_port, wait_serving
+from live_server import LiveServer, free_port, interrupt, wait_serving
 from safetensors.torch import load_file
 from standin_artifact import resave_weights
 
@@ -174,12 +173,7 @@ def served(standin_dir: Path) -> Iterator[str]:
         wait_serving(proc, url)
         yield url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
 
 
 def _health_latencies_while_posting(url: str, path: str, payload: bytes) -> tuple[httpx.Response, list[float]]:
