@@ -133,7 +133,6 @@ def test_resident_memory_after_load_is_one_copy_of_the_weights(tiny_checkpoint, 
     script = textwrap.dedent(f"""
         import gc, sys, torch
         from kiln.runtime.artifact import load_artifact
-from kiln.runtime.memory_plan import profile_batch
 
         def rss():
             with open("/proc/self/status") as f:
