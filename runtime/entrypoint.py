@@ -47,17 +47,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --disaggregate: prefill every prompt on the prefill core (always), none (never), or "
                    "only those whose uncached part would stall the decode core longer than a budget at its measured "
                    "prefill speed, while the prefill queue has room (auto) (default: the recipe's)")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="engine cores (with --disaggregate: prefill + decode pairs) behind one KV-aware router that "
-                   "sends each request where its prompt's prefix is cached, balanced against load (default 1)")
+    p.add_argument("--data-parallel-size", "--replicas", dest="replicas", type=int, default=1, metavar="N",
+                   help="N replicas behind one KV-aware router that sends each request where its prompt's prefix is "
+                   "cached, balanced against load: each an engine core (for a parallel artifact with its own ranks: "
+                   "TP=2 x N; on CUDA its own GPUs), or with --disaggregate a prefill + decode pair (default 1)")
     p.add_argument("--router-policy", choices=["kv", "round_robin"], default="kv",
-                   help="with --replicas: route by cached prefix against load (kv), or round robin (for A/B "
+                   help="with --data-parallel-size: route by cached prefix against load (kv), or round robin (for A/B "
                    "measurements) (default kv)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
-    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                   help="serve N replicas of the model behind this server, each its own engine core (and, for a "
-                   "parallel artifact, its own ranks: TP=2 x N); requests go to the least busy (default 1)")
     p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "none"],
                    help="speculative decoding: the artifact's MTP draft head, n-gram prompt lookup, a draft model "
                    "(--speculative-model), or none (default: the recipe's)")
@@ -139,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     host, port = serve_address(args.artifact, args.host, args.port)
     if args.replicas < 1:
         from .errors import RequestError
-        raise RequestError(f"--replicas {args.replicas}: give at least 1")
+        raise RequestError(f"--data-parallel-size {args.replicas}: give at least 1")
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
     recipe_efforts = read_manifest(args.artifact)["serve"].get("reasoning_effort") or {}
     efforts = {**recipe_efforts, **(args.reasoning_effort or {})}
@@ -158,8 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
                  reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
                  replicas=args.replicas, router_policy=args.router_policy,
-                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
-                 data_parallel_size=args.data_parallel_size)
+                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model)
 
 
 def _token_ids(text: str) -> list[int]:

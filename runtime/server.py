@@ -1114,7 +1114,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           num_threads: int | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None,
           reasoning_efforts: dict[str, int] | None = None, disaggregate: dict | None = None, replicas: int = 1,
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
-          speculative_model: str | None = None, data_parallel_size: int = 1) -> int:
+          speculative_model: str | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -1124,10 +1124,9 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
     threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser` /
     `reasoning_efforts`: see OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router
-    over one prefill and one decode core instead of one core. `replicas` > 1: that many replicas (cores, or
-    pairs) behind a KV-aware router (runtime/disagg/router.py; `router_policy` "round_robin" for A/B
-    measurements). `data_parallel_size` > 1: that many engine cores (replicas, each with its own ranks for a
-    parallel artifact) behind this server, least busy first (runtime/dp_engine.py)."""
+    over one prefill and one decode core instead of one core. `replicas` > 1 (`--data-parallel-size`): that many
+    replicas (cores, each with its own ranks for a parallel artifact, or pairs) behind a KV-aware router
+    (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements)."""
     import uvicorn
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
@@ -1139,13 +1138,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
                                               kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
                                               speculative_model=speculative_model))
     with contextlib.ExitStack() as stack:
-        if data_parallel_size > 1 and (disaggregate is not None or replicas > 1):
-            raise KilnRuntimeError("--data-parallel-size > 1 with --disaggregate or --replicas is not implemented "
-                                   "yet (--replicas N: replicas behind the KV-aware router)")
-        if data_parallel_size > 1:  # replicas of the whole engine core (and of its mesh)
-            from .dp_engine import start_data_parallel
-            engine = start_data_parallel(stack, config, data_parallel_size)
-        elif replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
+        if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas
             engine = start_replicas(stack, config, replicas, disaggregate, policy=router_policy)
         elif disaggregate is None:
@@ -1159,10 +1152,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
         print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
         if replicas > 1:
             pids = ", ".join(str(r.engine.info.pid) for r in engine.replicas)
-            print(f"kiln serve: {replicas} replicas behind a KV-aware router (engine core pids {pids})", flush=True)
-        if data_parallel_size > 1:
-            print(f"kiln serve: {data_parallel_size} data-parallel replicas, engine core pids "
-                  f"{', '.join(str(r.info.pid) for r in engine.replicas)} (each line above is replica 0's)", flush=True)
+            print(f"kiln serve: {replicas} replicas behind a KV-aware router (engine core pids {pids}; the line "
+                  "above is replica 0's)", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                timeout_graceful_shutdown=5))
         engine.on_dead.append(lambda why: setattr(server, "should_exit", True))

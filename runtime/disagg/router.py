@@ -339,22 +339,50 @@ class _RouterCollector:
         yield from families.values()
 
 
+# set by a torchrun-style launch: then this process is one rank of a mesh, not the owner of several replicas
+LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def replica_env(k: int, ranks: int, device: str) -> dict[str, str] | None:
+    """Replica k's environment: on CUDA, its own `ranks` GPUs (CUDA_VISIBLE_DEVICES: the k-th group of the
+    visible ones); on the CPU, this process's."""
+    if device != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(ranks * (k + 1))]
+    mine = devices[k * ranks:(k + 1) * ranks]
+    if len(mine) < ranks:
+        raise KilnRuntimeError(f"replica {k} needs {ranks} GPU(s) but only {len(devices)} are visible for all "
+                               f"replicas (CUDA_VISIBLE_DEVICES={visible!r})")
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
 def start_replicas(stack: contextlib.ExitStack, config, num_replicas: int, disaggregate: dict | None = None, *,
                    heartbeat_timeout: float = 10.0, **router_kw: Any) -> ReplicaRouter:
-    """`kiln serve --replicas N`: starts N replicas under `stack` (each a core with `config` plus the kv-events
-    plugin, or with `disaggregate` a prefill + decode pair; the CPUs this process may use split between the cores
+    """`kiln serve --data-parallel-size N` (or `--replicas N`): starts N replicas under `stack` (each a core with
+    `config` plus the kv-events plugin — for a parallel artifact the rank 0 of its own mesh, on CUDA on its own
+    GPUs — or with `disaggregate` a prefill + decode pair; the CPUs this process may use split between the cores
     unless `config.num_threads` is set) and returns the router over them (started by the server's lifespan)."""
+    from ..artifact import read_manifest
     from ..core_client import CoreProcess
 
+    if num_replicas < 1:
+        raise KilnRuntimeError(f"--data-parallel-size must be at least 1, got {num_replicas}")
+    if any(v in os.environ for v in LAUNCHER_ENV):
+        raise KilnRuntimeError("--data-parallel-size starts each replica's ranks itself; it cannot run under a "
+                               f"torchrun-style launch ({', '.join(v for v in LAUNCHER_ENV if v in os.environ)} set)")
+    manifest = read_manifest(config.artifact)
+    ranks = int((manifest.get("parallel") or {}).get("world_size", 1))
     cores_per_replica = 1 if disaggregate is None else 1 + int(disaggregate.get("prefill", 1))
     threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // (num_replicas * cores_per_replica))
     engines: list[AsyncLLMEngine] = []
     # One after the other, from this thread: a core dies with the thread that started it (PR_SET_PDEATHSIG).
-    for _ in range(num_replicas):
+    for k in range(num_replicas):
         cfg = msgspec.structs.replace(config, num_threads=threads, input_address="",
                                       plugins=[*config.plugins, PLUGIN])
         if disaggregate is None:
-            engines.append(AsyncLLMEngine.from_process(stack.enter_context(CoreProcess.start(cfg)),
+            core = CoreProcess.start(cfg, env=replica_env(k, ranks, manifest["device"]))
+            engines.append(AsyncLLMEngine.from_process(stack.enter_context(core),
                                                        heartbeat_timeout=heartbeat_timeout))
         else:
             from .service import start_disaggregated

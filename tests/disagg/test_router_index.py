@@ -206,3 +206,29 @@ def test_prefix_cache_events_overflow_asks_for_a_snapshot(monkeypatch):
     assert sorted(cache.cached_hashes()) == [100, 101, 102, 103, 104]
     cache.insert(105, 5)
     assert cache.take_events() == [(True, 105)]
+
+
+# Starting replicas: each replica's devices, and what is refused before anything starts --------------------------
+def test_each_cuda_replica_gets_its_own_group_of_gpus(monkeypatch):
+    from kiln.runtime.disagg.router import replica_env
+    from kiln.runtime.errors import KilnRuntimeError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert [replica_env(k, 2, "cuda")["CUDA_VISIBLE_DEVICES"] for k in (0, 1)] == ["4,5", "6,7"]
+    assert replica_env(1, 2, "cpu") is None  # the CPU: this process's environment
+    with pytest.raises(KilnRuntimeError, match="replica 2 needs 2 GPU"):
+        replica_env(2, 2, "cuda")
+
+
+@pytest.mark.parametrize("env, replicas, match", [({"RANK": "0", "WORLD_SIZE": "2"}, 2, "torchrun-style launch"),
+                                                  ({}, 0, "at least 1")])
+def test_replicas_refused_before_any_core_starts(monkeypatch, env, replicas, match):
+    import contextlib
+
+    from kiln.runtime.disagg.router import start_replicas
+    from kiln.runtime.errors import KilnRuntimeError
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with contextlib.ExitStack() as stack, pytest.raises(KilnRuntimeError, match=match):
+        start_replicas(stack, None, replicas)  # no config needed: nothing is started

@@ -70,8 +70,7 @@ def test_dp2_x_tp2_server_matches_single_device_and_survives_a_replica(compile_p
             assert isinstance(r, httpx.Response) and r.status_code == 200, r
             assert r.json()["choices"][0]["text"] == want[i % 2]
         metrics = httpx.get(url + "/metrics").text
-        served = [float(v) for v in re.findall(r'^kiln:dp_replica_requests_total\{replica="\d"\} (\S+)$', metrics,
-                                                re.M)]
+        served = [float(v) for v in re.findall(r'^kiln:router_requests_total\{replica="\d"\} (\S+)$', metrics, re.M)]
         assert len(served) == 2 and sum(served) == 4 and min(served) >= 1, metrics
 
         # one long request on each replica, then one replica's rank 1 dies
@@ -106,7 +105,8 @@ def test_dp2_x_tp2_server_matches_single_device_and_survives_a_replica(compile_p
             "model": "tiny", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[0]
         metrics = httpx.get(url + "/metrics").text
-        assert re.search(r'^kiln:dp_replicas\{state="dead"\} 1(\.0)?$', metrics, re.M), metrics
+        up = [float(v) for v in re.findall(r'^kiln:router_replica_up\{replica="\d"\} (\S+)$', metrics, re.M)]
+        assert sorted(up) == [0.0, 1.0], metrics
         assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) in (0, 130)  # stopped by the user (uvicorn re-raises the SIGINT it handled), not 1
