@@ -106,11 +106,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_generate)
 
 
-def serve_address(artifact: str, host: str | None, port: int | None) -> tuple[str, int]:
+def serve_address(manifest: dict, host: str | None, port: int | None) -> tuple[str, int]:
     """The flags, else the manifest's `serve` host and port (the recipe's, else the compiler's defaults)."""
-    from .artifact import read_manifest
-
-    serve = read_manifest(artifact)["serve"]
+    serve = manifest["serve"]
     return host or serve["host"], port or serve["port"]
 
 
@@ -134,16 +132,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if status is not None:
         return status
 
-    host, port = serve_address(args.artifact, args.host, args.port)
+    manifest = read_manifest(args.artifact)
+    host, port = serve_address(manifest, args.host, args.port)
     if args.replicas < 1:
         from .errors import RequestError
         raise RequestError(f"--data-parallel-size {args.replicas}: give at least 1")
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
-    recipe_efforts = read_manifest(args.artifact)["serve"].get("reasoning_effort") or {}
-    efforts = {**recipe_efforts, **(args.reasoning_effort or {})}
+    efforts = {**(manifest["serve"].get("reasoning_effort") or {}), **(args.reasoning_effort or {})}
     disaggregate = None
     if args.disaggregate or args.kv_transport or args.remote_prefill:
-        disaggregate = dict(read_manifest(args.artifact).get("disaggregate") or
+        disaggregate = dict(manifest.get("disaggregate") or
                             {"prefill": 1, "decode": 1, "transport": "auto", "remote_prefill": "always"})
         if args.kv_transport:
             disaggregate["transport"] = args.kv_transport

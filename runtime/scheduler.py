@@ -59,13 +59,17 @@ EFFORT_LONG_BUDGET = 128
 EFFORT_ANSWER_TOKENS = 256
 
 
+def thinking_budget(seq: Sequence) -> int | None:
+    """The sequence's thinking budget (reasoning_effort, max_thinking_tokens), or None."""
+    thinking = seq.params.thinking
+    return None if thinking is None else thinking.budget
+
+
 def effort_budget(seq: Sequence) -> int:
     """All a sequence may generate (max_tokens: thinking and answer alike), or for one with a thinking budget
     (reasoning_effort) that budget plus EFFORT_ANSWER_TOKENS when less: low effort overtakes high effort."""
-    thinking = seq.params.thinking
-    if thinking is None or thinking.budget is None:
-        return seq.max_tokens
-    return min(seq.max_tokens, thinking.budget + EFFORT_ANSWER_TOKENS)
+    budget = thinking_budget(seq)
+    return seq.max_tokens if budget is None else min(seq.max_tokens, budget + EFFORT_ANSWER_TOKENS)
 
 
 def _effort_key(seq: Sequence) -> tuple:
@@ -86,13 +90,9 @@ POLICIES: dict[str, Callable[[Sequence], tuple]] = {
 # never preempted. "reasoning": those with a thinking budget (reasoning_effort, max_thinking_tokens), which would
 # otherwise be admitted optimistically and preempted mid-thought when the pool runs short; "all": every sequence
 # (no preemption at all, the least concurrency); "none": every one is admitted optimistically.
-def _reserves_reasoning(seq: Sequence) -> bool:
-    return seq.params.thinking is not None and seq.params.thinking.budget is not None
-
-
 KV_RESERVE: dict[str, Callable[[Sequence], bool]] = {
     "none": lambda seq: False,
-    "reasoning": _reserves_reasoning,
+    "reasoning": lambda seq: thinking_budget(seq) is not None,
     "all": lambda seq: True,
 }
 
