@@ -44,7 +44,10 @@ def test_dp2_x_tp2_server_matches_single_device_and_survives_a_replica(compile_p
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(art), "--port", str(port),
                              "--served-model-name", "tiny", "--num-kv-blocks", "64", "--log-level", "warning",
-                             "--data-parallel-size", "2", "--num-threads", "1"],
+                             "--data-parallel-size", "2", "--num-threads", "1",
+                             # requests alternate between the replicas, so one long request runs on each (the kv
+                             # policy may send both prompts to the replica that cached them: tests/disagg cover it)
+                             "--router-policy", "round_robin"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "KILN_DIST_TIMEOUT": "5"})
     procs: list[int] = []
