@@ -455,6 +455,9 @@ class ParallelOptions:
     ep: int = opt(1, _pos_int)
     pp: int = opt(1, _pos_int)  # pipeline parallelism: not built (Target.supports refuses pp > 1)
     expert_placement: str = opt("contiguous", _choice("contiguous", "round_robin"))  # experts -> ep groups
+    # dense MLPs (shared experts included) under data-parallel attention: sharded over every rank (their rows
+    # gathered and reduce-scattered), or replicated so each rank computes its own rows (SGLang's dense-TP 1)
+    dense: str = opt("sharded", _choice("sharded", "replicated"))
 
     @property
     def world(self) -> int:

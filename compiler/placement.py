@@ -56,14 +56,16 @@ class Mesh:
     Attention is tensor-parallel over the world (`attention == "tp"`, heads sharded) or, with dp > 1, data-
     parallel (`"dp"`: each rank its own sequences, attention weights replicated). MLPs are sharded over the
     world either way: a dense FFN by its width, experts by `ep` groups of whole experts (`expert_order`
-    contiguous or round-robin) and, inside a group, by their width over `etp` = world / ep ranks.
-    Rank r is (ep group r // etp, position r % etp).
+    contiguous or round-robin) and, inside a group, by their width over `etp` = world / ep ranks — except,
+    under data-parallel attention with `dense == "replicated"`, the dense MLPs (a MoE's shared experts too):
+    each rank holds them whole and computes only its own rows. Rank r is (ep group r // etp, position r % etp).
     """
 
     tp: int = 1
     dp: int = 1
     ep: int = 1
     expert_order: str = "contiguous"
+    dense: str = "sharded"
 
     @property
     def world(self) -> int:
@@ -85,7 +87,8 @@ class Mesh:
 
     def to_json(self) -> dict[str, Any]:
         return {"world_size": self.world, "tp": self.tp, "dp": self.dp, "ep": self.ep, "etp": self.etp,
-                "attention": self.attention, "expert_placement": self.expert_order}
+                "attention": self.attention, "expert_placement": self.expert_order,
+                **({"dense": self.dense} if self.dense != "sharded" else {})}
 
 
 def mesh_of(program: Program) -> Mesh:
@@ -93,7 +96,7 @@ def mesh_of(program: Program) -> Mesh:
     from kiln.compiler.options import RecipeOptions
 
     par = RecipeOptions.from_meta(program.meta).parallel
-    return Mesh(par.tp, par.dp, par.ep, par.expert_placement)
+    return Mesh(par.tp, par.dp, par.ep, par.expert_placement, par.dense)
 
 
 # ---------------------------------------------------------------- placements

@@ -119,6 +119,9 @@ class Target:
             refuse(f"parallel: tp = {par.tp} with dp = {par.dp} (tensor-parallel attention inside data-parallel "
                    "groups) is not implemented yet; use tp or dp (MLPs are sharded over all tp x dp ranks)",
                    "parallel.dp")
+        if par.dense == "replicated" and par.dp == 1:
+            refuse("parallel.dense = replicated needs data-parallel attention (dp > 1): with tensor-parallel "
+                   "attention every rank holds a slice of each row, not rows of its own", "parallel.dense")
         if par.world > self.max_devices:
             key = "parallel.tp" if par.tp > 1 else "parallel.dp"
             refuse(f"parallel: {par.world} ranks (tp x dp) exceed target {self.name}'s {self.max_devices} devices",

@@ -325,6 +325,8 @@ class _Planner:
                 return None
             heads, dim = user.attrs["shape"]
             return [_Seg(Segment(heads, dim), role == "KV heads", role)]
+        if self.mesh.attention == "dp" and self.mesh.dense == "replicated":
+            return None  # dense MLPs replicated: each rank's rows through whole weights, nothing gathered
         if user.op == "silu_mul" and width % 2 == 0:
             return [_Seg(Segment(width // 2, 1), False, "FFN width")] * 2
         if user.op in ("silu", "mul") and self._swiglu(users[0]):

@@ -256,6 +256,7 @@ class ParallelSection(_Section):
     etp: PosInt
     attention: Literal["tp", "dp"]
     expert_placement: Literal["contiguous", "round_robin"]
+    dense: Literal["sharded", "replicated"] = "sharded"  # dense MLPs under dp attention (compiler Mesh.dense)
     vocab: dict[str, PosInt]
     params: dict[str, ParallelParam]
     experts: dict[str, list[list[NonNegInt]]] = Field(default_factory=dict)  # stack -> each rank's global ids

@@ -29,6 +29,8 @@ CASES = [
     ("qwen3_moe", "dp = 2; ep = 2", {}),  # data-parallel attention, experts reached by all_to_all
     ("deepseek_v3", "tp = 2", {}),  # MLA heads sharded; dense layer 0, MoE layers 1-2
     ("deepseek_v3", "dp = 2; ep = 2", {}),  # data-parallel attention around expert-parallel MoE
+    ("deepseek_v3", "dp = 2; ep = 2; dense = replicated", {}),  # shared experts per rank, routed by all_to_all
+    ("llama", "dp = 2; dense = replicated", {}),  # plain data parallelism: every rank the whole model
 ]
 
 

@@ -150,6 +150,31 @@ def test_dense_decoder_has_two_reductions_per_layer(tmp_path, vocab):
     assert gather.out.shape == ("T", vocab)
 
 
+@pytest.mark.parametrize("dense", ["sharded", "replicated"])
+def test_dp_attention_dense_mlp_sharded_or_replicated(tmp_path, dense):
+    """Data-parallel attention: a sharded dense MLP gathers every rank's rows and reduce-scatters its partial
+    output (two collectives a layer); `dense = replicated` keeps each rank's rows and holds the MLP whole (none).
+    """
+    program = kiln.compile(write_recipe(tmp_path, mesh=f"dp = 2; dense = {dense}")).program
+    decoder = program.graphs["decoder"]
+    mlp = [n for n in program.params if n.startswith("decoder.") and ("gate" in n or "up" in n or "down" in n)]
+    assert mlp, sorted(program.params)
+    if dense == "sharded":
+        assert collectives(decoder) == ["dp_gather", "dp_scatter"]
+        assert all(program.params[n].sharding for n in mlp)
+    else:
+        assert collectives(decoder) == []
+        assert not any(program.params[n].sharding for n in mlp)  # replicated: every rank the whole matrix
+        assert {n.attrs["placement"] for _, n in decoder.items() if n.op == "linear"} == {"T"}
+    assert collectives(program.graphs["entry"]) == ["dp_gather"]  # the logits rows, once
+
+
+def test_replicated_dense_mlp_needs_data_parallel_attention(tmp_path):
+    with pytest.raises(SourceError, match="parallel.dense = replicated needs data-parallel attention") as e:
+        kiln.compile(write_recipe(tmp_path, mesh="tp = 2; dense = replicated"))
+    assert e.value.loc.line == PARALLEL_LINE
+
+
 def test_dump_ir_shows_the_placements(tmp_path):
     from kiln.cli import main
 
