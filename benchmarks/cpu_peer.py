@@ -9,11 +9,15 @@ For each checkpoint (`--checkpoints`, default `random,embedded`):
     heads, head_dim 64, ffn 1536, tied embeddings, max_position 512, fp32 safetensors), with the embedded
     model's tokenizer files (vocab 4096, ChatML chat template) so that both servers tokenize identically;
     `embedded`: examples/embedded as it is; `tiny` (`--tiny`): the `random` recipe at hidden 64, 2 layers.
-    Each is compiled for kiln with `kiln recipe from-hf CKPT --target cpu --dtype fp32` + `kiln compile`.
+    Each is compiled for kiln with `kiln recipe from-hf CKPT --target cpu --dtype DTYPE` + `kiln compile`
+    (`--dtype`, default fp32; bf16: the fp32 checkpoint's weights stored as bf16 by the compiler, and vLLM
+    started with `--dtype bfloat16`, which casts them at load: both servers hold the same bf16 weights).
   * the weight-streaming limit: one fp32 matrix-vector product (torch.mv) per weight matrix a decode step reads
     (every 2-D tensor; the embedding table only when it doubles as the lm_head), timed in a loop on the
     benchmark's cores -> bytes/s and the best-case batch-1 decode step (`stream_ms`, 1000 / stream_ms tok/s).
-    A model smaller than the L3 (the embedded one: 22 MB) streams from cache, not DRAM.
+    A model smaller than the L3 (the embedded one: 22 MB) streams from cache, not DRAM. With `--dtype bf16` the
+    limit is the same loop's bandwidth over the bf16 bytes (half): torch's bf16 mv on a CPU without AVX512-BF16
+    converts in software and would understate what the memory allows.
   * kiln's offline throughput: `LLM.generate` over the same workload (the same number of random-token prompts,
     same lengths, greedy, ignore_eos) with at most B sequences at once (max_num_seqs=B), B = each concurrency;
     batch 1 runs `--offline-b1-prompts` prompts (its rate does not depend on the count).
@@ -70,6 +74,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SERVED_NAME = "m"
 READY_TIMEOUT_S = {"kiln": 300.0, "vllm": 900.0}  # vLLM compiles the model at start (7 min seen)
 CLIENT_TIMEOUT_S = 3600.0
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> vLLM's --dtype
 WARMUP_OUTPUT_LEN = 8
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -120,12 +125,12 @@ def kiln_cli(*args: str) -> None:
                    env={**os.environ, **OFFLINE_ENV})
 
 
-def compile_for_kiln(ckpt: Path, work: Path) -> Path:
-    """`kiln recipe from-hf CKPT --target cpu --dtype fp32` then `kiln compile`; reused while fresh."""
+def compile_for_kiln(ckpt: Path, work: Path, dtype: str = "fp32") -> Path:
+    """`kiln recipe from-hf CKPT --target cpu --dtype DTYPE` then `kiln compile`; reused while fresh."""
     recipe, art = work / "recipe.dsl", work / "artifact"
     if _stale(art, ckpt):
         work.mkdir(parents=True, exist_ok=True)
-        kiln_cli("recipe", "from-hf", str(ckpt), "--target", "cpu", "--dtype", "fp32", "-o", str(recipe))
+        kiln_cli("recipe", "from-hf", str(ckpt), "--target", "cpu", "--dtype", dtype, "-o", str(recipe))
         kiln_cli("compile", str(recipe), "-o", str(art), "--no-progress")
     return art
 
@@ -154,8 +159,10 @@ def _pin(cores: list[int], threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def stream_worker(ckpt: Path, min_time: float) -> dict[str, Any]:
-    """The weight-streaming limit: y = W @ x (fp32 torch.mv) for every matrix a decode step reads, in a loop."""
+def stream_worker(ckpt: Path, min_time: float, dtype: str = "fp32") -> dict[str, Any]:
+    """The weight-streaming limit: y = W @ x (fp32 torch.mv) for every matrix a decode step reads, in a loop. For
+    bf16 the limit is the bf16 bytes at the bandwidth that loop reached (`pass_ms_*` scaled by the byte ratio;
+    the fp32 loop's own figures are kept as `fp32_pass_ms_*`)."""
     import torch
     from safetensors.torch import load_file
 
@@ -184,10 +191,15 @@ def stream_worker(ckpt: Path, min_time: float) -> dict[str, Any]:
     while len(times) < 10 or time.perf_counter() - start < min_time:
         times.append(one_pass())
     best, med = min(times), statistics.median(times)
-    return {"matrices": len(mats), "weight_bytes": nbytes, "passes": len(times), "pass_ms_best": best * 1e3,
-            "pass_ms_median": med * 1e3, "bandwidth_gb_s_best": nbytes / best / 1e9,
-            "bandwidth_gb_s_median": nbytes / med / 1e9, "limit_tok_s_batch1": 1.0 / best,
-            "torch_threads": torch.get_num_threads()}
+    out = {"matrices": len(mats), "weight_bytes": nbytes, "passes": len(times), "pass_ms_best": best * 1e3,
+           "pass_ms_median": med * 1e3, "bandwidth_gb_s_best": nbytes / best / 1e9,
+           "bandwidth_gb_s_median": nbytes / med / 1e9, "limit_tok_s_batch1": 1.0 / best,
+           "torch_threads": torch.get_num_threads(), "dtype": dtype}
+    if dtype == "bf16":  # the same bandwidth over half the bytes
+        out.update({f"fp32_{k}": out[k] for k in ("weight_bytes", "pass_ms_best", "pass_ms_median")},
+                   weight_bytes=nbytes // 2, pass_ms_best=best * 500, pass_ms_median=med * 500,
+                   limit_tok_s_batch1=2.0 / best)
+    return out
 
 
 def offline_worker(art: Path, batches: list[int], num_prompts: int, b1_prompts: int, input_len: int,
@@ -236,7 +248,7 @@ def _worker_main(args: argparse.Namespace) -> int:
     _pin(args.cores, args.kiln_threads)
     spec = json.loads(args.worker_spec)
     if args.worker == "stream":
-        result = stream_worker(Path(spec["ckpt"]), spec["min_time"])
+        result = stream_worker(Path(spec["ckpt"]), spec["min_time"], spec.get("dtype", "fp32"))
     else:
         spec["art"] = Path(spec["art"])
         result = offline_worker(**spec)
@@ -322,7 +334,7 @@ def start_server(kind: str, ckpt: Path, art: Path, args: argparse.Namespace, log
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--host",
                "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len",
-               str(args.max_model_len), "--dtype", "float32", "--seed", str(args.seed)]
+               str(args.max_model_len), "--dtype", VLLM_DTYPES[args.dtype], "--seed", str(args.seed)]
         env.update(VLLM_CPU_KVCACHE_SPACE=f"{args.kv_gib:g}", VLLM_CPU_OMP_THREADS_BIND=cores_text(args.cores))
     return Server(kind, cmd, env, args.cores, log_path)
 
@@ -612,7 +624,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("")
     for name, m in result["checkpoints"].items():
         s = m["stream"]
-        lines.append(f"{name}: {s['weight_bytes'] / 1e6:.0f} MB of fp32 matrices per decode step; mv loop best "
+        lines.append(f"{name}: {s['weight_bytes'] / 1e6:.0f} MB of {s.get('dtype', 'fp32')} matrices per decode step; "
+                     + ("limit from the fp32 " if s.get("dtype") == "bf16" else "") + "mv loop best "
                      f"{s['pass_ms_best']:.2f} ms ({s['bandwidth_gb_s_best']:.1f} GB/s; median {s['pass_ms_median']:.2f} "
                      f"ms) -> batch-1 decode limit {s['limit_tok_s_batch1']:.0f} tok/s")
     return "\n".join(lines)
@@ -651,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-seconds", type=int, default=5)
     ap.add_argument("--py-spy", help="py-spy executable (default: py-spy on PATH)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=sorted(VLLM_DTYPES), default="fp32",
+                    help="both servers' dtype (kiln: the recipe's; vLLM: --dtype); default fp32")
     ap.add_argument("--work-dir", type=Path, default=REPO / "build" / "bench" / "peer")
     ap.add_argument("--out-dir", type=Path, help="where the run's JSON goes (default benchmarks/results/DATE-cpu)")
     ap.add_argument("--table", type=Path, help="print the table of a run's JSON and exit")
@@ -690,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         "date_utc": now.isoformat(timespec="seconds"), "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "host": {"lscpu_model": lscpu_model(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "concurrency", "rounds",
-                                                    "seed", "kv_gib")},
+                                                    "seed", "kv_gib", "dtype")},
         "threads": {"cores": args.cores, "kiln": {"OMP_NUM_THREADS": args.kiln_threads, "affinity": args.cores},
                     "vllm": {"VLLM_CPU_OMP_THREADS_BIND": cores_text(args.cores), "affinity": args.cores}
                     if args.vllm_python else None},
@@ -705,14 +720,15 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(result, indent=1) + "\n")
 
     for name in args.checkpoints:
-        work = args.work_dir / name
+        work = args.work_dir / (name if args.dtype == "fp32" else f"{name}-{args.dtype}")
         ckpt = checkpoint(name, args.work_dir)
-        art = compile_for_kiln(ckpt, work)
+        art = compile_for_kiln(ckpt, work, args.dtype)
         m: dict[str, Any] = {"checkpoint": str(ckpt), "artifact": str(art), "params": param_count(ckpt),
                              "kiln_num_kv_blocks": kiln_kv_blocks(art, args.kv_gib), "served": {}}
         result["checkpoints"][name] = m
         log(f"{name}: streaming limit")
-        m["stream"] = run_worker("stream", args.cores, args.kiln_threads, ckpt=ckpt, min_time=args.stream_seconds)
+        m["stream"] = run_worker("stream", args.cores, args.kiln_threads, ckpt=ckpt, min_time=args.stream_seconds,
+                                 dtype=args.dtype)
         log(f"{name}: offline LLM.generate at batch {args.concurrency}")
         m["offline"] = run_worker("offline", args.cores, args.kiln_threads, art=art, batches=args.concurrency,
                                   num_prompts=args.num_prompts, b1_prompts=args.offline_b1_prompts,

@@ -8,6 +8,12 @@ mapped at serve time). The runtime library supplies the thread pool the kernels'
 built at compile time, a CPU lacking the flags it was compiled for, no apache-tvm / tvm-ffi installed, or a
 failed load. The artifact's tvm kernel module then runs the torch kernels.
 
+bf16 GEMMs: `bf16_gemm_backend` decides, once per process, whether a bf16 artifact's GEMMs run this library's
+`linear` (bf16 weights widened to fp32 in registers: the choice on a CPU without native bf16 arithmetic, where
+torch's oneDNN bf16 GEMM emulates it and measured 3-8x slower than its own fp32 from 16 rows on) or torch's
+(`torch`: oneDNN's native bf16 kernels, on a CPU with `avx512_bf16` or `amx_bf16`), and says which in one log
+line. `KILN_CPU_BF16_GEMM=tvm|torch` overrides it.
+
 Threads: TVM keeps its own pthread pool (one per calling thread), sized when the first parallel kernel runs
 from `TVM_NUM_THREADS`. Unless that is set, it is set here to torch's intra-op thread count, so both pools use
 the same cores. `TVM_THREAD_POOL_SPIN_COUNT` defaults to 0 here (TVM's default spins 300k iterations after every
@@ -49,6 +55,30 @@ class Library:
             return self.functions[name]
         except KeyError:
             raise AttributeError(f"{self.path}: no kernel {name!r}") from None
+
+
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of the x86 bf16 dot-product instructions
+BF16_GEMM_ENV = "KILN_CPU_BF16_GEMM"
+_bf16_choice: list[str] = []  # the process's decision, made once
+
+
+def bf16_gemm_backend(flags: frozenset[str] | None = None) -> str:
+    """"tvm" or "torch": who runs a bf16 artifact's GEMMs on this host (see the module docstring). Decided and
+    logged once per process (`flags` given: decided afresh, not logged or kept, for tests)."""
+    if flags is None and _bf16_choice:
+        return _bf16_choice[0]
+    have = sorted(set(NATIVE_BF16_FLAGS) & (_cpu_flags() if flags is None else flags))
+    forced = os.environ.get(BF16_GEMM_ENV, "").strip().lower()
+    if forced and forced not in ("tvm", "torch"):
+        raise ValueError(f"{BF16_GEMM_ENV}={forced!r}: expected 'tvm' or 'torch'")
+    choice = forced or ("torch" if have else "tvm")
+    if flags is None:
+        _bf16_choice.append(choice)
+        why = (f"{BF16_GEMM_ENV}={forced}" if forced else
+               f"this CPU has {' and '.join(have)}" if have else f"this CPU has no {' or '.join(NATIVE_BF16_FLAGS)}")
+        logger.info("kiln: bf16 GEMMs on %s (%s)", "torch (oneDNN native bf16)" if choice == "torch" else
+                    "TVM linear (bf16 weights, fp32 math)", why)
+    return choice
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -141,4 +171,4 @@ def _load(folder: Path, record: dict) -> Library | None:
     return Library(path=folder, params=dict(record.get("params", {})), functions=functions)
 
 
-__all__ = ["Library", "configure_threads", "load_library"]
+__all__ = ["NATIVE_BF16_FLAGS", "Library", "bf16_gemm_backend", "configure_threads", "load_library"]

@@ -45,7 +45,7 @@ def test_tiny_run_writes_a_complete_positive_report(cpu_peer, tmp_path, capsys):
     assert len(files) == 1, files
     r = json.loads(files[0].read_text())
     assert r["workload"] == {"num_prompts": 4, "input_len": 16, "output_len": 8, "concurrency": [4], "rounds": 1,
-                             "seed": 0, "kv_gib": 1 / 16}
+                             "seed": 0, "kv_gib": 1 / 16, "dtype": "fp32"}
     assert r["host"]["lscpu_model"] and r["vllm_python"] is None and r["threads"]["vllm"] is None
     assert r["threads"]["kiln"]["OMP_NUM_THREADS"] == len(r["threads"]["cores"]) >= 1
 
@@ -64,6 +64,12 @@ def test_tiny_run_writes_a_complete_positive_report(cpu_peer, tmp_path, capsys):
     assert s["limit_tok_s_batch1"] == pytest.approx(1e3 / s["pass_ms_best"])
     assert s["bandwidth_gb_s_best"] == pytest.approx(s["weight_bytes"] / s["pass_ms_best"] / 1e6)
     assert s["torch_threads"] == r["threads"]["kiln"]["OMP_NUM_THREADS"]
+    # --dtype bf16: the same loop's bandwidth over half the bytes
+    b = cpu_peer.stream_worker(Path(m["checkpoint"]), 0.0, "bf16")
+    assert b["dtype"] == "bf16" and b["weight_bytes"] == 2 * matrices == b["fp32_weight_bytes"] // 2
+    assert b["pass_ms_best"] == pytest.approx(b["fp32_pass_ms_best"] / 2)
+    assert b["limit_tok_s_batch1"] == pytest.approx(1e3 / b["pass_ms_best"])
+    assert b["bandwidth_gb_s_best"] == pytest.approx(b["fp32_weight_bytes"] / b["fp32_pass_ms_best"] / 1e6)
 
     (row,) = m["offline"]["rows"]
     assert row["batch"] == 4 and row["prompts"] == 4 and row["output_tokens"] == 4 * 8  # ignore_eos: every token

@@ -414,3 +414,44 @@ def test_gemms_the_library_does_not_cover_run_the_torch_kernel(gemm, monkeypatch
         xw = x.to(w.dtype)
         torch.testing.assert_close(K.linear(xw, K.pack_weight(w) if w is not weights[3] else w), xw @ w.T)
     assert calls == [1, 1, 1, 1]
+
+
+def test_bf16_gemm_backend_follows_the_cpu_flags(monkeypatch, caplog):
+    """Native bf16 (avx512_bf16 or amx_bf16) -> torch's oneDNN GEMMs, else the TVM kernel; the env var overrides;
+    the process's decision is made from /proc/cpuinfo once and logged in one line; a bad value is an error."""
+    monkeypatch.delenv(tvm_kernels.BF16_GEMM_ENV, raising=False)
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"avx2", "fma", "f16c"})) == "tvm"
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"avx512f", "avx512_bf16"})) == "torch"
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"amx_bf16", "amx_tile"})) == "torch"
+    monkeypatch.setenv(tvm_kernels.BF16_GEMM_ENV, "tvm")
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"amx_bf16"})) == "tvm"
+    monkeypatch.setenv(tvm_kernels.BF16_GEMM_ENV, "mkl")
+    with pytest.raises(ValueError, match="KILN_CPU_BF16_GEMM='mkl'"):
+        tvm_kernels.bf16_gemm_backend(frozenset())
+    monkeypatch.delenv(tvm_kernels.BF16_GEMM_ENV)
+    monkeypatch.setattr(tvm_kernels, "_bf16_choice", [])
+    monkeypatch.setattr(tvm_kernels, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    with caplog.at_level(logging.INFO, logger="kiln.runtime.tvm_kernels"):
+        assert tvm_kernels.bf16_gemm_backend() == "torch" and tvm_kernels.bf16_gemm_backend() == "torch"
+    lines = [r.getMessage() for r in caplog.records if "bf16 GEMMs" in r.getMessage()]
+    assert lines == ["kiln: bf16 GEMMs on torch (oneDNN native bf16) (this CPU has avx512_bf16)"]
+
+
+def test_bf16_library_leaves_gemms_to_torch_on_native_bf16(tmp_path, monkeypatch):
+    """A bf16 library on a host whose choice is torch packs nothing: weights stay as stored, GEMMs run
+    kernels/cpu.py's linear (oneDNN's native bf16); the row and attention kernels still run on TVM."""
+    monkeypatch.setattr(tvm_kernels, "_bf16_choice", ["torch"])
+    K, record = build_kernel_package(tmp_path, head_dim=64, num_heads=8, num_kv_heads=2, block_size=16,
+                                     dtype="bfloat16", kernels=("tvm.linear", "tvm.rms_norm"))
+    assert record["library"] == "cpu.so" and K.LIBRARY is not None
+    w = torch.randn(32, 64).bfloat16()
+    assert K.pack_weight(w) is w
+    weights = {"wq": w}
+    K.pack_weights(weights, {"wq"})
+    assert weights["wq"] is w
+    calls = []
+    real = K._ref.linear
+    monkeypatch.setattr(K._ref, "linear", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(K.linear(x, w), torch.nn.functional.linear(x, w))
+    assert calls == [1] and K._RMS_NORM is not None
