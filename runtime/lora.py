@@ -6,7 +6,9 @@ every target the manager holds, per layer and slot, A [slots, m*R, K] and B [slo
 R = max_rank): module j's lora_A fills rows j*R.. of A, its lora_B (times the adapter's scaling) the block of
 B at its output rows and columns j*R..; the rest is zero. The generated model adds, for each token of a slot,
 (x @ A[slot].T) @ B[slot].T to the linear's output (the `lora` kernel), so modules an adapter leaves out,
-and ranks below R, contribute exact zeros.
+and ranks below R, contribute exact zeros. The cpu kernel reads each adapter's token rows (`LoRABatch.segments`);
+the Triton kernel of GPU targets reads the same segments packed into one device tensor (`LoRABatch.segmented`:
+rows grouped by adapter, each segment's slot and rank per target), two launches per linear for all adapters.
 
 An adapter is loaded once into host memory (`load`), and copied into a slot when a step needs it and it is
 not resident (`prepare`): the least recently used slot no running sequence needs is reused. The scheduler

@@ -5,6 +5,7 @@ others in the same steps)."""
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
 
@@ -20,8 +21,12 @@ PROMPTS = [[5, 17, 33, 101, 7, 250, 9, 11, 400, 3, 77, 12], [44, 45, 46, 200, 8]
 NAMES = ["a", None, "b"]
 
 
+def _no_fallback(*args, **kw):
+    raise AssertionError("the triton lora kernel fell back to the torch one")
+
+
 def test_h200_artifact_with_adapters_matches_peft_and_the_cpu_artifact(adapter, compile_lora, tiny_checkpoint,
-                                                                       tiny_checkpoint_lib, tmp_path):
+                                                                       tiny_checkpoint_lib, tmp_path, monkeypatch):
     from kiln.cli import main
 
     paths = {"a": adapter(ATTENTION_MLP, seed=31), "b": adapter(["q_proj", "v_proj"], seed=32, rank=4)}
@@ -33,13 +38,16 @@ def test_h200_artifact_with_adapters_matches_peft_and_the_cpu_artifact(adapter, 
     entries = section + "; adapters = { " + ", ".join(f'{k}: "hf:{v}"' for k, v in paths.items()) + " }"
     recipe.write_text(lora_recipe(recipe.read_text(), entries))
     res = kiln.compile(recipe, tmp_path / "h200", target="h200", progress=False)
-    assert res.manifest["kernels"].get("triton.lora", 0) > 0
+    assert "triton.lora" in res.manifest["kernels"]
     assert "def _lora_shrink_kernel(" in (tmp_path / "h200" / "kernels" / "triton.py").read_text()
 
     params = kiln.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     want = kiln.LLM(str(cpu)).generate(PROMPTS, params, lora=NAMES)
     for chunk in (None, 4):
-        got = kiln.LLM(str(tmp_path / "h200"), chunked_prefill=chunk).generate(PROMPTS, params, lora=NAMES)
+        llm = kiln.LLM(str(tmp_path / "h200"), chunked_prefill=chunk)
+        K = sys.modules[type(llm.engine.runner.model).__module__].K  # the artifact's triton kernels
+        monkeypatch.setattr(K._ref, "lora", _no_fallback)
+        got = llm.generate(PROMPTS, params, lora=NAMES)
         for prompt, name, g, w in zip(PROMPTS, NAMES, got, want, strict=True):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
             ref = peft_logits(ckpt, paths[name] if name else None, prompt, tiny_checkpoint_lib.load_hf_model)
