@@ -139,6 +139,7 @@ _TRITON_KERNELS = {
     "mla_attention": "triton.mla_attention",
     "linear_fp8": "triton.linear_fp8",  # weight-only: Triton GEMM up to 256 rows; act=dynamic: torch._scaled_mm
     "linear_w4a16": "triton.linear_w4a16",
+    "lora": "triton.lora",  # segmented (SGMV/BGMV) shrink + expand over every adapter of the step
     "linear": "torch.linear",
     "logits": "torch.logits",
 }

@@ -150,6 +150,9 @@ def speculative_config(manifest: dict, method: str | None, num_tokens: int | Non
             raise ArtifactError("speculative draft: no draft model; give the directory of a compiled artifact "
                                 "sharing the target's tokenizer (--speculative-model DIR, speculative_model=DIR)")
         return SpeculativeConfig(method, num_tokens=n, draft_model=str(draft_model))
+    if manifest.get("lora"):  # as the compiler refuses it (compiler/targets.py _lora_supported)
+        raise ArtifactError(f"speculative {method}: a draft head with LoRA adapters is not supported (it reads "
+                            "hidden states the adapters shift and has no adapter of its own); use ngram or draft")
     drafts = manifest.get("drafts") or {}
     if method not in drafts:
         have = ", ".join(drafts) or "none"

@@ -6,7 +6,9 @@ every target the manager holds, per layer and slot, A [slots, m*R, K] and B [slo
 R = max_rank): module j's lora_A fills rows j*R.. of A, its lora_B (times the adapter's scaling) the block of
 B at its output rows and columns j*R..; the rest is zero. The generated model adds, for each token of a slot,
 (x @ A[slot].T) @ B[slot].T to the linear's output (the `lora` kernel), so modules an adapter leaves out,
-and ranks below R, contribute exact zeros.
+and ranks below R, contribute exact zeros. The cpu kernel reads each adapter's token rows (`LoRABatch.segments`);
+the Triton kernel of GPU targets reads the same segments packed into one device tensor (`LoRABatch.segmented`:
+rows grouped by adapter, each segment's slot and rank per target), two launches per linear for all adapters.
 
 An adapter is loaded once into host memory (`load`), and copied into a slot when a step needs it and it is
 not resident (`prepare`): the least recently used slot no running sequence needs is reused. The scheduler
@@ -62,6 +64,22 @@ class Adapter:
     path: str
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ranks: dict[str, int] = field(default_factory=dict)  # per target it adapts: its modules' largest rank
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentedRows:
+    """A step's adapter rows as a segmented kernel reads them (device int32 tensors): `rows`, the token rows of
+    every adapter of the step grouped by adapter (segment s holds rows[indptr[s]:indptr[s + 1]], all of slot
+    slots[s]); `ranks[target_index[t], s]`, the rank segment s's adapter has at target t (0: it leaves t
+    alone). Rows of the base model are in no segment."""
+
+    rows: torch.Tensor  # [P] token rows, segment after segment
+    indptr: torch.Tensor  # [S + 1]
+    slots: torch.Tensor  # [S]
+    ranks: torch.Tensor  # [targets, S]
+    target_index: Mapping[str, int]
+    max_rows: int  # the longest segment's row count (a kernel's grid covers it)
 
 
 @dataclass(slots=True)
@@ -71,6 +89,36 @@ class LoRABatch:
 
     weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]  # target -> (A [L, S, mR, K], B [L, S, N, mR])
     segments: list[tuple[int, torch.Tensor | None, frozenset[str]]] = field(default_factory=list)
+    # the same segments as host lists, for `segmented`: each adapter's token rows and its rank per target
+    seg_rows: list[list[int]] = field(default_factory=list)
+    seg_ranks: dict[str, list[int]] = field(default_factory=dict)  # target -> rank of each segment's adapter
+    _segmented: dict[torch.device, SegmentedRows] = field(default_factory=dict)
+
+    def segmented(self, device: torch.device) -> SegmentedRows:
+        """The segments as one packed int32 tensor on `device` (one host-to-device copy per step, made by the
+        first kernel that asks and shared by every layer's)."""
+        cached = self._segmented.get(device)
+        if cached is not None:
+            return cached
+        from .model_runner import host_to_device
+
+        num = len(self.seg_rows)
+        indptr = [0]
+        for rows in self.seg_rows:
+            indptr.append(indptr[-1] + len(rows))
+        slots = [slot for slot, _, _ in self.segments]
+        names = list(self.seg_ranks)
+        flat = [*indptr, *slots, *(r for t in names for r in self.seg_ranks[t]),
+                *(row for rows in self.seg_rows for row in rows)]
+        packed = host_to_device(flat, torch.int32, device)
+        ranks_at = 2 * num + 1
+        rows_at = ranks_at + num * len(names)
+        seg = SegmentedRows(rows=packed[rows_at:], indptr=packed[:num + 1], slots=packed[num + 1:ranks_at],
+                            ranks=packed[ranks_at:rows_at].view(len(names), num),
+                            target_index={t: i for i, t in enumerate(names)},
+                            max_rows=max((len(r) for r in self.seg_rows), default=0))
+        self._segmented[device] = seg
+        return seg
 
 
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
@@ -154,6 +202,7 @@ def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int,
     if not pairs:
         raise LoRAError(f"{file}: holds no LoRA weights")
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    ranks: dict[str, int] = {}
     top_rank = 0
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
@@ -167,6 +216,7 @@ def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int,
         if r > max_rank:
             raise LoRAError(f"{file}: {module} has rank {r}, above this artifact's lora.max_rank = {max_rank}")
         top_rank = max(top_rank, r)
+        ranks[t.name] = max(ranks.get(t.name, 0), r)
         alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8))
         r_cfg = _pattern_value(cfg.get("rank_pattern") or {}, module, cfg["r"])
         scaling = alpha / math.sqrt(r_cfg) if cfg.get("use_rslora") else alpha / r_cfg
@@ -178,7 +228,7 @@ def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int,
         row = sum(t.rows[:j])
         big_a[layer, j * max_rank:j * max_rank + r] = a.to(dtype)
         big_b[layer, row:row + t.rows[j], j * max_rank:j * max_rank + r] = (b.double() * scaling).to(dtype)
-    return Adapter(name=name, lora_id=lora_id, path=str(path), rank=top_rank, weights=weights)
+    return Adapter(name=name, lora_id=lora_id, path=str(path), rank=top_rank, weights=weights, ranks=ranks)
 
 
 class LoRAManager:
@@ -279,11 +329,15 @@ class LoRAManager:
             return None
         needed = set(rows_of)
         segments = []
+        seg_ranks: dict[str, list[int]] = {t.name: [] for t in self.targets}
         for lora_id, rows in rows_of.items():
             slot = self._acquire(lora_id, needed)
             index = None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.int64, device=self.device)
-            segments.append((slot, index, frozenset(self._by_id[lora_id].weights)))
-        return LoRABatch(self.slot_weights, segments)
+            adapter = self._by_id[lora_id]
+            segments.append((slot, index, frozenset(adapter.weights)))
+            for name, ranks in seg_ranks.items():
+                ranks.append(adapter.ranks.get(name, 0))
+        return LoRABatch(self.slot_weights, segments, list(rows_of.values()), seg_ranks)
 
 
 # The engine's side (EngineLoRA below; each refusal a RequestError the API turns into a 4xx) -------------

@@ -200,17 +200,19 @@ def forward_batch(tokens: torch.Tensor, start: int, block_table: list[int], bloc
 _kernel_package_ids = itertools.count()
 
 
-def render_kernels(root: Path, *, head_dim=16, num_heads=8, num_kv_heads=2, dtype="float32", block_size=4):
-    """Renders cpu + triton kernel modules into a fresh package under `root`; returns the triton module (its CPU
-    fallback library is `._ref`). A new package name per call, so monkeypatching one never leaks into another."""
+def render_kernels(root: Path, *, head_dim=16, num_heads=8, num_kv_heads=2, dtype="float32", block_size=4,
+                   lora=False):
+    """Renders cpu + triton kernel modules into a fresh package under `root` (with the LoRA kernels if `lora`);
+    returns the triton module (its CPU fallback library is `._ref`). A new package name per call, so
+    monkeypatching one never leaks into another."""
     pkg = root / f"kpkg{next(_kernel_package_ids)}"
     pkg.mkdir()
     env = template_env()
     (pkg / "__init__.py").write_text("")
-    (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test"))
+    (pkg / "cpu.py").write_text(env.get_template("cpu/kernels.py.j2").render(kiln_version="test", lora=lora))
     (pkg / "triton.py").write_text(env.get_template("triton/kernels.py.j2").render(
         kiln_version="test", head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype,
-        block_size=block_size))
+        block_size=block_size, lora=lora))
     sys.path.insert(0, str(root))
     try:
         return importlib.import_module(f"{pkg.name}.triton")
