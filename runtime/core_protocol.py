@@ -87,6 +87,8 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_nonfinite_logits: int = 0
     num_step_errors: int = 0
     spec_num_drafts: int = 0  # speculative verify steps (of one sequence with drafts)
+    kv_blocks: dict[str, int] = {}  # the KV pool's blocks by state (free, active, leased, cached, offloaded)
+    kv_offload: dict[str, int] = {}  # the CPU offload tier's counters: offloaded, restored (blocks), their bytes
 
 
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
