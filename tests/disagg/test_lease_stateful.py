@@ -43,11 +43,19 @@ class LedgerMachine(RuleBasedStateMachine):
         self.tier = OffloadTier(self.bm, self.kv, HOST_BLOCKS)
         self.restores: list = []  # restores in progress
         self.copies: dict[tuple[str, int], tuple[object, int]] = {}  # (transfer, index) -> (restore, block)
+        self.next_hash = 0
+        for _ in range(3):  # the tier starts with blocks in it: computed, published, released, evicted
+            b = self.bm._take_free_block()
+            self.bm.prefix_cache.insert(self.next_hash, b)
+            self.kv[0][b] = torch.tensor([self.next_hash, b], dtype=torch.float64)
+            self.next_hash += 1
+            self.bm.unpin([b])
+            assert self.bm.prefix_cache.evict() == b
+            self.bm._free.append(b)
         self.next_id = 0
         self.writes: dict[tuple[str, int], int] = {}  # (transfer, index) -> block id, writes in progress
         self.seqs: list[SimpleNamespace] = []  # committed transfers' and ordinary sequences' block tables
         self.all_ids: list[str] = []
-        self.next_hash = 0
 
     # Transfers --------------------------------------------------------------------------------------------
     @rule(n=st.integers(0, 5), hits=st.integers(0, 3))
@@ -130,13 +138,17 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.expire()
 
     # Ordinary sequences competing for blocks --------------------------------------------------------------
-    @rule(n=st.integers(1, 4))
-    def allocate(self, n: int) -> None:
+    @rule(n=st.integers(1, 4), publish=st.booleans())
+    def allocate(self, n: int, publish: bool) -> None:
         if n <= self.bm.num_free_blocks:
             seq = SimpleNamespace(block_table=[self.bm._take_free_block() for _ in range(n)], num_registered_blocks=0,
                                   num_reserved_blocks=0)
             for b in seq.block_table:  # the sequence computes into them: what an eviction offloaded is gone here
                 self.kv[0][b] = -2.0
+                if publish:  # full blocks, published to the prefix cache (evictable, so offloaded, once freed)
+                    self.bm.prefix_cache.insert(self.next_hash, b)
+                    self.kv[0][b] = torch.tensor([self.next_hash, b], dtype=torch.float64)
+                    self.next_hash += 1
             self.seqs.append(seq)
 
     @precondition(lambda self: self.seqs)
@@ -180,10 +192,10 @@ class LedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.restores)
     @rule(data=st.data())
     def restore_finish(self, data) -> None:
-        pending = self.restores[data.draw(st.integers(0, len(self.restores) - 1))]
-        if any(t == pending.lease.transfer_id for t, _ in self.copies):
-            return  # a copy still in flight: finish comes after the copies
-        self.restores.remove(pending)
+        pending = self.restores.pop(data.draw(st.integers(0, len(self.restores) - 1)))
+        for key in sorted(k for k in self.copies if k[0] == pending.lease.transfer_id):  # its copies end first
+            self.copies.pop(key)
+            self.tier.copy(pending, key[1])
         hashes = list(pending.hashes)
         blocks = self.tier.finish(pending)
         for h, b in zip(hashes, blocks):  # published, unreferenced, holding what was offloaded under h
