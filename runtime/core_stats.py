@@ -25,6 +25,10 @@ def core_stats(engine: Any) -> dict[str, float]:
             **kv_block_stats(engine.block_manager)}
 
 
+KV_BLOCK_FIELDS = ("kv_blocks_free", "kv_blocks_active", "kv_blocks_leased", "kv_blocks_cached", "kv_blocks_offloaded",
+                   "kv_offload_offloaded", "kv_offload_restored", "kv_offload_offload_bytes", "kv_offload_restore_bytes")
+
+
 def kv_block_stats(bm: Any) -> dict[str, int]:
     """The KV pool's blocks by state (`kv_blocks_<state>`: free, active, leased, cached, offloaded) and the offload
     tier's cumulative counters (`kv_offload_<what>`: offloaded, restored blocks; their bytes)."""

@@ -118,20 +118,18 @@ class _EngineCollector(Collector):
         """The KV pool's blocks by state (offloaded: host blocks of the CPU offload tier) and the tier's traffic."""
         family = GaugeMetricFamily("kiln:kv_blocks", "KV blocks by state (free, active, leased, cached; offloaded: "
                                    "in the CPU offload tier).", labels=["model_name", "state"])
-        for state, n in s.kv_blocks.items():
-            family.add_metric([self._model_name, state], n)
+        for state in ("free", "active", "leased", "cached", "offloaded"):
+            family.add_metric([self._model_name, state], getattr(s, f"kv_blocks_{state}"))
         yield family
-        offload = s.kv_offload
         for name, doc, value in (
                 ("kiln:kv_offload_blocks", "Evicted prefix-cache blocks copied to the CPU offload tier.",
-                 offload.get("offloaded", 0)),
+                 s.kv_offload_offloaded),
                 ("kiln:kv_restore_blocks", "Blocks copied back from the CPU offload tier on a prefix hit.",
-                 offload.get("restored", 0)),
-                ("kiln:kv_offload_bytes", "Bytes copied to the CPU offload tier.", offload.get("offload_bytes", 0)),
-                ("kiln:kv_restore_bytes", "Bytes copied back from the CPU offload tier.",
-                 offload.get("restore_bytes", 0)),
+                 s.kv_offload_restored),
+                ("kiln:kv_offload_bytes", "Bytes copied to the CPU offload tier.", s.kv_offload_offload_bytes),
+                ("kiln:kv_restore_bytes", "Bytes copied back from the CPU offload tier.", s.kv_offload_restore_bytes),
                 ("kiln:kv_offload_hits", "Prompt tokens served from the CPU offload tier instead of recomputed.",
-                 offload.get("restored", 0) * self._block_size)):
+                 s.kv_offload_restored * self._block_size)):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self._model_name], value)
             yield family

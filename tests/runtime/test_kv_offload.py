@@ -10,11 +10,14 @@ import random
 
 import pytest
 import torch
+from kiln.runtime.core_protocol import CoreStats
+from kiln.runtime.core_stats import KV_BLOCK_FIELDS
 from kiln.runtime.disagg.lease import LeaseState
 from kiln.runtime.engine import EngineCore
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.kv_cache import BlockManager
 from kiln.runtime.kv_offload import OffloadTier
+from kiln.runtime.metrics import ServerMetrics
 from kiln.runtime.prefix_cache import PrefixCache
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -81,6 +84,13 @@ def test_a_returning_prefix_comes_back_from_the_tier_with_the_same_tokens(llama,
     assert stats["kv_blocks_offloaded"] == tier_engine.offload.num_offloaded > 0
     assert sum(stats[f"kv_blocks_{s}"] for s in ("free", "active", "leased", "cached")) == 12
     assert plain_engine.offload is None and plain_engine.stats()["kv_blocks_offloaded"] == 0
+    # /metrics: what the core reports (CoreStats) as the server renders it
+    core = CoreStats(**{f: stats[f] for f in KV_BLOCK_FIELDS})
+    text = ServerMetrics("m", lambda: core, bs).render().decode()
+    assert f'kiln:kv_blocks{{model_name="m",state="offloaded"}} {float(tier_engine.offload.num_offloaded)}' in text
+    assert f'kiln:kv_restore_blocks_total{{model_name="m"}} {float(counts["restored"])}' in text
+    assert f'kiln:kv_offload_hits_total{{model_name="m"}} {float(tier_out["back"][1])}' in text
+    assert f'kiln:kv_offload_blocks_total{{model_name="m"}} {float(counts["offloaded"])}' in text
 
 
 def _pool(num_blocks: int = 4, host: int = 3):
