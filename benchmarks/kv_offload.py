@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,17 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _artifacts import REPO, ensure_artifact  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+from _artifacts import ensure_artifact, kiln_server, metric  # noqa: E402
 
 
 def _ttft(client: httpx.Client, prompt: list[int]) -> float:
@@ -55,23 +42,8 @@ def _ttft(client: httpx.Client, prompt: list[int]) -> float:
 
 
 def run_mode(artifact: Path, offload: str, args: argparse.Namespace) -> dict:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--num-kv-blocks", str(args.num_kv_blocks), "--kv-offload", offload,
-           "--served-model-name", "m"]
-    server = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, "kiln serve exited"
-            assert time.monotonic() < deadline, "kiln serve did not come up in 120 s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+    with kiln_server(artifact, "--num-kv-blocks", str(args.num_kv_blocks), "--kv-offload", offload,
+                     "--served-model-name", "m") as url:
         rng = random.Random(args.seed)
         first, back = [], []
 
@@ -88,17 +60,10 @@ def run_mode(artifact: Path, offload: str, args: argparse.Namespace) -> dict:
                 back.append(_ttft(client, session + prompt(args.turn_len)))
             metrics = client.get("/metrics").text
         return {"offload": offload, "returning_ttft_ms": _summary(back), "first_turn_ttft_ms": _summary(first),
-                "tier_hit_tokens": _metric(metrics, "kiln:kv_offload_hits_total"),
-                "offloaded_blocks": _metric(metrics, "kiln:kv_offload_blocks_total"),
-                "restored_blocks": _metric(metrics, "kiln:kv_restore_blocks_total"),
-                "prefix_cache_hit_tokens": _metric(metrics, "kiln:prefix_cache_hits_total")}
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=30)
+                "tier_hit_tokens": metric(metrics, "kiln:kv_offload_hits_total"),
+                "offloaded_blocks": metric(metrics, "kiln:kv_offload_blocks_total"),
+                "restored_blocks": metric(metrics, "kiln:kv_restore_blocks_total"),
+                "prefix_cache_hit_tokens": metric(metrics, "kiln:prefix_cache_hits_total")}
 
 
 def _summary(values: list[float]) -> dict:
