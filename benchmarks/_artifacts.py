@@ -4,9 +4,14 @@ Both are compiled once into build/bench/ (ignored by git) and reused while the r
 unchanged."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,3 +55,41 @@ def ensure_artifact(which: str = "auto") -> tuple[str, Path]:
         _kiln("recipe", "from-hf", str(ckpt), "-o", str(recipe))
         _kiln("compile", str(recipe), "-o", str(out), "--no-progress")
     return "tiny-llama", out
+
+
+@contextlib.contextmanager
+def kiln_server(artifact: Path, *flags: str, timeout: float = 120.0) -> Iterator[str]:
+    """`kiln serve ARTIFACT FLAGS` on a free port of 127.0.0.1; yields its URL once /health answers; stops it."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", *flags]
+    server = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert server.poll() is None, "kiln serve exited"
+            assert time.monotonic() < deadline, f"kiln serve did not come up in {timeout:.0f} s"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(15)
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a Prometheus text exposition's samples of `name` (every label set)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))

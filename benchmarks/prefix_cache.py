@@ -12,49 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _artifacts import REPO, ensure_artifact  # noqa: E402
+from _artifacts import ensure_artifact, kiln_server, metric  # noqa: E402
 
 from kiln.bench import make_requests, run_serve  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
-
-
 def run_mode(artifact: Path, prefix_cache: bool, args: argparse.Namespace) -> dict:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"] + ([] if prefix_cache else ["--no-prefix-cache"])
-    server = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, "kiln serve exited"
-            assert time.monotonic() < deadline, "kiln serve did not come up in 120 s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+    with kiln_server(artifact, *([] if prefix_cache else ["--no-prefix-cache"])) as url:
         vocab = args.vocab_size
         requests = make_requests(args.num_prompts, input_len=args.suffix_len, output_len=args.output_len,
                                  shared_prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
@@ -62,16 +33,10 @@ def run_mode(artifact: Path, prefix_cache: bool, args: argparse.Namespace) -> di
         report = asyncio.run(run_serve(url, requests=requests, max_concurrency=args.max_concurrency,
                                        request_rate=args.request_rate, seed=args.seed))
         metrics = httpx.get(url + "/metrics").text
-        report["prefix_cache_hits_tokens"] = _metric(metrics, "kiln:prefix_cache_hits_total")
-        report["prefix_cache_queries_tokens"] = _metric(metrics, "kiln:prefix_cache_queries_total")
+        report["prefix_cache_hits_tokens"] = metric(metrics, "kiln:prefix_cache_hits_total")
+        report["prefix_cache_queries_tokens"] = metric(metrics, "kiln:prefix_cache_queries_total")
         report["prefix_cache"] = prefix_cache
         return report
-    finally:
-        server.terminate()
-        try:
-            server.wait(15)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def main() -> None:

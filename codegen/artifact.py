@@ -94,13 +94,14 @@ def _options(program: Program) -> RecipeOptions:
 
 
 def _kv_cache_sizing(program: Program) -> dict[str, Any]:
-    """The recipe's kv_cache {block_size, memory_fraction, num_blocks} and how the runtime sizes the pool:
+    """The recipe's kv_cache {block_size, memory_fraction, num_blocks, offload} and how the runtime sizes the pool:
     `num_blocks` when the recipe fixes it, else the target's `pool_bytes` (cpu), else (null) from the device's
     memory at load (compiler/kv_layout.py plan_kv_pool; the report predicts the same)."""
     kv = _options(program).kv_cache
     target = _target(program)
     return {"block_size": kv.block_size, "memory_fraction": float(kv.memory_fraction), "num_blocks": kv.num_blocks,
-            "pool_bytes": target.kv_pool_bytes if kv.num_blocks is None else None}
+            "pool_bytes": target.kv_pool_bytes if kv.num_blocks is None else None,
+            **({"offload_bytes": kv.offload} if kv.offload is not None else {})}  # written only when set
 
 
 def _target(program: Program) -> Target:

@@ -422,7 +422,7 @@ class KVCacheOptions:
     block_size: int = opt(16, _power_of_two)
     memory_fraction: float = opt(0.9, _fraction)  # of the device's memory, on targets that size the pool at load
     num_blocks: int | None = opt(None, _pos_int)  # a fixed pool, whatever the memory
-    offload: int | None = opt(None, _offload)  # bytes of CPU memory (cpu(16GiB)); not built yet
+    offload: int | None = opt(None, _offload)  # bytes of host memory for evicted prefix blocks (cpu(16GiB))
 
 
 @dataclass(frozen=True)

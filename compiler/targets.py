@@ -69,8 +69,12 @@ class Target:
             refuse(f"disaggregate.decode = {dis.decode}: more than one decode core behind one router is not "
                    "implemented yet (`kiln serve ART --disaggregate --replicas N` runs N prefill + decode replicas)",
                    "disaggregate.decode")
-        if options.kv_cache.offload is not None:
-            refuse("KV offload to CPU is not implemented yet", "kv_cache.offload")
+        if options.kv_cache.offload is not None and options.scheduler.prefix_cache == "none":
+            refuse("kv_cache.offload keeps the blocks the prefix cache evicts: it needs scheduler.prefix_cache = "
+                   "radix", "kv_cache.offload")
+        if options.kv_cache.offload is not None and options.parallel.world > 1:
+            refuse(f"kv_cache.offload with parallel (tp x dp = {options.parallel.world}) is not implemented yet: "
+                   "the tier copies one device's KV pool", "kv_cache.offload")
         self._supports_mesh(options, refuse)
         q = options.quantize
         if q.weights is not None:

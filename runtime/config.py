@@ -45,6 +45,7 @@ class KVCacheConfig:
     num_blocks: int | None  # None: sized from a memory budget at load time
     latent_dim: int = 0  # MLA: > 0, and each tensor is [num_blocks, block_size, latent_dim] (kv_lora_rank + rope dim)
     pool_bytes: int | None = None  # the compile's byte budget for the pool (cpu); None: from device memory
+    offload_bytes: int = 0  # the CPU offload tier's host memory (kv_cache { offload = cpu(SIZE) }); 0: none
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -101,7 +102,7 @@ def kv_cache_config_from_manifest(manifest: dict) -> KVCacheConfig:
     num_blocks, pool = kv.get("num_blocks"), kv.get("pool_bytes")
     common = {"num_layers": int(kv["num_layers"]), "block_size": int(kv["block_size"]),
               "dtype": torch_dtype(kv["dtype"]), "num_blocks": None if num_blocks is None else int(num_blocks),
-              "pool_bytes": None if pool is None else int(pool)}
+              "pool_bytes": None if pool is None else int(pool), "offload_bytes": int(kv.get("offload_bytes") or 0)}
     if list(kv["layout"]) == MLA_LAYOUT:
         return KVCacheConfig(kv_heads=1, head_dim=int(kv["latent_dim"]), latent_dim=int(kv["latent_dim"]), **common)
     return KVCacheConfig(kv_heads=int(kv["kv_heads"]), head_dim=int(kv["head_dim"]), **common)

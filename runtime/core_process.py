@@ -50,6 +50,7 @@ from .core_protocol import (
     decode_params,
     encode,
 )
+from .core_stats import KV_BLOCK_FIELDS
 from .errors import KilnRuntimeError, RequestError
 from .executor import ExecutorError
 from .lora import LORA_UTILITIES
@@ -192,7 +193,7 @@ class EngineCoreProc:
         self.latest = (self.latest[0] + 1, CoreStats(s["num_running"], s["num_waiting"], s["kv_usage"], s["num_preemptions"],
                                s["prefix_cache_queries"], s["prefix_cache_hits"], s["spec_num_draft_tokens"],
                                s["spec_num_accepted_tokens"], s["num_nonfinite_logits"], self.num_step_errors,
-                               s["spec_num_drafts"]))
+                               s["spec_num_drafts"], *(s[f] for f in KV_BLOCK_FIELDS)))
 
     def _fail_all(self, error: str) -> list[SeqDelta]:
         engine = self.engine

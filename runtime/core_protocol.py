@@ -87,6 +87,16 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_nonfinite_logits: int = 0
     num_step_errors: int = 0
     spec_num_drafts: int = 0  # speculative verify steps (of one sequence with drafts)
+    # the KV pool's blocks by state (offloaded: in the CPU offload tier) and the tier's cumulative traffic
+    kv_blocks_free: int = 0
+    kv_blocks_active: int = 0
+    kv_blocks_leased: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_offloaded: int = 0
+    kv_offload_offloaded: int = 0  # blocks copied to the tier
+    kv_offload_restored: int = 0  # blocks copied back from it on a prefix hit
+    kv_offload_offload_bytes: int = 0
+    kv_offload_restore_bytes: int = 0
 
 
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

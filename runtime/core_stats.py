@@ -21,5 +21,24 @@ def core_stats(engine: Any) -> dict[str, float]:
             "prefix_cache_hit_rate": pc.hits / pc.queries if pc and pc.queries else 0.0,
             "cuda_graph_bytes": engine.runner.graph_runner.memory_bytes if engine.runner.graph_runner else 0,
             **(spec.stats() if spec else NO_SPECULATION),
-            "num_nonfinite_logits": engine.num_nonfinite_logits, **engine.constraints.stats()}
+            "num_nonfinite_logits": engine.num_nonfinite_logits, **engine.constraints.stats(),
+            **kv_block_stats(engine.block_manager)}
+
+
+KV_BLOCK_FIELDS = ("kv_blocks_free", "kv_blocks_active", "kv_blocks_leased", "kv_blocks_cached", "kv_blocks_offloaded",
+                   "kv_offload_offloaded", "kv_offload_restored", "kv_offload_offload_bytes", "kv_offload_restore_bytes")
+
+
+def kv_block_stats(bm: Any) -> dict[str, int]:
+    """The KV pool's blocks by state (`kv_blocks_<state>`: free, active, leased, cached, offloaded) and the offload
+    tier's cumulative counters (`kv_offload_<what>`: offloaded, restored blocks; their bytes)."""
+    from .disagg.lease import block_states
+
+    states = bm.ledger.block_states() if bm.ledger is not None else block_states(bm)
+    out = {f"kv_blocks_{state}": n for state, n in states.items()}
+    out.setdefault("kv_blocks_offloaded", 0)
+    counts = bm.offload.counts if bm.offload is not None else {}
+    for what in ("offloaded", "restored", "offload_bytes", "restore_bytes"):
+        out[f"kv_offload_{what}"] = counts.get(what, 0)
+    return out
 

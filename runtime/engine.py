@@ -18,6 +18,7 @@ from .core_stats import core_stats
 from .errors import RequestError
 from .executor import ExecutorError, apply_swaps, create_executor
 from .kv_cache import BlockManager, SwapSpace
+from .kv_offload import attach_offload
 from .lora import EngineLoRA
 from .outputs import FinishReason
 from .prefix_cache import make_prefix_cache
@@ -35,19 +36,17 @@ _UNSET = object()
 
 
 class EngineCore(EngineLoRA):
-    """Serves one loaded artifact at the level of token ids: `add_request` queues a prompt, `step()` runs one
-    forward pass and returns what it produced as `SeqDelta`s (new tokens, their logprobs, how a completion
-    ended). Text, stop strings and decoded logprobs are the front-end's (output_processor.py). Not
-    thread-safe: one loop drives it (core_process.py, or LLMEngine in-process).
+    """Serves one loaded artifact at the level of token ids: `add_request` queues a prompt, `step()` runs one forward
+    pass and returns what it produced as `SeqDelta`s (new tokens, their logprobs, how a completion ended). Text, stop
+    strings and decoded logprobs are the front-end's. Not thread-safe: one loop drives it (core_process.py).
 
-    KV pool size: `num_kv_blocks`, else the manifest's `kv_cache.num_blocks`, else `kv_cache_bytes` (CPU
-    default 256 MiB), else on CUDA the memory plan (memory_plan.py); `runner.memory_plan` keeps it. Scheduler
-    limits default to the manifest's `scheduler` section. On CUDA a manifest `cuda_graphs` plan has decode
-    graphs captured at load; `enforce_eager=True` skips that. `speculative` (default: the manifest's): "mtp" (the
-    artifact's draft head), "ngram" or "draft" (the artifact `speculative_model`) drafts `num_speculative_tokens`
-    a step (speculative/). `async_scheduling` (default: the manifest's, else
-    on for CUDA, off for CPU) launches step N+1 before step N's tokens reach the host (overlap.py), so `step()`
-    returns the deltas of the step before the one it launched.
+    KV pool size: `num_kv_blocks`, else the manifest's `kv_cache.num_blocks`, else `kv_cache_bytes` (CPU default
+    256 MiB), else on CUDA the memory plan (memory_plan.py). Scheduler limits default to the manifest's `scheduler`
+    section. On CUDA a manifest `cuda_graphs` plan has decode graphs captured at load; `enforce_eager=True` skips
+    that. `speculative` (default: the manifest's): "mtp" (the artifact's draft head), "ngram" or "draft" (the
+    artifact `speculative_model`) drafts `num_speculative_tokens` a step (speculative/). `async_scheduling` (default: the manifest's, else on for CUDA, off for CPU) launches
+    step N+1 before step N's tokens reach the host (overlap.py), so `step()` returns the deltas of the step before
+    the one it launched. `kv_offload_bytes` (default: the manifest's `kv_cache.offload`): a CPU tier (kv_offload.py).
 
     The core ends a completion on a token (stops.py); the front-end on a stop string (`finish_sequences`).
     Failures stay with the request that causes them: `add_request` checks every value a sampler tensor will
@@ -65,7 +64,7 @@ class EngineCore(EngineLoRA):
                  speculative: str | None | object = _UNSET, num_speculative_tokens: int | None = None,
                  speculative_model: str | None = None, async_scheduling: bool | None = None,
                  executor: str | None = None, grammar_max_whitespace: int | None = 8,
-                 grammar_compile_timeout: float = 10.0) -> None:
+                 grammar_compile_timeout: float = 10.0, kv_offload_bytes: int | None = None) -> None:
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact, device)
         self.model_config = cfg = self.artifact.model_config
         self.tokenizer = self.artifact.tokenizer
@@ -84,6 +83,7 @@ class EngineCore(EngineLoRA):
         num_blocks = self.runner.num_blocks
         self.limits = RequestLimits(cfg.vocab_size, cfg.max_model_len, kv.block_size, num_blocks)
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
+        self.offload = attach_offload(self, kv.offload_bytes if kv_offload_bytes is None else kv_offload_bytes)
         self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
         self.attach_lora()  # an artifact compiled with `lora { }`: its adapters and slots (lora.py)
         self.sampler = Sampler(seed, device)

@@ -20,6 +20,25 @@ def _port(text: str) -> int:
     return port
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
+
+
+def _size(text: str) -> int:
+    """A byte size: 16GiB, 512MiB, 2GB, 1048576; 0 or none: off."""
+    if text.strip().lower() == "none":
+        return 0
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (such as 16GiB, 512MiB or 0)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size is not negative")
+    return int(value)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to bind (default: the recipe's serve.host, else 127.0.0.1: loopback "
                    "only)")
@@ -40,6 +59,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
+    p.add_argument("--kv-offload", type=_size, metavar="SIZE",
+                   help="host memory of the CPU offload tier, where evicted prefix-cache blocks go and come back from "
+                   "on a hit instead of being recomputed, e.g. 16GiB; 0 turns it off (default: the recipe's "
+                   "kv_cache.offload)")
     p.add_argument("--disaggregate", action="store_true",
                    help="serve through a router over one prefill and one decode engine core on this machine (the "
                    "recipe's disaggregate section, else transport tcp, remote_prefill always)")
@@ -154,7 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  metrics_public=args.metrics_public, num_threads=args.num_threads, tool_parser=args.tool_parser,
                  reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
                  replicas=args.replicas, router_policy=args.router_policy,
-                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model)
+                 num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
+                 kv_offload=args.kv_offload)
 
 
 def _token_ids(text: str) -> list[int]:

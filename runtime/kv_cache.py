@@ -35,6 +35,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self.num_reserved = 0  # blocks promised to reserved sequences' growth, not in their block tables yet
+        self.offload = None  # kv_offload.OffloadTier: where evicted prefix blocks go, and come back from
+        self.ledger = None  # disagg/lease.TransferLedger: leases on blocks of this pool (transfers, restores)
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,14 +66,18 @@ class BlockManager:
         return self.num_blocks_needed(seq, num_new_tokens) <= self.num_available_blocks + self.num_held_for(seq)
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of `seq` (which holds no blocks yet). Read-only. At least one token is
-        left uncomputed, since the last prompt position must run through the model to produce logits."""
+        """Cached blocks holding a prefix of `seq` (which holds no blocks yet). At least one token is left
+        uncomputed, since the last prompt position must run through the model to produce logits. Read-only, but
+        for blocks the offload tier holds past the device hits: restored into the pool (cached, unreferenced)."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds {len(seq.block_table)} blocks"
         if self.prefix_cache is None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id)
-        return self.prefix_cache.lookup(hashes[:max_blocks])
+        hits = self.prefix_cache.lookup(hashes[:max_blocks])
+        if self.offload is not None and len(hits) < max_blocks:
+            hits += self.offload.restore(hashes[len(hits):max_blocks], hits)
+        return hits
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: Iterable[int] = (),
                        reserve: int = 0) -> bool:

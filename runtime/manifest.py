@@ -93,6 +93,7 @@ class KVCacheSection(_Section):
     num_blocks: PosInt | None = None
     # the KV pool's byte budget the compile chose for the target (cpu); None: sized from device memory at load
     pool_bytes: PosInt | None = None
+    offload_bytes: PosInt | None = None  # the CPU offload tier (runtime/kv_offload.py); absent: none
 
     @field_validator("block_size")
     @classmethod

@@ -111,7 +111,28 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=labels)
             family.add_metric(values, value)
             yield family
+        yield from self._kv_block_metrics(s)
         yield from self._speculative_metrics(s)
+
+    def _kv_block_metrics(self, s: CoreStats) -> Iterator[Metric]:
+        """The KV pool's blocks by state (offloaded: host blocks of the CPU offload tier) and the tier's traffic."""
+        family = GaugeMetricFamily("kiln:kv_blocks", "KV blocks by state (free, active, leased, cached; offloaded: "
+                                   "in the CPU offload tier).", labels=["model_name", "state"])
+        for state in ("free", "active", "leased", "cached", "offloaded"):
+            family.add_metric([self._model_name, state], getattr(s, f"kv_blocks_{state}"))
+        yield family
+        for name, doc, value in (
+                ("kiln:kv_offload_blocks", "Evicted prefix-cache blocks copied to the CPU offload tier.",
+                 s.kv_offload_offloaded),
+                ("kiln:kv_restore_blocks", "Blocks copied back from the CPU offload tier on a prefix hit.",
+                 s.kv_offload_restored),
+                ("kiln:kv_offload_bytes", "Bytes copied to the CPU offload tier.", s.kv_offload_offload_bytes),
+                ("kiln:kv_restore_bytes", "Bytes copied back from the CPU offload tier.", s.kv_offload_restore_bytes),
+                ("kiln:kv_offload_hits", "Prompt tokens served from the CPU offload tier instead of recomputed.",
+                 s.kv_offload_restored * self._block_size)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
 
     def _speculative_metrics(self, s: CoreStats) -> Iterator[Metric]:
         """Speculative decoding, labelled with its method (mtp, ngram, draft; "none" when off)."""

@@ -47,6 +47,7 @@ class PrefixCache:
         self.hits = 0
         self._events: list[tuple[bool, int]] | None = None  # (published?, hash), oldest first, while followed
         self._events_lost = False  # a reset since the last take: the follower re-reads `cached_hashes`
+        self.on_evict: Callable[[int, int], None] | None = None  # (hash, block id) before reuse: the offload tier
 
     @property
     def num_evictable(self) -> int:
@@ -54,6 +55,9 @@ class PrefixCache:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._block_of
 
     def lookup(self, hashes: Seq[int]) -> list[int]:
         """Block ids of the longest cached prefix of `hashes` (read-only)."""
@@ -97,6 +101,8 @@ class PrefixCache:
         del self._block_of[block_hash]
         if self._events is not None:
             self._record(False, block_hash)
+        if self.on_evict is not None:
+            self.on_evict(block_hash, block_id)
         return block_id
 
     def reset(self) -> None:

@@ -1114,7 +1114,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           num_threads: int | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None,
           reasoning_efforts: dict[str, int] | None = None, disaggregate: dict | None = None, replicas: int = 1,
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
-          speculative_model: str | None = None) -> int:
+          speculative_model: str | None = None, kv_offload: int | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -1126,7 +1126,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     `reasoning_efforts`: see OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router
     over one prefill and one decode core instead of one core. `replicas` > 1 (`--data-parallel-size`): that many
     replicas (cores, each with its own ranks for a parallel artifact, or pairs) behind a KV-aware router
-    (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements)."""
+    (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements). `kv_offload`: bytes of the CPU
+    offload tier (None: the recipe's; 0: none; runtime/kv_offload.py)."""
     import uvicorn
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
@@ -1136,7 +1137,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
                         engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
                                               speculative=speculative, async_scheduling=async_scheduling,
                                               kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
-                                              speculative_model=speculative_model))
+                                              speculative_model=speculative_model, kv_offload_bytes=kv_offload))
     with contextlib.ExitStack() as stack:
         if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas

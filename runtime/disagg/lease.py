@@ -63,6 +63,7 @@ class TransferLedger:
     def __init__(self, block_manager: BlockManager, lease_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, tombstones: int = 4096) -> None:
         self.bm = block_manager
+        block_manager.ledger = self  # the pool's one ledger: a transfer's leases and the offload tier's restores
         self.lease_s = lease_s
         self.clock = clock
         self.generation = [0] * block_manager.num_blocks
@@ -205,17 +206,19 @@ class TransferLedger:
         return sum(len(lease.blocks) for lease in self.leases.values())
 
     def block_states(self) -> dict[str, int]:
-        """Blocks by state: free, active (referenced by sequences or pinned hits), leased, cached (evictable)."""
-        bm = self.bm
-        leased = self.num_leased
-        referenced = sum(1 for r in bm.ref_counts if r)
-        cached = bm.prefix_cache.num_evictable if bm.prefix_cache else 0
-        return {"free": len(bm._free), "active": referenced - leased, "leased": leased, "cached": cached}
+        """Blocks by state: free, active (referenced by sequences or pinned hits), leased, cached (evictable); with
+        an offload tier, offloaded (host blocks)."""
+        return block_states(self.bm, self.num_leased)
 
     def check(self) -> None:
-        """free + active + leased + cached == total; no free block is leased or written."""
+        """free + active + leased + cached == total (the device pool); no free block is leased or written; the
+        offload tier holds no more blocks than it has room for."""
         states = self.block_states()
-        assert sum(states.values()) == self.bm.num_blocks, f"blocks leaked: {states} of {self.bm.num_blocks}"
+        offloaded = states.pop("offloaded", 0)
+        referenced = sum(1 for r in self.bm.ref_counts if r)  # counted, not derived as block_states does
+        assert states["free"] + referenced + states["cached"] == self.bm.num_blocks and \
+            0 <= states["leased"] <= referenced, f"blocks leaked: {states}, {referenced} referenced of {self.bm.num_blocks}"
+        assert self.bm.offload is None or offloaded <= self.bm.offload.num_blocks, "offload tier over its size"
         free = set(self.bm._free)
         assert len(free) == len(self.bm._free), "a block is on the free list twice"
         for lease in self.leases.values():
@@ -224,3 +227,14 @@ class TransferLedger:
                 assert self.bm.ref_counts[b] == 1, f"leased block {b} has ref count {self.bm.ref_counts[b]}"
                 if i in lease.inflight:
                     assert b not in free
+
+
+def block_states(bm: BlockManager, leased: int = 0) -> dict[str, int]:
+    """`bm`'s blocks by state, `leased` of the referenced ones held by leases; with an offload tier, also the host
+    blocks it holds (offloaded). O(1): referenced = total - free - cached (`TransferLedger.check` counts them)."""
+    cached = bm.prefix_cache.num_evictable if bm.prefix_cache else 0
+    referenced = bm.num_blocks - len(bm._free) - cached
+    states = {"free": len(bm._free), "active": referenced - leased, "leased": leased, "cached": cached}
+    if bm.offload is not None:  # host blocks of the offload tier (kv_offload.py), beyond the device pool
+        states["offloaded"] = bm.offload.num_offloaded
+    return states

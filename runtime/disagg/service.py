@@ -157,7 +157,8 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         self.max_local_prefill = max_local_prefill
         self.max_prefill_queue = max_prefill_queue
         self.local_prefill_tps: float | None = None  # the decode core's prefill speed (tokens/s, EWMA)
-        # request id -> [decision, added at, uncached tokens, first token at], until its first token was timed
+        # request id -> [decision, added at, uncached tokens, first token at, seconds in the decode core's queue],
+        # until its first token was timed
         self._first_token: dict[str, list] = {}
         self.ttft = {path: _histogram(f"kiln:{path}_prefill_ttft_seconds", f"Time to first token of requests "
                                       f"prefilled {where}.") for path, where in
@@ -218,7 +219,7 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         added: list[str] = []
         for p in inputs:
             tid = uuid.uuid4().hex
-            timing = self._first_token[p.request_id] = [None, time.monotonic(), 0, None]
+            timing = self._first_token[p.request_id] = [None, time.monotonic(), 0, None, 0.0]
             try:
                 reply = await self.call_utility("disagg_add", self.client_name + SEP + p.request_id,
                                                 p.prompt_token_ids, raw, tid, 0, self.policy())
@@ -286,11 +287,11 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         timing = self._first_token.pop(request_id, None)
         if timing is None:  # aborted meanwhile
             return
-        decision, added, uncached, first = timing
+        decision, added, uncached, first, queued = timing
         seconds = max(first - added, 1e-6)
         self.ttft["remote" if decision == "remote" else "local"].observe(seconds)
-        if decision == "local:short_prompt":
-            tps = uncached / seconds
+        if decision == "local:short_prompt":  # its compute time: the time it waited in the queue is not speed
+            tps = uncached / max(seconds - queued, 1e-6)
             self.local_prefill_tps = tps if self.local_prefill_tps is None else 0.8 * self.local_prefill_tps + 0.2 * tps
 
     def abort(self, request_ids: list[str]) -> None:
@@ -314,7 +315,15 @@ class DisaggAsyncEngine(AsyncLLMEngine):
             if tid is not None:
                 self._prefill_of.pop(tid, None)
         if self._first_token:
+            self._note_queued(msg.scheduled)
             self._first_tokens(msg.deltas)
+
+    def _note_queued(self, scheduled: list[tuple[str, float]]) -> None:
+        """(request id, seconds in the decode core's waiting queue) of the requests it scheduled in a step."""
+        for request_id, waited in scheduled:
+            timing = self._first_token.get(request_id)
+            if timing is not None:
+                timing[4] = waited
 
     def _prefill_died(self, core: AsyncLLMEngine, why: str) -> None:
         tids = [tid for tid, c in self._prefill_of.items() if c is core]
@@ -329,7 +338,8 @@ class DisaggAsyncEngine(AsyncLLMEngine):
 
 class _DisaggCollector:
     """kiln:kv_transfer_{started,succeeded,failed,expired,aborted}_total, kiln:kv_transfer_bytes_total,
-    kiln:kv_blocks{state}, kiln:prefill_decisions_total{decision} (remote, local:<reason>, fallback:<state>)."""
+    kiln:prefill_decisions_total{decision} (remote, local:<reason>, fallback:<state>). The decode core's
+    kiln:kv_blocks{state} comes with its core stats (metrics.py)."""
 
     def __init__(self, engine: DisaggAsyncEngine) -> None:
         self.engine = engine
@@ -345,10 +355,6 @@ class _DisaggCollector:
             yield family
         family = CounterMetricFamily("kiln:kv_transfer_bytes", "KV bytes written into leased blocks.")
         family.add_metric([], s.get("bytes_received", 0))
-        yield family
-        family = GaugeMetricFamily("kiln:kv_blocks", "Decode-side KV blocks by state.", labels=["state"])
-        for state, n in s.get("blocks", {}).items():
-            family.add_metric([state], n)
         yield family
         family = CounterMetricFamily("kiln:prefill_decisions", "Where prompts were prefilled, and why.",
                                      labels=["decision"])

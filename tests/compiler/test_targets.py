@@ -53,7 +53,9 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
 @pytest.mark.parametrize("extra, needle", [
     ("  lora { max_loras = 2 }; quantize { weights = fp8 }", "LoRA over quantized base weights is not supported"),
     ("  disaggregate { decode = 2 }", "disaggregate.decode = 2: more than one decode core behind one router"),
-    ("  kv_cache { offload = cpu(1GiB) }", "KV offload to CPU is not implemented yet"),
+    ("  kv_cache { offload = cpu(1GiB) }; scheduler { prefix_cache = none }",
+     "kv_cache.offload keeps the blocks the prefix cache evicts: it needs scheduler.prefix_cache = radix"),
+    ("  kv_cache { offload = cpu(1GiB) }; parallel { tp = 2 }", "kv_cache.offload with parallel (tp x dp = 2)"),
     ("  parallel { pp = 2 }", "pipeline parallelism is not implemented"),
     ("  parallel { tp = 16 }", "16 ranks (tp x dp) exceed target cpu's 8 devices"),
     ("  speculative { method = eagle }", "speculative decoding method 'eagle' is not implemented yet"),
