@@ -287,7 +287,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         # `speculative.method` (the recipe's) turns decoding with one on by default
         **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
         "speculative": {"method": options.speculative.method, "num_tokens": options.speculative.tokens,
-                        **({"draft_model": DRAFT_DIR} if options.speculative.method == "draft" else {})},
+                        **({"draft_model": {"draft": DRAFT_DIR, "eagle": EAGLE_DIR}[options.speculative.method]}
+                           if options.speculative.method in ("draft", "eagle") else {})},
         # multi-LoRA (recipe `lora { }`): the lora_injection pass's adapted linears and the compiled-in adapters
         **({"lora": _lora_section(program, options)} if "lora" in options.set_sections else {}),
         # the recipe's `quantize` values as written (readers: humans)
@@ -298,6 +299,7 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
 
 LORA_DIR = "lora"
 DRAFT_DIR = "draft"  # speculative { method = draft }: the draft model's own artifact (kiln/driver.py compiles it)
+EAGLE_DIR = "eagle"  # speculative { method = eagle }: the EAGLE head's checkpoint (runtime/speculative/eagle.py)
 
 
 def lora_targets(program: Program) -> list[dict[str, Any]]:

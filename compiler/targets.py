@@ -79,10 +79,11 @@ class Target:
         if q.kv_cache is not None and "fp8" not in self.kv_schemes:
             refuse(f"quantize.kv_cache: target {self.name} has no fp8 KV cache", "quantize.kv_cache")
         spec = options.speculative
-        if (spec.draft is not None) != (spec.method == "draft"):
+        if (spec.draft is not None) != (spec.method in CHECKPOINT_METHODS):
             refuse("a separate draft model is `speculative { method = draft; draft = \"hf:DIR\" }`, the checkpoint "
-                   "of a smaller model sharing the tokenizer (method = ngram needs no model, method = mtp uses the "
-                   "model's own MTP head)", "speculative.draft" if spec.draft is not None else "speculative.method")
+                   "of a smaller model sharing the tokenizer, an EAGLE head `method = eagle; draft = \"hf:DIR\"` "
+                   "(method = ngram needs no model, method = mtp uses the model's own MTP head)",
+                   "speculative.draft" if spec.draft is not None else "speculative.method")
         if spec.method is not None and spec.method not in MODEL_FREE_METHODS:
             if spec.method not in self.draft_methods:
                 refuse(f"speculative decoding method {spec.method!r} is not implemented yet (kiln builds: "
@@ -149,8 +150,10 @@ def _lora_supported(options: RecipeOptions, refuse) -> None:
 
 
 # Recipe sections kiln parses but cannot build on any target yet: an error at the section, never ignored.
-# speculative methods that need no draft head in the model (any k): n-gram prompt lookup, a separate draft model
-MODEL_FREE_METHODS = ("ngram", "draft")
+# speculative methods that need no draft head in the model (any k): n-gram prompt lookup, a separate draft model,
+# an EAGLE head; the last two read a checkpoint of their own (`speculative.draft`)
+MODEL_FREE_METHODS = ("ngram", "draft", "eagle")
+CHECKPOINT_METHODS = ("draft", "eagle")
 
 _NOT_YET = {
 }

@@ -123,7 +123,7 @@ class SpeculativeConfig:
 
     Methods: a draft head compiled into the artifact (manifest `drafts`, e.g. DeepSeek's "mtp"; `model_method` is
     its model.py method), "ngram" (prompt lookup of the last `ngram_max` down to `ngram_min` tokens), "draft" (the
-    compiled artifact `draft_model`, a smaller model sharing the tokenizer)."""
+    compiled artifact `draft_model`, a smaller model sharing the tokenizer), "eagle" (`draft_model`: an EAGLE head)."""
 
     method: str
     model_method: str | None = None
@@ -144,8 +144,12 @@ def speculative_config(manifest: dict, method: str | None, num_tokens: int | Non
         raise ArtifactError(f"speculative {method}: {n} draft tokens per step; at least 1")
     if method == "ngram":
         return SpeculativeConfig(method, num_tokens=n)
-    if method == "draft":
+    if method in ("draft", "eagle"):
         draft_model = draft_model or (manifest.get("speculative") or {}).get("draft_model")
+        if not draft_model and method == "eagle":
+            raise ArtifactError("speculative eagle needs a draft head: give an EAGLE-1/2 checkpoint directory "
+                                "(--speculative-model DIR, speculative_model=DIR, or the recipe's "
+                                "`speculative { method = eagle; draft = \"hf:DIR\" }`)")
         if not draft_model:
             raise ArtifactError("speculative draft: no draft model; give the directory of a compiled artifact "
                                 "sharing the target's tokenizer (--speculative-model DIR, speculative_model=DIR)")

@@ -187,13 +187,13 @@ class DraftSection(_Section):
 
 
 # speculative methods that need no draft head in the artifact (runtime/speculative/)
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 
 
 class SpeculativeSection(_Section):
     method: str | None  # None: off; a draft head's name (`drafts`) or one of SPECULATIVE_METHODS
     num_tokens: PosInt
-    draft_model: str | None = None  # method draft: the draft artifact's directory, relative to this one
+    draft_model: str | None = None  # method draft / eagle: the draft artifact's / EAGLE head's directory, relative to this one
 
 
 class LoRATargetSection(_Section):
