@@ -150,7 +150,8 @@ def _drafts_section(program: Program) -> dict[str, Any]:
     for name in program.forward_graphs()[1:]:
         n = len(kv_cache_nodes(program, name))
         out[name] = {"method": name, "first_kv_layer": first, "num_kv_layers": n,
-                     "num_hidden": len(program.graphs[name].inputs) - 1}
+                     "num_hidden": len(program.graphs[name].inputs) - 1,
+                     "chains": len(program.graphs[name].outputs) > 1}
         first += n
     return out
 

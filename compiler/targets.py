@@ -3,8 +3,7 @@ its pass pipeline. The one list of targets: the DSL, the driver, the passes and 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.dsl.errors import KilnError, SourceError
@@ -41,7 +40,7 @@ class Target:
     dtypes: frozenset[str] = frozenset({"fp32", "bf16", "fp16"})
     weight_schemes: frozenset[str] = frozenset({"fp8", "awq", "gptq"})  # quantize.weights kinds
     kv_schemes: frozenset[str] = frozenset({"fp8"})  # quantize.kv_cache
-    draft_methods: Mapping[str, int] = field(default_factory=lambda: {"mtp": 1})  # method -> tokens it proposes
+    draft_methods: tuple[str, ...] = ("mtp",)  # draft heads (named forwards) it runs
     max_devices: int = 1  # parallel: ranks (tp x dp) one artifact spans
     # bytes/s one device sends to the others (NVLink; on cpu, gloo over loopback): the report's communication
     # floor per decode step (compiler/report.py)
@@ -89,9 +88,6 @@ class Target:
                 refuse(f"speculative decoding method {spec.method!r} is not implemented yet (kiln builds: "
                        f"{', '.join(MODEL_FREE_METHODS)}, prompt lookup; {', '.join(self.draft_methods)}, a draft "
                        "head compiled into the model)", "speculative.method")
-            if spec.tokens != self.draft_methods[spec.method]:
-                refuse(f"speculative.tokens = {spec.tokens}: an {spec.method.upper()} head proposes "
-                       f"{self.draft_methods[spec.method]} token a step", "speculative.tokens")
         if "lora" in options.set_sections:
             _lora_supported(options, refuse)
         if options.parallel.world > 1 and (spec.method is not None) and options.parallel.dp > 1:

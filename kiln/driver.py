@@ -87,6 +87,10 @@ def _check_compiled(options: RecipeOptions, program: Program) -> None:
         raise SourceError(f"speculative method {method} needs a model with that draft head (a "
                           f"`forward {method}(...)`, e.g. deepseek_v3 with nextn >= 1; from-hf sets it "
                           "when the checkpoint has MTP weights)", options.loc("speculative.method"))
+    if method in program.forward_graphs() and options.speculative.tokens > 1 and len(program.graphs[method].outputs) < 2:
+        raise SourceError(f"speculative.tokens = {options.speculative.tokens}: the {method} head returns no hidden "
+                          "state to be applied again on (`return logits(...), h`), so it proposes 1 token a step",
+                          options.loc("speculative.tokens"))
 
 
 def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progress: bool, program: Program) -> Path:

@@ -160,8 +160,12 @@ def speculative_config(manifest: dict, method: str | None, num_tokens: int | Non
         raise ArtifactError(f"speculative method {method!r} needs a draft head of that name in the artifact "
                             f"(it has: {have}); compile a checkpoint with an MTP layer (DeepSeek-V3, nextn >= 1), "
                             f"or use one of {', '.join(SPECULATIVE_METHODS)}")
-    if n != 1:
-        raise ArtifactError(f"speculative {method}: {n} draft tokens per step; an MTP head proposes 1")
+    if n != 1 and not drafts[method].get("chains"):
+        raise ArtifactError(f"speculative {method}: {n} draft tokens per step; this artifact's head returns no "
+                            "hidden state to chain on (compiled before chained MTP), so it proposes 1")
+    if n != 1 and int((manifest.get("parallel") or {}).get("world_size", 1)) > 1:
+        raise ArtifactError(f"speculative {method}: {n} draft tokens per step on a parallel artifact; chained "
+                            "draft heads run on one device (use 1)")
     return SpeculativeConfig(method, str(drafts[method]["method"]), n)
 
 

@@ -184,6 +184,7 @@ class DraftSection(_Section):
     first_kv_layer: NonNegInt
     num_kv_layers: NonNegInt
     num_hidden: NonNegInt
+    chains: bool = False  # the head also returns its hidden state: applied again for drafts 2..k
 
 
 # speculative methods that need no draft head in the artifact (runtime/speculative/)
