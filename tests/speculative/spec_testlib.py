@@ -138,3 +138,19 @@ def spec_metrics(art, engine_kw: dict, prompt_list: list[list[int]], method: str
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("kiln:spec_decode")}
     return values, f'{{method="{method}",model_name="m"}}'
+
+
+def assert_refused_at_section(checkpoint, section: str, tmp_path, capsys, needle: str) -> None:
+    """`kiln compile` of `checkpoint`'s from-hf recipe with `section` (a `speculative { }` line) added exits 2
+    with `needle` at the section's line, and writes no artifact."""
+    from kiln.cli import main
+
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(checkpoint), "-o", str(recipe)]) == 0
+    recipe.write_text(recipe.read_text().replace("  serve ", f"  {section}\n  serve ", 1))
+    capsys.readouterr()
+    assert main(["compile", str(recipe), "-o", str(tmp_path / "art")]) == 2
+    line = next(i for i, ln in enumerate(recipe.read_text().splitlines(), 1) if "speculative" in ln)
+    err = capsys.readouterr().err
+    assert f"{recipe}:{line}:" in err and needle in err, err
+    assert not (tmp_path / "art").exists()

@@ -13,6 +13,7 @@ import pytest
 import torch
 from spec_testlib import (
     assert_all_blocks_free,
+    assert_refused_at_section,
     check_four_sampled_drafts,
     greedy,
     prompts,
@@ -235,20 +236,10 @@ def test_recipe_compiles_the_head_into_the_artifact(compile_hf, target, heads, p
     (lambda d, ck: None, "draft checkpoint directory"),
 ])
 def test_bad_heads_are_refused_at_their_place(target, tiny_checkpoint, tmp_path, capsys, make, needle):
-    from kiln.cli import main
-
     head = tmp_path / "head"
     make(head, target[0])
-    recipe = tmp_path / "r.dsl"
-    assert main(["recipe", "from-hf", str(tiny_checkpoint("llama")), "-o", str(recipe)]) == 0
-    section = f'speculative {{ method = eagle; tokens = 2; draft = "hf:{head}" }}'
-    recipe.write_text(recipe.read_text().replace("  serve ", f"  {section}\n  serve ", 1))
-    capsys.readouterr()
-    assert main(["compile", str(recipe), "-o", str(tmp_path / "art")]) == 2
-    line = next(i for i, ln in enumerate(recipe.read_text().splitlines(), 1) if "speculative" in ln)
-    err = capsys.readouterr().err
-    assert f"{recipe}:{line}:" in err and needle in err, err
-    assert not (tmp_path / "art").exists()
+    assert_refused_at_section(tiny_checkpoint("llama"), f'speculative {{ method = eagle; tokens = 2; draft = "hf:{head}" }}',
+                              tmp_path, capsys, needle)
 
 
 def test_eagle_without_a_head_is_refused(target):
