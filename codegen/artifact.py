@@ -151,7 +151,8 @@ def _drafts_section(program: Program) -> dict[str, Any]:
     for name in program.forward_graphs()[1:]:
         n = len(kv_cache_nodes(program, name))
         out[name] = {"method": name, "first_kv_layer": first, "num_kv_layers": n,
-                     "num_hidden": len(program.graphs[name].inputs) - 1}
+                     "num_hidden": len(program.graphs[name].inputs) - 1,
+                     "chains": len(program.graphs[name].outputs) > 1}
         first += n
     return out
 
@@ -288,7 +289,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         # `speculative.method` (the recipe's) turns decoding with one on by default
         **({"drafts": drafts} if (drafts := _drafts_section(program)) else {}),
         "speculative": {"method": options.speculative.method, "num_tokens": options.speculative.tokens,
-                        **({"draft_model": DRAFT_DIR} if options.speculative.method == "draft" else {})},
+                        **({"draft_model": {"draft": DRAFT_DIR, "eagle": EAGLE_DIR}[options.speculative.method]}
+                           if options.speculative.method in ("draft", "eagle") else {})},
         # multi-LoRA (recipe `lora { }`): the lora_injection pass's adapted linears and the compiled-in adapters
         **({"lora": _lora_section(program, options)} if "lora" in options.set_sections else {}),
         # the recipe's `quantize` values as written (readers: humans)
@@ -299,6 +301,7 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
 
 LORA_DIR = "lora"
 DRAFT_DIR = "draft"  # speculative { method = draft }: the draft model's own artifact (kiln/driver.py compiles it)
+EAGLE_DIR = "eagle"  # speculative { method = eagle }: the EAGLE head's checkpoint (runtime/speculative/eagle.py)
 
 
 def lora_targets(program: Program) -> list[dict[str, Any]]:

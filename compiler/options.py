@@ -466,9 +466,9 @@ class ParallelOptions:
 
 @dataclass(frozen=True)
 class SpeculativeOptions:
-    method: str | None = opt(None, _symbol)  # a draft head of the model (mtp), ngram, or draft (`draft` below)
+    method: str | None = opt(None, _symbol)  # a draft head of the model (mtp), ngram, draft or eagle (`draft` below)
     tokens: int = opt(1, _pos_int)
-    draft: Any = opt(None, _draft)  # method = draft: the draft model's checkpoint, "hf:DIR" (kiln/driver.py)
+    draft: Any = opt(None, _draft)  # method = draft / eagle: the draft model's / EAGLE head's checkpoint, "hf:DIR" (kiln/driver.py)
 
 
 @dataclass(frozen=True)

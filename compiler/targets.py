@@ -3,8 +3,7 @@ its pass pipeline. The one list of targets: the DSL, the driver, the passes and 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kiln.dsl.errors import KilnError, SourceError
@@ -41,7 +40,7 @@ class Target:
     dtypes: frozenset[str] = frozenset({"fp32", "bf16", "fp16"})
     weight_schemes: frozenset[str] = frozenset({"fp8", "awq", "gptq"})  # quantize.weights kinds
     kv_schemes: frozenset[str] = frozenset({"fp8"})  # quantize.kv_cache
-    draft_methods: Mapping[str, int] = field(default_factory=lambda: {"mtp": 1})  # method -> tokens it proposes
+    draft_methods: tuple[str, ...] = ("mtp",)  # draft heads (named forwards) it runs
     max_devices: int = 1  # parallel: ranks (tp x dp) one artifact spans
     # bytes/s one device sends to the others (NVLink; on cpu, gloo over loopback): the report's communication
     # floor per decode step (compiler/report.py)
@@ -83,18 +82,16 @@ class Target:
         if q.kv_cache is not None and "fp8" not in self.kv_schemes:
             refuse(f"quantize.kv_cache: target {self.name} has no fp8 KV cache", "quantize.kv_cache")
         spec = options.speculative
-        if (spec.draft is not None) != (spec.method == "draft"):
+        if (spec.draft is not None) != (spec.method in CHECKPOINT_METHODS):
             refuse("a separate draft model is `speculative { method = draft; draft = \"hf:DIR\" }`, the checkpoint "
-                   "of a smaller model sharing the tokenizer (method = ngram needs no model, method = mtp uses the "
-                   "model's own MTP head)", "speculative.draft" if spec.draft is not None else "speculative.method")
+                   "of a smaller model sharing the tokenizer, an EAGLE head `method = eagle; draft = \"hf:DIR\"` "
+                   "(method = ngram needs no model, method = mtp uses the model's own MTP head)",
+                   "speculative.draft" if spec.draft is not None else "speculative.method")
         if spec.method is not None and spec.method not in MODEL_FREE_METHODS:
             if spec.method not in self.draft_methods:
                 refuse(f"speculative decoding method {spec.method!r} is not implemented yet (kiln builds: "
                        f"{', '.join(MODEL_FREE_METHODS)}, prompt lookup; {', '.join(self.draft_methods)}, a draft "
                        "head compiled into the model)", "speculative.method")
-            if spec.tokens != self.draft_methods[spec.method]:
-                refuse(f"speculative.tokens = {spec.tokens}: an {spec.method.upper()} head proposes "
-                       f"{self.draft_methods[spec.method]} token a step", "speculative.tokens")
         if "lora" in options.set_sections:
             _lora_supported(options, refuse)
         # n-gram and draft-model drafts are tokens that rank 0 schedules as verify rows, on any mesh; a draft head
@@ -164,8 +161,10 @@ def _lora_supported(options: RecipeOptions, refuse) -> None:
 
 
 # Recipe sections kiln parses but cannot build on any target yet: an error at the section, never ignored.
-# speculative methods that need no draft head in the model (any k): n-gram prompt lookup, a separate draft model
-MODEL_FREE_METHODS = ("ngram", "draft")
+# speculative methods that need no draft head in the model (any k): n-gram prompt lookup, a separate draft model,
+# an EAGLE head; the last two read a checkpoint of their own (`speculative.draft`)
+MODEL_FREE_METHODS = ("ngram", "draft", "eagle")
+CHECKPOINT_METHODS = ("draft", "eagle")
 
 _NOT_YET = {
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.codegen import write_artifact
-from kiln.codegen.artifact import DRAFT_DIR
+from kiln.codegen.artifact import DRAFT_DIR, EAGLE_DIR
 from kiln.compiler import PassContext, PassManager, Program
 from kiln.compiler.instantiate import instantiate_model
 from kiln.compiler.options import RecipeOptions, check_config_values, recipe_options
@@ -86,12 +87,17 @@ def _check_compiled(options: RecipeOptions, program: Program) -> None:
         raise SourceError(f"speculative method {method} needs a model with that draft head (a "
                           f"`forward {method}(...)`, e.g. deepseek_v3 with nextn >= 1; from-hf sets it "
                           "when the checkpoint has MTP weights)", options.loc("speculative.method"))
+    if method in program.forward_graphs() and options.speculative.tokens > 1 and len(program.graphs[method].outputs) < 2:
+        raise SourceError(f"speculative.tokens = {options.speculative.tokens}: the {method} head returns no hidden "
+                          "state to be applied again on (`return logits(...), h`), so it proposes 1 token a step",
+                          options.loc("speculative.tokens"))
 
 
-def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progress: bool) -> Path:
+def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progress: bool, program: Program) -> Path:
     """`speculative { method = draft; draft = "hf:DIR" }`: the draft checkpoint's recipe (`kiln recipe from-hf`
     with this recipe's target and dtype) compiled on its own, into a staging directory beside `out` whose `art/`
-    becomes the artifact's `draft/` once the artifact is written (the runtime loads it as a second model)."""
+    becomes the artifact's `draft/` once the artifact is written (the runtime loads it as a second model).
+    `method = eagle`: the EAGLE head's checkpoint, checked against `program`, becomes its `eagle/` instead."""
     from kiln.recipe_from_hf import recipe_from_hf
 
     loc = options.loc("speculative.draft")
@@ -105,6 +111,13 @@ def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progres
         raise SourceError(f"draft checkpoint directory {ckpt} does not exist", loc)
     out.resolve().parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.draft-", dir=out.resolve().parent))
+    if options.speculative.method == "eagle":
+        try:
+            _store_eagle(ckpt, program, stage / "art", loc)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        return stage
     try:
         recipe = stage / "draft.dsl"
         recipe.write_text(recipe_from_hf(ckpt, target=options.target, dtype=options.dtype, out_file=recipe,
@@ -114,6 +127,37 @@ def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progres
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return stage
+
+
+def _store_eagle(ckpt: Path, program: Program, out: Path, loc) -> None:
+    """An EAGLE-1/2 head's checkpoint read as the runtime will serve it (runtime/speculative/eagle.py), checked
+    against the target (a hidden-state output, embedding / final norm / LM head of the head's width), written to
+    `out`: config.json, model.safetensors, and kiln.json (the target's final-norm epsilon, which the head's input
+    is normalised with)."""
+    from safetensors.torch import save_file
+
+    from kiln.runtime.speculative.eagle import read_checkpoint
+
+    try:
+        shape, weights = read_checkpoint(ckpt)
+    except ValueError as e:
+        raise SourceError(str(e), loc) from None
+    entry, params = program.entry, program.params
+    embed = params.get("embed")
+    if len(entry.outputs) < 2 or embed is None or "norm" not in params:
+        raise SourceError(f"speculative method eagle: model {program.name} does not expose what an EAGLE head reads "
+                          "(its last hidden state as a second output of `forward`, params embed and norm: "
+                          "models/llama.dsl does)", loc)
+    if tuple(embed.shape)[-1] != shape.hidden:
+        raise SourceError(f"EAGLE checkpoint {ckpt}: hidden_size {shape.hidden}, the target's is "
+                          f"{tuple(embed.shape)[-1]}", loc)
+    hidden = entry.outputs[1]
+    eps = next((n.attrs.get("eps") for _, n in entry.items() if n.op == "rms_norm" and n.inputs[0] == hidden), None)
+    out.mkdir(parents=True)
+    shutil.copyfile(ckpt / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in weights.items() if not k.startswith(("embed", "lm_head"))},
+              str(out / "model.safetensors"))
+    (out / "kiln.json").write_text(json.dumps({"target_norm_eps": eps}), encoding="utf-8")
 
 
 def check_lora_adapters(recipe: A.RecipeDecl, recipe_file: Path, options: RecipeOptions,
@@ -266,14 +310,16 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
         _check_compiled(options, program)
         text = recipe_file.read_text(encoding="utf-8")
         adapters = check_lora_adapters(recipe, recipe_file, options, program)
-        draft = _compile_draft(options, recipe_file, Path(out_dir), progress) if options.speculative.draft else None
+        draft = (_compile_draft(options, recipe_file, Path(out_dir), progress, program)
+                 if options.speculative.draft else None)
         try:
             manifest = write_artifact(program, Path(out_dir), checkpoint_dir=checkpoint, tokenizer_dir=tokenizer,
                                       seed=seed, recipe_text=text, lora_adapters=adapters,
                                       recipe_file=recipe_file.name, pass_log=pass_log, kiln_version=_version(),
                                       progress=progress)
             if draft is not None:
-                os.replace(draft / "art", Path(out_dir) / DRAFT_DIR)
+                os.replace(draft / "art", Path(out_dir) / (EAGLE_DIR if options.speculative.method == "eagle"
+                                                           else DRAFT_DIR))
         finally:
             if draft is not None:
                 shutil.rmtree(draft, ignore_errors=True)

@@ -156,10 +156,11 @@ model deepseek_v3(vocab: int, hidden: int, layers: int, heads: int, ffn: int,
   }
 
   # position t: tokens[t] is token t+1 (the step's tokens shifted by one), h_main[t] the main model's h_t;
-  # attention is causal over this layer's own KV cache. Returns the logits of token t+2.
+  # attention is causal over this layer's own KV cache. Returns the logits of token t+2 and the layer's hidden
+  # state, which stands in for h_{t+1} when the head is applied again for drafts 2..k (chained MTP).
   forward mtp(tokens, h_main) if nextn > 0 {
     e = rms_norm(embedding(tokens, mtp_embed), mtp_enorm, eps=norm_eps)
-    h = linear(concat(e, rms_norm(h_main, mtp_hnorm, eps=norm_eps)), mtp_eh_proj)
-    return logits(rms_norm(mtp_layer(h), mtp_norm, eps=norm_eps), mtp_head)
+    h = mtp_layer(linear(concat(e, rms_norm(h_main, mtp_hnorm, eps=norm_eps)), mtp_eh_proj))
+    return logits(rms_norm(h, mtp_norm, eps=norm_eps), mtp_head), h
   }
 }

@@ -51,6 +51,6 @@ model llama(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = he
 
   forward(tokens) {
     h = decoder(embedding(tokens, embed))       # runs every layer of the block in order
-    return logits(rms_norm(h, norm, eps=norm_eps), tie_embeddings ? embed : lm_head)
+    return logits(rms_norm(h, norm, eps=norm_eps), tie_embeddings ? embed : lm_head), h  # h: what a draft head reads
   }
 }

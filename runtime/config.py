@@ -124,7 +124,7 @@ class SpeculativeConfig:
 
     Methods: a draft head compiled into the artifact (manifest `drafts`, e.g. DeepSeek's "mtp"; `model_method` is
     its model.py method), "ngram" (prompt lookup of the last `ngram_max` down to `ngram_min` tokens), "draft" (the
-    compiled artifact `draft_model`, a smaller model sharing the tokenizer)."""
+    compiled artifact `draft_model`, a smaller model sharing the tokenizer), "eagle" (`draft_model`: an EAGLE head)."""
 
     method: str
     model_method: str | None = None
@@ -145,8 +145,12 @@ def speculative_config(manifest: dict, method: str | None, num_tokens: int | Non
         raise ArtifactError(f"speculative {method}: {n} draft tokens per step; at least 1")
     if method == "ngram":
         return SpeculativeConfig(method, num_tokens=n)
-    if method == "draft":
+    if method in ("draft", "eagle"):
         draft_model = draft_model or (manifest.get("speculative") or {}).get("draft_model")
+        if not draft_model and method == "eagle":
+            raise ArtifactError("speculative eagle needs a draft head: give an EAGLE-1/2 checkpoint directory "
+                                "(--speculative-model DIR, speculative_model=DIR, or the recipe's "
+                                "`speculative { method = eagle; draft = \"hf:DIR\" }`)")
         if not draft_model:
             raise ArtifactError("speculative draft: no draft model; give the directory of a compiled artifact "
                                 "sharing the target's tokenizer (--speculative-model DIR, speculative_model=DIR)")
@@ -160,8 +164,12 @@ def speculative_config(manifest: dict, method: str | None, num_tokens: int | Non
         raise ArtifactError(f"speculative method {method!r} needs a draft head of that name in the artifact "
                             f"(it has: {have}); compile a checkpoint with an MTP layer (DeepSeek-V3, nextn >= 1), "
                             f"or use one of {', '.join(SPECULATIVE_METHODS)}")
-    if n != 1:
-        raise ArtifactError(f"speculative {method}: {n} draft tokens per step; an MTP head proposes 1")
+    if n != 1 and not drafts[method].get("chains"):
+        raise ArtifactError(f"speculative {method}: {n} draft tokens per step; this artifact's head returns no "
+                            "hidden state to chain on (compiled before chained MTP), so it proposes 1")
+    if n != 1 and int((manifest.get("parallel") or {}).get("world_size", 1)) > 1:
+        raise ArtifactError(f"speculative {method}: {n} draft tokens per step on a parallel artifact; chained "
+                            "draft heads run on one device (use 1)")
     return SpeculativeConfig(method, str(drafts[method]["method"]), n)
 
 

@@ -79,13 +79,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "measurements) (default kv)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
-    p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "none"],
+    p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "eagle", "none"],
                    help="speculative decoding: the artifact's MTP draft head, n-gram prompt lookup, a draft model "
-                   "(--speculative-model), or none (default: the recipe's)")
+                   "or an EAGLE head (--speculative-model), or none (default: the recipe's)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft tokens a step, verified in one forward pass (default: the recipe's speculative.tokens)")
     p.add_argument("--speculative-model", help="with --speculative draft: a compiled artifact of a smaller model "
-                   "sharing the tokenizer (default: the recipe's)")
+                   "sharing the tokenizer; with eagle: an EAGLE-1/2 head's checkpoint (default: the recipe's)")
     p.add_argument("--kv-reserve", choices=["reasoning", "all", "none"],
                    help="which requests are admitted only with KV for their whole budget (prompt + max_tokens) and "
                    "never preempted: those with a thinking budget, all, or none (default: the recipe's "

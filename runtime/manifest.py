@@ -185,16 +185,17 @@ class DraftSection(_Section):
     first_kv_layer: NonNegInt
     num_kv_layers: NonNegInt
     num_hidden: NonNegInt
+    chains: bool = False  # the head also returns its hidden state: applied again for drafts 2..k
 
 
 # speculative methods that need no draft head in the artifact (runtime/speculative/)
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 
 
 class SpeculativeSection(_Section):
     method: str | None  # None: off; a draft head's name (`drafts`) or one of SPECULATIVE_METHODS
     num_tokens: PosInt
-    draft_model: str | None = None  # method draft: the draft artifact's directory, relative to this one
+    draft_model: str | None = None  # method draft / eagle: the draft artifact's / EAGLE head's directory, relative to this one
 
 
 class LoRATargetSection(_Section):

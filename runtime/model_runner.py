@@ -240,10 +240,16 @@ class ModelRunner:
         return logits.float(), layout, DraftInput(fb, hidden)
 
     @torch.inference_mode()
-    def propose(self, method: str, draft: DraftInput, input_ids: list[int], rows: list[int]) -> list[int]:
+    def propose(self, method: str, draft: DraftInput, input_ids: list[int], rows: list[int],
+                with_hidden: bool = False) -> list[int] | tuple[list[int], torch.Tensor | None]:
         """Runs the draft head `method` over the step's positions (writing its own KV layers), `input_ids` being
-        the step's tokens shifted by one; returns the greedy draft token at each of `rows`."""
+        the step's tokens shifted by one; returns the greedy draft token at each of `rows` (`with_hidden`: and the
+        head's own hidden state there, None from a head that returns none, for chaining it)."""
         fb = replace(draft.batch, input_ids=torch.tensor(input_ids, dtype=torch.int32, device=self.device),
                      logits_indices=torch.tensor(rows, dtype=torch.int32, device=self.device))
-        logits = getattr(self.model, method)(fb, draft.hidden, self.kv_caches)
-        return logits.argmax(dim=-1).tolist()
+        out = getattr(self.model, method)(fb, draft.hidden, self.kv_caches)
+        logits, hidden = out if isinstance(out, tuple) else (out, None)
+        tokens = logits.argmax(dim=-1).tolist()
+        if not with_hidden:
+            return tokens
+        return tokens, None if hidden is None else hidden[fb.logits_indices.long()]

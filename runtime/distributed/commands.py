@@ -122,7 +122,8 @@ class RankState:
                          input_ids=torch.tensor(input_ids, dtype=torch.int32, device=art.device),
                          logits_indices=torch.tensor(rows, dtype=torch.int32, device=art.device))
             with torch.inference_mode():
-                return getattr(art.model, method)(fb, self.draft.hidden, runner.kv_caches)
+                out = getattr(art.model, method)(fb, self.draft.hidden, runner.kv_caches)
+            return out[0] if isinstance(out, tuple) else out  # a chaining head's hidden state: unused here (k = 1)
         if cmd is Cmd.SWAP:
             n_out = ints[0]
             out = [tuple(ints[1 + 2 * j:3 + 2 * j]) for j in range(n_out)]

@@ -3,7 +3,8 @@ target forward verifies them (k + 1 positions a sequence, scheduler.py and model
 
 Proposers (`PROPOSERS`, imported when chosen): `mtp`, the artifact's draft head (DeepSeek's multi-token
 prediction layer; mtp.py); `ngram`, prompt lookup in the sequence's own tokens (ngram.py); `draft`, a second,
-smaller artifact sharing the tokenizer, with its own KV pool (draft.py).
+smaller artifact sharing the tokenizer, with its own KV pool (draft.py); `eagle`, an EAGLE-1/2 head over the
+target's features, chained k times (eagle.py).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ class Proposer:
 
 
 # method -> "module:class" in this package; each class is built as cls(config, runner, artifact)
-PROPOSERS: dict[str, str] = {"ngram": "ngram:NgramProposer", "draft": "draft:DraftModelProposer"}
+PROPOSERS: dict[str, str] = {"ngram": "ngram:NgramProposer", "draft": "draft:DraftModelProposer",
+                             "eagle": "eagle:EagleProposer"}
 HEAD_PROPOSER = "mtp:MTPProposer"  # any draft head the artifact names (manifest `drafts`)
 
 

@@ -58,7 +58,8 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
     ("  kv_cache { offload = cpu(1GiB) }; parallel { tp = 2 }", "kv_cache.offload with parallel (tp x dp = 2)"),
     ("  parallel { pp = 2 }", "pipeline parallelism is not implemented"),
     ("  parallel { tp = 16 }", "16 ranks (tp x dp) exceed target cpu's 8 devices"),
-    ("  speculative { method = eagle }", "speculative decoding method 'eagle' is not implemented yet"),
+    ("  speculative { method = medusa }", "speculative decoding method 'medusa' is not implemented yet"),
+    ("  speculative { method = eagle }", 'an EAGLE head `method = eagle; draft = "hf:DIR"`'),
     ("  cuda_graphs { batch_sizes = [1, 2] }", "cuda_graphs needs a GPU target (h100, h200)"),
 ])
 def test_report_only_compiles_refuse_what_artifact_compiles_refuse(tmp_path, capsys, extra, needle):

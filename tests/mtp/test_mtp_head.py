@@ -33,7 +33,9 @@ def _kiln_mtp_logits(art_dir, tokens: list[int], next_tokens: list[int]) -> torc
     fb = _prefill_batch(tokens, kv.block_size)
     _, hidden = art.model.forward(fb, caches, return_hidden=True)
     fb.input_ids = torch.tensor(next_tokens, dtype=torch.int32)
-    return art.model.mtp(fb, hidden, caches)
+    logits, h = art.model.mtp(fb, hidden, caches)  # and the layer's hidden state, what chained drafts read
+    assert h.shape == hidden.shape
+    return logits
 
 
 @pytest.mark.parametrize("copies", [True, False], ids=["with_copies", "no_copies"])
@@ -57,7 +59,7 @@ def test_mtp_weights_stored_once_and_kv_counted(mtp_artifact, copies):
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["weights"]["aliases"] == {"mtp_embed": "embed", "mtp_head": "lm_head"}
     assert manifest["drafts"] == {"mtp": {"method": "mtp", "first_kv_layer": 3, "num_kv_layers": 1,
-                                          "num_hidden": 1}}
+                                          "num_hidden": 1, "chains": True}}
     assert manifest["kv_cache"]["num_layers"] == 4  # 3 main layers + the MTP layer
     assert "4 MLA layers" in result.report and "1 for draft head 'mtp'" in result.report
     recipe = (art / "recipe.dsl").read_text()

@@ -44,12 +44,15 @@ def _assert_all_blocks_free(engine) -> None:
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("repeat_head", [True, False], ids=["repeat_head", "random_head"])
-def test_greedy_equal_with_and_without_speculation(mtp_artifact, repeat_head):
+def test_greedy_equal_with_and_without_speculation(mtp_artifact, repeat_head, k):
+    """k > 1: the MTP layer chained on its own hidden state (drafts 2..k), its KV rewritten where they are
+    rejected."""
     _, art, _ = mtp_artifact(True, repeat_head=repeat_head)
     params = [_greedy(m) for m in (24, 7, 24, 13)]
     plain, plain_steps, _ = _run(art, None, params)
-    spec, spec_steps, engine = _run(art, "mtp", params)
+    spec, spec_steps, engine = _run(art, "mtp", params, num_speculative_tokens=k)
     assert spec == plain
     assert [len(t) for t in spec] == [24, 7, 24, 13]
     stats = engine.stats()
@@ -58,6 +61,8 @@ def test_greedy_equal_with_and_without_speculation(mtp_artifact, repeat_head):
         assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
         assert 0 < stats["spec_acceptance_rate"] < 1
         assert spec_steps < plain_steps  # accepted drafts are tokens gained without a step of their own
+    if k > 1:  # chained: more than one draft a step
+        assert stats["spec_num_draft_tokens"] > stats["spec_num_drafts"]
     _assert_all_blocks_free(engine)
 
 
@@ -68,7 +73,8 @@ def test_preemption_under_a_small_pool(mtp_artifact, preemption):
     _, art, _ = mtp_artifact(True, repeat_head=True)
     params = [_greedy(24)] * 4
     plain, _, _ = _run(art, None, params)
-    spec, _, engine = _run(art, "mtp", params, num_kv_blocks=6, preemption=preemption, swap_space_bytes=2**22)
+    spec, _, engine = _run(art, "mtp", params, num_kv_blocks=6, preemption=preemption, swap_space_bytes=2**22,
+                           num_speculative_tokens=3)
     assert engine.stats()["num_preemptions"] > 0
     assert spec == plain
     _assert_all_blocks_free(engine)
@@ -156,7 +162,8 @@ def test_acceptance_in_metrics_endpoint(mtp_artifact):
     from kiln.runtime.server import build_app
 
     _, art, _ = mtp_artifact(True, repeat_head=True)
-    config = CoreConfig(artifact=str(art), engine={"speculative": "mtp", "num_kv_blocks": 64}, num_threads=1)
+    config = CoreConfig(artifact=str(art), engine={"speculative": "mtp", "num_speculative_tokens": 3,
+                                                   "num_kv_blocks": 64}, num_threads=1)
     with CoreProcess.start(config, timeout=60) as core, \
             TestClient(build_app(AsyncLLMEngine.from_process(core), served_model_name="m")) as client:
         for prompt in _prompts():
@@ -164,14 +171,17 @@ def test_acceptance_in_metrics_endpoint(mtp_artifact):
                                                      "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
         text = client.get("/metrics").text
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("kiln:spec_decode")}
-    drafts, accepted = values["kiln:spec_decode_num_draft_tokens_total"], values["kiln:spec_decode_num_accepted_tokens_total"]
-    assert drafts > 0 and 0 < accepted < drafts
-    assert values["kiln:spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafts)
+    label = '{method="mtp",model_name="m"}'
+    steps = values["kiln:spec_decode_num_drafts_total" + label]
+    drafts = values["kiln:spec_decode_num_draft_tokens_total" + label]
+    accepted = values["kiln:spec_decode_num_accepted_tokens_total" + label]
+    assert 0 < steps < drafts <= 3 * steps and 0 < accepted < drafts  # chained: up to 3 drafts a step
+    assert values["kiln:spec_decode_draft_acceptance_rate" + label] == pytest.approx(accepted / drafts)
 
 
-SPEC_SECTION = ("  serve ", "  speculative { method = mtp; tokens = 1 }\n  serve ")
+SPEC_SECTION = ("  serve ", "  speculative { method = mtp; tokens = 3 }\n  serve ")
 
 
 def test_recipe_speculative_section_turns_it_on(mtp_artifact):
@@ -180,8 +190,10 @@ def test_recipe_speculative_section_turns_it_on(mtp_artifact):
     from kiln.runtime.engine import LLMEngine
 
     _, art, _ = mtp_artifact(True, edits=(SPEC_SECTION,))
-    assert json.loads((art / "manifest.json").read_text())["speculative"] == {"method": "mtp", "num_tokens": 1}
-    assert LLMEngine(art, num_kv_blocks=8).speculative.method == "mtp"
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["speculative"] == {"method": "mtp", "num_tokens": 3} and manifest["drafts"]["mtp"]["chains"]
+    spec = LLMEngine(art, num_kv_blocks=8).speculative
+    assert (spec.method, spec.num_tokens) == ("mtp", 3)
     assert LLMEngine(art, num_kv_blocks=8, speculative=None).speculative is None  # `kiln serve --speculative none`
 
 

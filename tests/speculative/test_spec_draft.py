@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_testlib import assert_all_blocks_free, greedy, run, tokens
+from spec_testlib import assert_all_blocks_free, assert_refused_at_section, greedy, run, tokens
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +105,4 @@ def test_recipe_compiles_the_draft_into_the_artifact(compile_hf, tiny_checkpoint
     ('speculative { method = draft; draft = "hf:./no-such-dir" }', "draft checkpoint directory"),
 ])
 def test_bad_draft_sections_are_refused_at_their_place(compile_hf, tiny_checkpoint, tmp_path, capsys, section, needle):
-    from kiln.cli import main
-
-    recipe = tmp_path / "r.dsl"
-    assert main(["recipe", "from-hf", str(tiny_checkpoint("llama")), "-o", str(recipe)]) == 0
-    recipe.write_text(recipe.read_text().replace("  serve ", f"  {section}\n  serve ", 1))
-    capsys.readouterr()
-    assert main(["compile", str(recipe), "-o", str(tmp_path / "art")]) == 2
-    line = next(i for i, ln in enumerate(recipe.read_text().splitlines(), 1) if "speculative" in ln)
-    err = capsys.readouterr().err
-    assert f"{recipe}:{line}:" in err and needle in err, err
-    assert not (tmp_path / "art").exists()
+    assert_refused_at_section(tiny_checkpoint("llama"), section, tmp_path, capsys, needle)

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_testlib import REPO, VOCAB, assert_all_blocks_free, greedy, hf_greedy, run, tokens
+from spec_testlib import (
+    REPO,
+    assert_all_blocks_free,
+    check_four_sampled_drafts,
+    greedy,
+    hf_greedy,
+    run,
+    spec_metrics,
+    tokens,
+)
 
 LLAMA_SPEC = ("  serve ", "  speculative { method = ngram; tokens = 4 }\n  serve ")
 
@@ -120,43 +129,10 @@ def test_stop_strings_and_tokens_with_speculation_equal_plain(embedded, doc_prom
 
 
 def test_verifying_four_sampled_drafts_keeps_the_target_distribution(llama):
-    """Rejection sampling against one-point drafts, 4 deep: the first token of a verify step is distributed as
-    the target's p0; given that it equals draft 1, the second as p1, and so on; draft j is accepted with
-    probability p0(d1) ... p_{j-1}(d_j). 6000 sequences with the same drafts and logits, one verify step through
-    the engine's sampler and verifier."""
     from kiln.runtime.engine import LLMEngine
-    from kiln.runtime.model_runner import LogitsLayout
-    from kiln.runtime.sampling_params import SamplingParams
-    from kiln.runtime.scheduler import ScheduledBatch
-    from kiln.runtime.sequence import Sequence
 
-    engine = LLMEngine(llama[1], speculative="ngram", num_speculative_tokens=4, num_kv_blocks=8, seed=11)
-    n, drafts, k = 6000, [3, 7, 3, 9], 4
-    support = [3, 7, 9]
-    table = torch.tensor([[2.0, 1.0, 0.0], [0.5, 1.5, 0.0], [1.0, 0.0, 1.0], [0.0, 0.0, 2.0], [1.0, 1.0, 1.0]])
-    rows = torch.full((k + 1, VOCAB), -1e9)
-    rows[:, support] = table
-    p = torch.softmax(rows, -1)
-    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
-    seqs = [Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[1, 2], num_prompt_tokens=1, params=params,
-                     max_tokens=16, arrival=i, draft_token_ids=list(drafts)) for i in range(n)]
-    logits = rows.repeat(n, 1)
-    layout = LogitsLayout(sample_rows=list(range(0, (k + 1) * n, k + 1)), prompt_rows=[None] * n)
-    batch = ScheduledBatch(seqs=seqs, num_new_tokens=[k + 1] * n)
-    sampled = engine.sampler.sample(logits, layout, seqs)
-    out = engine.speculator.verify(batch, logits, layout, sampled)
-    reach = 1.0
-    for j in range(k + 1):
-        at_j = [t[j] for t in out if len(t) > j]  # the token at position j, where the first j were accepted
-        assert abs(len(at_j) / n - reach) < 0.02, (j, len(at_j) / n, reach)
-        if len(at_j) > 400:
-            got = torch.tensor(at_j)
-            freq = torch.stack([(got == v).float().mean() for v in support])
-            torch.testing.assert_close(freq, p[j, support], atol=0.04, rtol=0)
-        if j < k:
-            reach *= float(p[j, drafts[j]])
-    accepted = sum(len(t) - 1 for t in out)
-    assert engine.speculator.num_draft_tokens == k * n and engine.speculator.num_accepted_tokens == accepted
+    check_four_sampled_drafts(LLMEngine(llama[1], speculative="ngram", num_speculative_tokens=4, num_kv_blocks=8,
+                                        seed=11))
 
 
 def test_seeded_sampled_requests_are_reproducible(embedded, doc_prompts):
@@ -201,24 +177,8 @@ def test_bad_token_counts_are_refused(llama):
 
 
 def test_acceptance_in_metrics_endpoint_labelled_by_method(embedded, doc_prompts):
-    from fastapi.testclient import TestClient
-    from kiln.runtime.async_engine import AsyncLLMEngine
-    from kiln.runtime.core_client import CoreProcess
-    from kiln.runtime.core_protocol import CoreConfig
-    from kiln.runtime.server import build_app
-
-    config = CoreConfig(artifact=str(embedded), engine={"speculative": "ngram", "num_speculative_tokens": 4,
-                                                        "num_kv_blocks": 64}, num_threads=1)
-    with CoreProcess.start(config, timeout=60) as core, \
-            TestClient(build_app(AsyncLLMEngine.from_process(core), served_model_name="m")) as client:
-        for prompt in doc_prompts:
-            r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 16,
-                                                     "temperature": 0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-        text = client.get("/metrics").text
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("kiln:spec_decode")}
-    label = '{method="ngram",model_name="m"}'
+    values, label = spec_metrics(embedded, {"speculative": "ngram", "num_speculative_tokens": 4}, doc_prompts,
+                                 "ngram")
     drafts = values["kiln:spec_decode_num_drafts_total" + label]
     drafted = values["kiln:spec_decode_num_draft_tokens_total" + label]
     accepted = values["kiln:spec_decode_num_accepted_tokens_total" + label]
