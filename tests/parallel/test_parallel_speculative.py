@@ -8,11 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SERVE_LINE, parallel_edit
 from kiln.dsl.errors import SourceError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
 from spec_testlib import greedy, prompts  # noqa: E402
+
+SERVE_LINE = "  serve     {"  # what tests/parallel/conftest.py's parallel edit anchors on too
+
+
+def parallel_edit(mesh: str) -> tuple[str, str]:
+    return (SERVE_LINE, f"  parallel  {{ {mesh} }}\n{SERVE_LINE}")
+
 
 SPEC = (SERVE_LINE, f"  speculative {{ method = ngram; tokens = 3 }}\n{SERVE_LINE}")
 
