@@ -66,9 +66,14 @@ def decode_plugin(proc) -> None:
     state: dict[str, DecodeRole] = {}
 
     def init(engine, config: dict) -> dict:
+        """`config` from the router (transport, lease_s); a core serving its role on the network (`kiln serve
+        --role decode`) has its own in `plugin_options["disagg"]`, which win (transport, and `kv_bind`: where
+        its receiver binds, e.g. tcp://10.0.0.5 or tcp://10.0.0.5:9100)."""
+        config = {**config, **proc.config.plugin_options.get("disagg", {})}
         if "role" not in state:
             from .roles import KVLayout
-            receiver = make_receiver(config.get("transport", "tcp"), KVLayout.of(engine).block_bytes)
+            receiver = make_receiver(config.get("transport", "tcp"), KVLayout.of(engine).block_bytes,
+                                     bind=config.get("kv_bind", "tcp://127.0.0.1"))
             state["role"] = DecodeRole(engine, receiver, lease_s=float(config.get("lease_s", 30.0)),
                                        endpoint=receiver.endpoint)
         role = state["role"]
