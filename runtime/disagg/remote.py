@@ -170,7 +170,7 @@ def build_router(prefill: list[str], decode: list[str], replicas: list[str], *, 
     from .router import ReplicaRouter
     from .service import DisaggAsyncEngine
 
-    if bool(replicas) == bool(decode):
+    if bool(replicas) == bool(decode or prefill):
         raise KilnRuntimeError("kiln router: give --prefill URL ... --decode URL ... (disaggregated cores) or "
                                "--replica URL ... (co-located cores), not both and not neither")
     if decode and not prefill:

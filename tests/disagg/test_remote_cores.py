@@ -213,3 +213,41 @@ def test_kv_layout_mismatch_is_refused(artifact_dir, tmp_path):
         assert nobody.popen.wait(60) == 2 and "no engine core answers" in nobody.output(), nobody.output()
     finally:
         cluster.close()
+
+
+def test_addresses_and_pairing_rules():
+    """Without processes: core addresses, and what `kiln router` refuses before it connects anything."""
+    from kiln.runtime.core_protocol import CoreInfo, RequestLimits
+    from kiln.runtime.disagg.remote import Probed, build_router, check_cores, core_url
+    from kiln.runtime.errors import KilnRuntimeError
+
+    assert core_url("10.0.0.2:7100") == core_url("tcp://10.0.0.2:7100") == "tcp://10.0.0.2:7100"
+    for bad in ("10.0.0.2", "http://10.0.0.2:7100", "h:port"):
+        with pytest.raises(KilnRuntimeError, match="not an engine core's address"):
+            core_url(bad)
+    limits = RequestLimits(vocab_size=100, max_model_len=256, block_size=4, num_blocks=256)
+
+    def core(role, layout=(2, "float32"), endpoint=None, lim=limits):
+        info = CoreInfo(protocol_version=4, kiln_version="0", pid=1, artifact="a", input_address="", limits=lim,
+                        max_waiting=1, device="cpu", target="cpu", arch=None, served_name=None, tokenizer_dir=None,
+                        kv_bytes=0, async_scheduling=False, speculative=None, num_threads=1)
+        lay = None if role == "both" else {"num_layers": layout[0], "dtype": layout[1]}
+        return Probed(f"h:{id(info)}", info, role, lay, endpoint)
+
+    check_cores([core("prefill")], [core("decode", endpoint="tcp://h:1"), core("decode")], [])  # pairs
+    with pytest.raises(KilnRuntimeError, match="different KV layouts"):
+        check_cores([core("prefill", (3, "float32"))], [core("decode")], [])
+    with pytest.raises(KilnRuntimeError, match="serves the decode role"):
+        check_cores([core("decode")], [core("decode")], [])
+    with pytest.raises(KilnRuntimeError, match="serves the prefill role .--role prefill.; give it as --prefill"):
+        check_cores([], [], [core("prefill")])
+    with pytest.raises(KilnRuntimeError, match="pairs with one prefill core"):
+        check_cores([core("prefill"), core("prefill")], [core("decode", endpoint="nixl:abc")], [])
+    other = RequestLimits(vocab_size=100, max_model_len=128, block_size=4, num_blocks=256)
+    with pytest.raises(KilnRuntimeError, match="different limits"):
+        check_cores([], [], [core("both"), core("both", lim=other)])
+    for args, message in ((([], [], []), "not both and not neither"), ((["a:1"], ["b:1"], ["c:1"]), "not both"),
+                          (([], ["b:1"], []), "needs at least one --prefill"),
+                          ((["a:1"], [], []), "needs at least one --decode")):
+        with pytest.raises(KilnRuntimeError, match=message):
+            build_router(*args)
