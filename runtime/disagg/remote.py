@@ -204,18 +204,19 @@ def add_router_args(sub) -> None:
     p = sub.add_parser("router", help="a KV-aware router over engine cores on other machines (kiln serve ART --role "
                        "prefill|decode|both --host H --port P)")
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
-                   help="a prefill core (repeat for more; each serves every decode core)")
+                   help="a prefill core (repeat for more; each serves every decode core) (default: none)")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
-                   help="a decode core (repeat for more: each a replica of the KV-aware router)")
+                   help="a decode core (repeat for more: each a replica of the KV-aware router) (default: none)")
     p.add_argument("--replica", action="append", default=[], metavar="HOST:PORT",
-                   help="a co-located core (--role both; repeat for more), instead of --prefill/--decode")
+                   help="a co-located core (--role both; repeat for more), instead of --prefill/--decode (default: none)")
     p.add_argument("--artifact", help="a copy of the artifact the cores serve, for its tokenizer (default: the "
                    "cores' own path, when this machine has it)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API binds (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="the HTTP API's TCP port (default 8000)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics (default: no "
+                   "key)")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
-    p.add_argument("--served-model-name", help="model name of the API (default: the artifact's served name)")
+    p.add_argument("--served-model-name", help="model name of the API (default: the artifact's served name, else its directory name)")
     p.add_argument("--remote-prefill", choices=["always", "never", "auto"], default="always",
                    help="prefill every prompt on a prefill core, none, or by the decode core's measured speed and "
                    "the prefill queue (default always)")
@@ -225,7 +226,8 @@ def add_router_args(sub) -> None:
                    help="a core silent this many seconds is gone: its requests fail (default 10)")
     p.add_argument("--connect-timeout", type=float, default=30.0,
                    help="seconds each core has to answer the router at its start (default 30)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the HTTP server's log level (default info)")
     p.set_defaults(func=run_router)
 
 
