@@ -34,11 +34,11 @@ def _layout(name: str):
     return KVLayout(layers, shape, dtype, shape[1])
 
 
-def _receiver(kind: str, block_bytes: int, conn) -> None:
+def _receiver(kind: str, block_bytes: int, max_blocks: int, conn) -> None:
     from kiln.runtime.disagg.service import make_receiver
     from kiln.runtime.disagg.transport import DoneFrame, decode
 
-    rx = make_receiver(kind, block_bytes)
+    rx = make_receiver(kind, block_bytes, max_blocks=max_blocks)
     conn.send(rx.endpoint)
     try:
         while True:
@@ -68,7 +68,7 @@ def bench(kind: str, layout_name: str, blocks: list[int], repeats: int) -> list[
     layout = _layout(layout_name)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(kind, layout.block_bytes, child), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(kind, layout.block_bytes, max(blocks), child), daemon=True)
     proc.start()
     rows = []
     try:
