@@ -63,10 +63,7 @@ def serve_core(config, role: str, host: str, port: int, *, kv_transport: str = "
                              "kv_bind": f"tcp://{where}" + (f":{kv_port}" if kv_port else "")}
     config = msgspec.structs.replace(config, input_address=f"tcp://{host}:{port}", client_timeout=client_timeout,
                                      plugins=[*config.plugins, *plugins], plugin_options=options)
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame) -> None:
-        stop["signal"] = signum
+    def on_signal(signum, _frame) -> None:  # SIGTERM stops the core as Ctrl-C does
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
