@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("b", help="artifact to compare (e.g. quantized)")
     _add_eval_args(e)
 
+    from kiln.runtime.disagg.remote import add_router_args
+
+    add_router_args(sub)
+
     from kiln.bench import add_bench_parser
 
     add_bench_parser(sub)

@@ -7,6 +7,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -145,6 +146,29 @@ def _describe_exit(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
+def _output_address(sock: zmq.Socket, input_address: str, workdir: str) -> str:
+    """Binds the client's output socket where its core can reach it: beside `workdir` (ipc) for a core on this
+    machine, else (a tcp:// core, another machine's) on a random port of the local address that routes to the
+    core's host."""
+    if not input_address.startswith("tcp://"):
+        address = f"ipc://{workdir}/output"
+        sock.bind(address)
+        return address
+    host = input_address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # no packet is sent: it only picks the route
+        try:
+            probe.connect((host, 9))
+        except OSError as e:
+            raise KilnRuntimeError(f"no route to the engine core at {input_address}: {e}") from None
+        local = probe.getsockname()[0]
+    if family == socket.AF_INET6:
+        sock.setsockopt(zmq.IPV6, 1)
+        local = f"[{local}]"
+    port = sock.bind_to_random_port(f"tcp://{local}")
+    return f"tcp://{local}:{port}"
+
+
 class AsyncCoreClient:
     """One client's connection to an engine core, used from one asyncio loop: requests go out on a DEALER
     socket named `name` (the core namespaces this client's request ids with it), the core's messages come in on
@@ -165,8 +189,7 @@ class AsyncCoreClient:
         self._input.setsockopt(zmq.LINGER, 0)
         self._output = self._async_ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self.output_address = f"ipc://{self._workdir}/output"
-        self._output.bind(self.output_address)
+        self.output_address = _output_address(self._output, input_address, self._workdir)
         self._input.connect(input_address)
 
     async def connect(self, timeout: float = 30.0) -> CoreInfo:

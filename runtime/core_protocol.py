@@ -38,7 +38,8 @@ class CoreConfig(msgspec.Struct, kw_only=True):
     `num_threads` the core's intra-op threads (threads.py: None = every core this process may run on);
     `max_waiting` the sequences queued or preempted before an add is refused as overloaded; `plugins`
     "module:function" or "/path/file.py:function" callables run with the EngineCoreProc before it serves
-    (extensions, test hooks)."""
+    (extensions, test hooks); `plugin_options` their settings, by plugin (e.g. runtime/disagg's "disagg": the KV
+    transport and the address its receiver binds, for a core serving one role on the network)."""
 
     artifact: str
     device: str = "cpu"
@@ -50,6 +51,7 @@ class CoreConfig(msgspec.Struct, kw_only=True):
     client_timeout: float = 30.0  # a client silent this long is gone: its requests are aborted
     parent_pid: int | None = None  # exit when this process is no longer our parent
     plugins: list[str] = []
+    plugin_options: dict[str, Any] = {}
 
 
 class CoreInfo(msgspec.Struct, kw_only=True):

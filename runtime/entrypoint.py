@@ -79,6 +79,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "measurements) (default kv)")
     p.add_argument("--kv-transport", choices=["tcp", "nixl"],
                    help="with --disaggregate: how KV moves from prefill to decode (default: the recipe's)")
+    p.add_argument("--role", choices=["prefill", "decode", "both"],
+                   help="run one engine core for a router on another machine (`kiln router`): its control endpoint "
+                   "on --host/--port, a decode core's KV receiver on --kv-host/--kv-port; no HTTP API (default: "
+                   "serve the API here)")
+    p.add_argument("--kv-host", help="with --role decode: the address the KV receiver binds and the prefill cores "
+                   "connect to (default --host)")
+    p.add_argument("--kv-port", type=_port, help="with --role decode and tcp: the KV receiver's port (default: a "
+                   "free one)")
     p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "eagle", "none"],
                    help="speculative decoding: the artifact's MTP draft head, n-gram prompt lookup, a draft model "
                    "or an EAGLE head (--speculative-model), or none (default: the recipe's)")
@@ -160,6 +168,19 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         from .errors import RequestError
         raise RequestError(f"--data-parallel-size {args.replicas}: give at least 1")
+    if args.role is not None:  # one core on the network, for `kiln router` (runtime/disagg/remote.py)
+        from .disagg.remote import serve_core
+        from .disagg.service import resolve_transport
+        from .server import core_config
+
+        transport = args.kv_transport or (manifest.get("disaggregate") or {}).get("transport", "tcp")
+        config = core_config(args.artifact, max_waiting=args.max_waiting, num_threads=args.num_threads,
+                             num_kv_blocks=args.num_kv_blocks, prefix_cache=not args.no_prefix_cache,
+                             speculative=args.speculative, async_scheduling=args.async_scheduling,
+                             kv_reserve=args.kv_reserve, num_speculative_tokens=args.num_speculative_tokens,
+                             speculative_model=args.speculative_model)
+        return serve_core(config, args.role, host, port, kv_transport=resolve_transport(transport),
+                          kv_host=args.kv_host, kv_port=args.kv_port)
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
     efforts = {**(manifest["serve"].get("reasoning_effort") or {}), **(args.reasoning_effort or {})}
     disaggregate = None

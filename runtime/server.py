@@ -1107,6 +1107,13 @@ def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = Tru
     return options
 
 
+def core_config(artifact: str | Path, *, max_waiting: int = 1024, num_threads: int | None = None,
+                **options: Any) -> CoreConfig:
+    """The engine core's configuration for `kiln serve`'s options (engine_options)."""
+    return CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
+                      engine=engine_options(**options))
+
+
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
@@ -1128,16 +1135,14 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     replicas (cores, each with its own ranks for a parallel artifact, or pairs) behind a KV-aware router
     (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements). `kv_offload`: bytes of the CPU
     offload tier (None: the recipe's; 0: none; runtime/kv_offload.py)."""
-    import uvicorn
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     effort_budgets(reasoning_efforts)  # so does a bad effort table
     threads.configure_api_server()
-    config = CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
-                        engine=engine_options(num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache,
-                                              speculative=speculative, async_scheduling=async_scheduling,
-                                              kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
-                                              speculative_model=speculative_model, kv_offload_bytes=kv_offload))
+    config = core_config(artifact, max_waiting=max_waiting, num_threads=num_threads, num_kv_blocks=num_kv_blocks,
+                         prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
+                         kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
+                         speculative_model=speculative_model, kv_offload_bytes=kv_offload)
     with contextlib.ExitStack() as stack:
         if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas
@@ -1147,18 +1152,30 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
         else:  # a router over a prefill and a decode core (runtime/disagg)
             from .disagg.service import start_disaggregated
             engine = start_disaggregated(stack, config, disaggregate)
-        app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
-                        tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                        reasoning_efforts=reasoning_efforts)
-        print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
+        more = []
         if replicas > 1:
             pids = ", ".join(str(r.engine.info.pid) for r in engine.replicas)
-            print(f"kiln serve: {replicas} replicas behind a KV-aware router (engine core pids {pids}; the line "
-                  "above is replica 0's)", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                               timeout_graceful_shutdown=5))
-        engine.on_dead.append(lambda why: setattr(server, "should_exit", True))
-        server.run()
+            more.append(f"kiln serve: {replicas} replicas behind a KV-aware router (engine core pids {pids}; the "
+                        "line above is replica 0's)")
+        return run_app(engine, host=host, port=port, log_level=log_level, more_lines=more,
+                       served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
+                       tool_parser=tool_parser, reasoning_parser=reasoning_parser, reasoning_efforts=reasoning_efforts)
+
+
+def run_app(engine: AsyncLLMEngine, *, host: str, port: int, log_level: str = "info", more_lines: list[str] = (),
+            **app_kw: Any) -> int:
+    """Serves `engine` (build_app's `app_kw`) on host:port until interrupted (0) or until its core is gone (1);
+    prints the startup line (and `more_lines`) once loaded. `kiln serve` and `kiln router` (runtime/disagg)."""
+    import uvicorn
+
+    app = build_app(engine, **app_kw)
+    print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
+    for line in more_lines:
+        print(line, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    engine.on_dead.append(lambda why: setattr(server, "should_exit", True))
+    server.run()
     if engine.dead is not None:
         print(f"kiln serve: exiting: the engine core is gone ({engine.dead})", file=sys.stderr, flush=True)
         return 1

@@ -44,13 +44,15 @@ def _histogram(name: str, doc: str):
     return Histogram(name, doc, buckets=_TTFT_BUCKETS, registry=None)
 
 
-def make_receiver(kind: str, block_bytes: int, bind: str = "tcp://127.0.0.1") -> Transport:
-    """The decode side's receiving end of a `kind` transport; its `endpoint` goes to the prefill side."""
+def make_receiver(kind: str, block_bytes: int, bind: str = "tcp://127.0.0.1", max_blocks: int = 0) -> Transport:
+    """The decode side's receiving end of a `kind` transport; its `endpoint` goes to the prefill side. A NIXL
+    slot holds the largest frame: a block's (the payload and < 200 header bytes) or the `Done` of a transfer of
+    `max_blocks` blocks (18 bytes a digest)."""
     if kind == "tcp":
         return ZmqTransport.bind(bind)
     if kind == "nixl":
         from .nixl_transport import NixlReceiver
-        return NixlReceiver(slot_bytes=block_bytes + 1024)  # a block frame: the payload and < 200 header bytes
+        return NixlReceiver(slot_bytes=max(block_bytes, 24 * max_blocks) + 1024)
     raise KilnRuntimeError(f"unknown KV transport {kind!r} (known: {', '.join(TRANSPORTS)})")
 
 
@@ -66,9 +68,16 @@ def decode_plugin(proc) -> None:
     state: dict[str, DecodeRole] = {}
 
     def init(engine, config: dict) -> dict:
+        """`config` from the router (transport, lease_s); a core serving its role on the network (`kiln serve
+        --role decode`) has its own in `plugin_options["disagg"]`, which win (transport, and `kv_bind`: where
+        its receiver binds, e.g. tcp://10.0.0.5 or tcp://10.0.0.5:9100)."""
+        config = {**config, **proc.config.plugin_options.get("disagg", {})}
         if "role" not in state:
             from .roles import KVLayout
-            receiver = make_receiver(config.get("transport", "tcp"), KVLayout.of(engine).block_bytes)
+            limits = engine.limits
+            receiver = make_receiver(config.get("transport", "tcp"), KVLayout.of(engine).block_bytes,
+                                     bind=config.get("kv_bind", "tcp://127.0.0.1"),
+                                     max_blocks=limits.max_model_len // limits.block_size + 1)
             state["role"] = DecodeRole(engine, receiver, lease_s=float(config.get("lease_s", 30.0)),
                                        endpoint=receiver.endpoint)
         role = state["role"]
