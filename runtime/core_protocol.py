@@ -17,8 +17,8 @@ import msgspec
 
 from .sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
-# 4: CoreStats.spec_num_drafts
+PROTOCOL_VERSION = 5  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
+# 4: CoreStats.spec_num_drafts; 5: CoreStats' KV offload tier counters (cores on other machines may differ)
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
