@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import tempfile
 from collections.abc import Callable
 
 import pytest
@@ -63,8 +64,7 @@ def compile_hf(tiny_checkpoint, tmp_path_factory):
         key = (arch, edits, tuple(sorted((k, repr(v)) for k, v in kw.items())))
         if key not in cache:
             ckpt = tiny_checkpoint(arch, **kw)
-            work = root / f"{arch}-{len(cache)}"
-            work.mkdir()
+            work = pathlib.Path(tempfile.mkdtemp(prefix=f"{arch}-", dir=root))  # unique even after a build that raised
             recipe = work / "recipe.dsl"
             assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
             text = recipe.read_text()
