@@ -4,6 +4,9 @@ every KV block is free afterwards, a batch mixing sampled and greedy requests ru
 reproducible), and verification of a sampled request draws tokens from the target distribution."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -155,25 +158,11 @@ def test_speculative_refused_without_a_draft_head(mtp_artifact):
 
 def test_acceptance_in_metrics_endpoint(mtp_artifact):
     """/metrics reports verified and accepted draft tokens and their ratio (server over the real engine)."""
-    from fastapi.testclient import TestClient
-    from kiln.runtime.async_engine import AsyncLLMEngine
-    from kiln.runtime.core_client import CoreProcess
-    from kiln.runtime.core_protocol import CoreConfig
-    from kiln.runtime.server import build_app
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speculative"))
+    from spec_testlib import spec_metrics
 
     _, art, _ = mtp_artifact(True, repeat_head=True)
-    config = CoreConfig(artifact=str(art), engine={"speculative": "mtp", "num_speculative_tokens": 3,
-                                                   "num_kv_blocks": 64}, num_threads=1)
-    with CoreProcess.start(config, timeout=60) as core, \
-            TestClient(build_app(AsyncLLMEngine.from_process(core), served_model_name="m")) as client:
-        for prompt in _prompts():
-            r = client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 16,
-                                                     "temperature": 0, "ignore_eos": True})
-            assert r.status_code == 200, r.text
-        text = client.get("/metrics").text
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("kiln:spec_decode")}
-    label = '{method="mtp",model_name="m"}'
+    values, label = spec_metrics(art, {"speculative": "mtp", "num_speculative_tokens": 3}, _prompts(), "mtp")
     steps = values["kiln:spec_decode_num_drafts_total" + label]
     drafts = values["kiln:spec_decode_num_draft_tokens_total" + label]
     accepted = values["kiln:spec_decode_num_accepted_tokens_total" + label]
