@@ -284,8 +284,11 @@ class _Planner:
     # ------------------------------------------------------------ which projections are column-parallel
     def _column_plan(self) -> dict[str, list[_Seg]]:
         """Each linear whose output reaches attention heads (tensor-parallel attention) or a SwiGLU, with the
-        segments of its output dim; checked against the mesh (an error names the weight and the numbers)."""
+        segments of its output dim; checked against the mesh (an error names the weight and the numbers). None
+        under data-parallel attention with dense MLPs replicated: each rank's rows go through whole weights."""
         plan = {}
+        if self.mesh.attention == "dp" and self.mesh.dense == "replicated":
+            return plan
         for vid, node in self.graph.items():
             if node.op != "linear" or self.graph.node(node.inputs[1]).op != "param":
                 continue
@@ -325,8 +328,6 @@ class _Planner:
                 return None
             heads, dim = user.attrs["shape"]
             return [_Seg(Segment(heads, dim), role == "KV heads", role)]
-        if self.mesh.attention == "dp" and self.mesh.dense == "replicated":
-            return None  # dense MLPs replicated: each rank's rows through whole weights, nothing gathered
         if user.op == "silu_mul" and width % 2 == 0:
             return [_Seg(Segment(width // 2, 1), False, "FFN width")] * 2
         if user.op in ("silu", "mul") and self._swiglu(users[0]):

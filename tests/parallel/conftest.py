@@ -13,9 +13,10 @@ def parallel_edit(mesh: str) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def compile_parallel(compile_hf):
-    """`compile_parallel(arch, mesh, **kw) -> (checkpoint, artifact)`; `mesh` None: the single-device artifact."""
-    def build(arch: str, mesh: str | None, **kw):
-        ckpt, art, _ = compile_hf(arch, edits=(parallel_edit(mesh),) if mesh else (), **kw)
+    """`compile_parallel(arch, mesh, edits=(), **kw) -> (checkpoint, artifact)`; `mesh` None: the single-device
+    artifact; `edits`: more recipe edits (compile_hf's)."""
+    def build(arch: str, mesh: str | None, edits: tuple[tuple[str, str], ...] = (), **kw):
+        ckpt, art, _ = compile_hf(arch, edits=((parallel_edit(mesh),) if mesh else ()) + tuple(edits), **kw)
         return ckpt, art
 
     return build
