@@ -387,6 +387,106 @@ def _linear(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     raise PlacementError(f"linear: input {x} and weight {w} are neither column- nor row-parallel")
 
 
+# ---------------------------------------------------------------- quantized linears
+#
+# A quantized GEMM (`linear_fp8`, `linear_w4a16`) reads its [N, K] weight through several params in their
+# published layouts. Tensor parallelism places the *logical* weight exactly as a float one (column-parallel:
+# S0 by output segments; row-parallel: S1 as its input), and each param follows from that: e4m3 weights as
+# the float weight; per-channel scales with N; per-tensor and input scales replicated; 128x128 block scales by
+# blocks of N (column) or K (row); AWQ/GPTQ packed int32 words by 8 columns/rows, group scales and zeros by
+# groups of K. GPTQ's g_idx holds global group numbers (act-order permutes them), so a row-parallel GPTQ
+# weight keeps its scales and zeros whole on every rank (a few % of the weight's bytes) and slices g_idx.
+
+LINEAR_OPS = ("linear", "linear_fp8", "linear_w4a16")
+
+
+def linear_weight_params(node: Node) -> int:
+    """How many weight params a linear-family node reads after x (its bias, if any, comes next)."""
+    if node.op == "linear_fp8":
+        return 3 if node.attrs.get("act") == "static_per_tensor" else 2
+    if node.op == "linear_w4a16":
+        return 4 if node.attrs["format"] == "gptq" else 3
+    return 1
+
+
+def regroup(segments: tuple[Segment, ...], factor: int, what: str) -> tuple[Segment, ...]:
+    """The segments of a dim whose every `factor` consecutive elements became one (a packed int32 word of 8
+    int4 values, a scale per group or block): whole units map to whole packed units, or `factor / size`
+    units to one."""
+    out = []
+    for seg in segments:
+        if seg.padded:
+            raise PlacementError(f"{what}: a padded segment ({seg}) cannot be packed by {factor}")
+        if seg.size % factor == 0:
+            out.append(Segment(seg.units, seg.size // factor))
+        elif factor % seg.size == 0 and seg.units % (factor // seg.size) == 0:
+            out.append(Segment(seg.units // (factor // seg.size), 1))
+        else:
+            raise PlacementError(f"{what}: {seg.units} units of {seg.size} do not pack by {factor}")
+    return tuple(out)
+
+
+def quantized_param_placements(node: Node, logical: Placement) -> tuple[Placement, ...]:
+    """The placements of a quantized linear's weight params (inputs 1..), given the placement `logical` its
+    [N, K] float weight would have (R, S0 column-parallel or S1 row-parallel); PlacementError when a shard
+    boundary cuts a packed word, a group or a block."""
+    n_params = linear_weight_params(node)
+    if logical.kind == "R":
+        return (R,) * n_params
+    col, row = logical.shard(0), logical.shard(1)
+    shard = col or row
+    like = lambda dim, segs: sharded(Shard(dim, segs, shard.axis, shard.order))  # noqa: E731
+    a = node.attrs
+    if node.op == "linear_fp8":
+        gran, block = a.get("granularity", "tensor"), a.get("block", 0)
+        if gran == "tensor":
+            scale = R
+        elif gran == "channel":
+            scale = like(0, col.segments) if col else R
+        else:
+            scale = like(0 if col else 1, regroup(shard.segments, block, f"fp8 {block}x{block} block scales"))
+        return (logical, scale, *((R,) if n_params == 3 else ()))
+    group = a["group"]
+    if a["format"] == "awq":  # qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N]
+        if col:
+            packed = like(1, regroup(col.segments, 8, "awq packs 8 output columns per int32"))
+            return packed, packed, like(1, col.segments)
+        grouped = like(0, regroup(row.segments, group, f"awq group={group}"))
+        return like(0, row.segments), grouped, grouped
+    # gptq: qweight [K/8, N], qzeros [K/g, N/8], scales [K/g, N], g_idx [K]
+    if col:
+        return (like(1, col.segments), like(1, regroup(col.segments, 8, "gptq packs 8 zeros per int32")),
+                like(1, col.segments), R)
+    return like(0, regroup(row.segments, 8, "gptq packs 8 input rows per int32")), R, R, like(0, row.segments)
+
+
+def logical_weight_placement(node: Node, params: list[Placement]) -> Placement:
+    """The [N, K] weight placement a quantized linear's params encode (the inverse of
+    quantized_param_placements, read off the param that keeps N or K unpacked)."""
+    if node.op == "linear_fp8":
+        return params[0]
+    scales = params[2]
+    if scales.kind == "S" and scales.shard(1) is not None:
+        s = scales.shard(1)
+        return sharded(Shard(0, s.segments, s.axis, s.order))
+    rows = params[0] if node.attrs["format"] == "awq" else params[3]
+    if rows.kind == "S" and rows.shard(0) is not None:
+        s = rows.shard(0)
+        return sharded(Shard(1, s.segments, s.axis, s.order))
+    return R
+
+
+def _quantized_linear(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
+    n_params = linear_weight_params(node)
+    params = ins[1:1 + n_params]
+    logical = logical_weight_placement(node, params)
+    want = quantized_param_placements(node, logical)
+    if tuple(params) != want:
+        raise PlacementError(f"{node.op}: weight params placed {', '.join(map(str, params))}, but a weight placed "
+                             f"{logical} needs {', '.join(map(str, want))}")
+    return _linear(node, [ins[0], logical, *ins[1 + n_params:]], [t[0], None, *t[1 + n_params:]])
+
+
 def _view(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     (x,) = ins
     last = _rank(t[0]) - 1
@@ -587,7 +687,8 @@ def _dp_gather(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
 
 _RULES = {
     "embedding": _embedding, "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm,
-    "all_reduce_add_rms_norm": _all_reduce_add_rms_norm, "linear": _linear, "view": _view, "slice": _slice,
+    "all_reduce_add_rms_norm": _all_reduce_add_rms_norm, "linear": _linear,
+    "linear_fp8": _quantized_linear, "linear_w4a16": _quantized_linear, "view": _view, "slice": _slice,
     "rope": _rope, "attention": _attention, "mla_attention": _mla_attention, "silu": _elementwise,
     "mul": _elementwise, "add": _elementwise, "bias_add": _bias_add, "deinterleave": _lastwise, "silu_mul": _silu_mul, "concat": _concat,
     "logits": _logits, "moe_topk_softmax": _router, "moe_topk_grouped": _router, "moe_experts": _moe_experts,

@@ -133,9 +133,6 @@ class Target:
         if par.world % par.ep:
             refuse(f"parallel.ep = {par.ep} must divide the {par.world} ranks (tp x dp = {par.tp} x {par.dp}): "
                    "experts are placed on ep groups of world / ep ranks", "parallel.ep")
-        if par.world > 1 and options.quantize.weights is not None:
-            refuse(f"quantize.weights = {options.quantize.weights.kind} with parallel (tp x dp = {par.world}) is "
-                   "not implemented yet: quantized weights and their scales are not sharded", "quantize.weights")
 
 
 def _lora_supported(options: RecipeOptions, refuse) -> None:

@@ -10,6 +10,7 @@ from kiln.compiler.ir import TensorType
 from kiln.compiler.ops import OPS
 from kiln.compiler.options import RecipeOptions
 from kiln.compiler.placement import (
+    LINEAR_OPS,
     REDUCING_INPUTS,
     Mesh,
     Placement,
@@ -19,7 +20,10 @@ from kiln.compiler.placement import (
     Shard,
     T,
     infer_placement,
+    linear_weight_params,
+    local_units,
     mesh_of,
+    quantized_param_placements,
     sharded,
 )
 from kiln.dsl.errors import SourceError
@@ -176,8 +180,9 @@ class _Planner:
                 self._emit(i, self.graph.node(i), self.params.get(self.graph.node(i).attrs["name"], R))
         ins = self._reductions(node, ins)
         bias = None
-        if node.op == "linear" and len(ins) == 3 and self.pl[ins[1]].kind == "S" and self.pl[ins[1]].shard(1):
-            bias, ins = ins[2], ins[:2]  # row-parallel: the bias is added once, after the reduction
+        n_w = linear_weight_params(node) if node.op in LINEAR_OPS else 0
+        if n_w and len(ins) == 2 + n_w and self._row_parallel(ins[0]):
+            bias, ins = ins[-1], ins[:-1]  # row-parallel: the bias is added once, after the reduction
         new = node.with_(inputs=tuple(ins))
         if node.op == "moe_experts" and self.pl[ins[0]].kind == "T":  # rows left on their ranks (_dp_gathers)
             new = new.with_(op="moe_experts_a2a")
@@ -221,24 +226,62 @@ class _Planner:
         if have != placement:
             raise PlacementPlanError(f"param {name!r} is read as {have} and as {placement}; it cannot be both")
 
+    def _weight_params(self, node: Node, weight: str, logical: Placement) -> tuple[Placement, ...]:
+        """The placements of a linear's weight params for its [N, K] weight placed `logical` (a float weight:
+        that; a quantized one: each packed/scale param's, compiler/placement.py), checked per rank: a rank's
+        share of every segment holds whole packed words, groups and blocks."""
+        if node.op == "linear":
+            return (logical,)
+        shard, column = logical.shard(0) or logical.shard(1), logical.shard(0) is not None
+        if node.op == "linear_fp8":
+            factor = node.attrs["block"] if node.attrs.get("granularity") == "block" else 1
+        else:  # int4: words of 8 output columns (qzeros; AWQ's qweight too), of 8 input rows (GPTQ's qweight)
+            factor = node.attrs["group"] if not column and node.attrs["format"] == "awq" else 8
+        n = self.mesh.axis_size(shard.axis)
+        spec = self.program.params[weight]
+        for seg in shard.segments:
+            rows = local_units(seg, n) * seg.size
+            if rows % factor:
+                what = "output rows" if column else "input columns"
+                self.fail(f"{spec.name} ('{', '.join(spec.source) or spec.name}'): {node.op} "
+                          f"{node.attrs.get('format') or node.attrs.get('granularity')} needs each rank's share of "
+                          f"the weight's {what} in multiples of {factor}, but a segment of {seg.units} x {seg.size} "
+                          f"over {n} ranks leaves {rows} ({rows} % {factor} = {rows % factor})")
+        try:
+            return quantized_param_placements(node, logical)
+        except PlacementError as e:
+            self.fail(f"{spec.name}: {e}")
+            raise
+
     def _param_of(self, vid: str) -> str | None:
         n = self.graph.node(vid)
         return n.attrs["name"] if n.op == "param" else None
 
+    def _row_parallel(self, x: str) -> bool:
+        """A linear of `x` is row-parallel: x arrives sharded on its last dim."""
+        p = self.pl[x]
+        return p.kind == "S" and p.shard(self._type(x).rank - 1) is not None
+
     def _decide_params(self, vid: str, node: Node, ins: list[str]) -> None:
         op, mesh = node.op, self.mesh
         names = [self._param_of(i) for i in node.inputs]
-        if op == "linear":
-            if vid in self.columns and names[1]:
-                segs = tuple(s.segment for s in self.columns[vid])
-                self._set(names[1], sharded(Shard(0, segs)))
-                if len(names) > 2 and names[2]:
-                    self._set(names[2], sharded(Shard(0, segs)))
+        if op in LINEAR_OPS:
+            n_w = linear_weight_params(node)
+            if not all(names[1:1 + n_w]):
                 return
-            x = self.pl[ins[0]]
-            xs = x.shard(self._type(ins[0]).rank - 1) if x.kind == "S" else None
-            if xs is not None and names[1]:
-                self._set(names[1], sharded(Shard(1, xs.segments, xs.axis)))
+            if vid in self.columns:
+                segs = tuple(s.segment for s in self.columns[vid])
+                logical = sharded(Shard(0, segs))
+                if len(names) > 1 + n_w and names[1 + n_w]:
+                    self._set(names[1 + n_w], logical)  # the bias, sharded as the weight's rows
+            elif self._row_parallel(ins[0]):
+                x = self.pl[ins[0]]
+                xs = x.shard(self._type(ins[0]).rank - 1)
+                logical = sharded(Shard(1, xs.segments, xs.axis))
+            else:
+                return
+            for name, placement in zip(names[1:1 + n_w], self._weight_params(node, names[1], logical), strict=True):
+                self._set(name, placement)
         elif op in ("embedding", "logits") and names[1]:
             if mesh.attention == "tp":
                 vocab = self.program.params[names[1]].shape[0]
@@ -290,7 +333,7 @@ class _Planner:
         if self.mesh.attention == "dp" and self.mesh.dense == "replicated":
             return plan
         for vid, node in self.graph.items():
-            if node.op != "linear" or self.graph.node(node.inputs[1]).op != "param":
+            if node.op not in LINEAR_OPS or self.graph.node(node.inputs[1]).op != "param":
                 continue
             out = node.out
             segs = self._layout(vid, out.shape[-1])
@@ -342,7 +385,7 @@ class _Planner:
             users = g.users(vid)
             return len(users) == 1 and g.node(users[0]).op == "mul" and self._swiglu(users[0])
         users = g.users(vid)
-        return (vid not in g.outputs and len(users) == 1 and g.node(users[0]).op == "linear"
+        return (vid not in g.outputs and len(users) == 1 and g.node(users[0]).op in LINEAR_OPS
                 and g.node(users[0]).inputs[0] == vid)
 
     def _head_sink(self, vid: str) -> str | None:
@@ -396,6 +439,6 @@ class _Planner:
         a2a = self.mesh.etp == 1
         out = set()
         for vid, node in self.graph.items():
-            if (node.op == "linear" and vid in self.columns) or (node.op == "moe_experts" and not a2a):
+            if (node.op in LINEAR_OPS and vid in self.columns) or (node.op == "moe_experts" and not a2a):
                 out.add(node.inputs[0])
         return out
