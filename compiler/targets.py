@@ -138,17 +138,15 @@ class Target:
 def _lora_supported(options: RecipeOptions, refuse) -> None:
     """What LoRA serving composes with: prefix caching does (block keys include the adapter); speculative
     decoding by n-gram lookup or a draft model does (the verify rows are the sequence's, with its adapter; the
-    drafts are proposals, so outputs stay exact). A draft head (mtp), quantized base weights and sharded
-    (TP/DP/EP) weights are refused, at the section that asks."""
+    drafts are proposals, so outputs stay exact); quantized base weights do (the branch reads the GEMM's input
+    and adds to its output). A draft head (mtp) and sharded (TP/DP/EP) weights are refused, at the section that
+    asks."""
     method = options.speculative.method
     if method is not None and method not in MODEL_FREE_METHODS:
         refuse(f"LoRA with speculative method = {method} is not supported: the draft head reads the target's "
                "hidden states, which an adapter shifts away from the base model's it was trained on, and has no "
                "adapter of its own; use method = ngram or method = draft (exact with adapters)",
                "speculative.method")
-    if options.quantize.weights is not None:
-        refuse("LoRA over quantized base weights is not supported yet (the low-rank branch reads the float "
-               "projection input; compile the adapters' base in fp32/bf16)", "quantize.weights")
     for axis in ("tp", "dp", "ep"):
         if getattr(options.parallel, axis) > 1:
             refuse(f"LoRA with parallel.{axis} > 1 is not supported yet (adapter slots are not sharded)",

@@ -7,6 +7,7 @@ from kiln.compiler.options import RecipeOptions
 from kiln.dsl.errors import KilnError
 
 WEIGHT_SUFFIX = ".weight"
+QUANTIZED_GEMMS = ("linear_fp8", "linear_w4a16")
 
 
 def _modules(spec: ParamSpec) -> tuple[str, ...] | None:
@@ -47,7 +48,8 @@ class LoRAInjection(Pass):
     """Requires: typed IR, after fusion (a fused q/k/v or gate/up linear is adapted as one, its modules side by
     side); the recipe's `lora { max_rank }` (ctx.options, else program.meta, else the constructor's). Guarantees:
     in every block graph used by one block, each `linear(x, w[, b])` whose weight is a plain float param read from
-    `<module>.weight` checkpoint tensors is followed by `lora(x, y) {target=w's name, modules=its modules' paths,
+    `<module>.weight` checkpoint tensors, and each quantized GEMM (`linear_fp8`, `linear_w4a16`) over a module's
+    quantized tensors, is followed by `lora(x, y) {target=w's name, modules=its modules' paths,
     rows=each module's output rows, max_rank}`, which every reader of y reads instead. The model's meaning with
     no adapter is unchanged (lora's reference is y); adapters are run-time state the runtime pages into slots."""
 
@@ -83,7 +85,10 @@ def _inject(program: Program, graph: Graph, max_rank: int) -> tuple[Graph, int]:
         spec = _adapted_weight(program, graph, node)
         if spec is None:
             continue
-        modules, rows = _modules(spec), _part_rows(graph, vid, spec)
+        if spec.quant is not None:
+            modules, rows = _quantized_modules(spec)
+        else:
+            modules, rows = _modules(spec), _part_rows(graph, vid, spec)
         if modules is None or rows is None:
             continue
         g = g or graph.copy()
@@ -95,14 +100,33 @@ def _inject(program: Program, graph: Graph, max_rank: int) -> tuple[Graph, int]:
     return (g or graph), n
 
 
+def _quantized_modules(spec: ParamSpec) -> tuple[tuple[str, ...] | None, tuple[int, ...] | None]:
+    """The modules and output rows of a quantized GEMM's first weight param (fp8 `<module>.weight`, AWQ/GPTQ
+    `<module>.qweight`): one module of all N rows, or the parts fuse_qkv / fuse_gate_up merged, in order."""
+    q = spec.quant
+    suffix = "." + ("weight" if q["scheme"] == "fp8" else q["role"])
+    if not spec.source or any(not src.endswith(suffix) for src in spec.source):
+        return None, None
+    rows = tuple(r for _, r in q["parts"]) if q.get("parts") else (q["weight_shape"][0],)
+    if len(rows) != len(spec.source):
+        return None, None
+    return tuple(src[: -len(suffix)] for src in spec.source), rows
+
+
 def _adapted_weight(program: Program, graph: Graph, node: Node) -> ParamSpec | None:
-    if node.op != "linear" or not isinstance(node.out, TensorType):
+    """The weight of a linear the pass adapts: a plain float param, or the first param of a quantized GEMM
+    (linear_fp8, linear_w4a16: the branch reads x and adds to y, whatever the base's weight format)."""
+    if node.op not in QUANTIZED_GEMMS + ("linear",) or not isinstance(node.out, TensorType):
         return None
     w = graph.node(node.inputs[1])
     if w.op != "param":
         return None
     spec = program.params.get(w.attrs["name"])
-    if spec is None or spec.quant is not None or spec.sharding is not None or spec.dtype not in ("f32", "bf16", "f16"):
+    if spec is None or spec.sharding is not None:
+        return None
+    if node.op in QUANTIZED_GEMMS:
+        return spec if spec.quant is not None and spec.quant.get("role") in ("weight", "qweight") else None
+    if spec.quant is not None or spec.dtype not in ("f32", "bf16", "f16"):
         return None
     return spec
 

@@ -1,6 +1,6 @@
 """What `lora { }` refuses at compile time, each at its place in the recipe (file:line:col): adapters kiln would
 serve differently from PEFT (DoRA, targets it has no branch for, ranks above max_rank), and the options LoRA
-does not compose with (a speculative draft head, quantized weights, sharded weights: tp/dp > 1)."""
+does not compose with (a speculative draft head, sharded weights: tp/dp > 1)."""
 from __future__ import annotations
 
 import re
@@ -53,7 +53,6 @@ def test_adapters_kiln_cannot_serve_are_refused_at_their_place(kind, kw, message
 
 @pytest.mark.parametrize("extra,key,message", [
     ("speculative { method = mtp; tokens = 1 }", "method = mtp", "LoRA with speculative method = mtp is not supported"),
-    ("quantize { weights = fp8 }", "fp8", "LoRA over quantized base weights is not supported"),
     ("parallel { tp = 2 }", "tp = 2", "LoRA with parallel.tp > 1 is not supported"),
     ("parallel { dp = 2 }", "dp = 2", "LoRA with parallel.dp > 1 is not supported"),
 ])
