@@ -221,9 +221,49 @@ def _source_tensors(entry: _Entry) -> list[tuple[str, ...]]:
             for src in entry.spec.sources_for(entry.layer)]
 
 
+FP8_CHECKPOINT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+BLOCK_SIZES = (128, 64, 256, 32, 16, 512)  # DeepSeek's 128 first: a weight of one tile fits any of them
+
+
+def float_source(ckpt: Checkpoint, name: str, spec: ParamSpec) -> torch.Tensor:
+    """Checkpoint tensor `name` as the float param `spec`: cast, or — for an fp8 tensor (a quantized checkpoint
+    whose tensor this param reads unquantized, e.g. the experts of DeepSeek-V3's or Qwen3-MoE-FP8's checkpoints,
+    which `quantize_weights` leaves float) — dequantized with its `<name>_scale` (per tensor or per row,
+    compressed-tensors) or `<name>_scale_inv` (128x128 blocks, DeepSeek). A cast alone would read e4m3 codes
+    as weights. Integer tensors (packed int4, int8) have no float meaning here: an error naming the tensor."""
+    t = ckpt.get(name)
+    dtype = TORCH_DTYPES[spec.dtype]
+    if t.dtype.is_floating_point and t.dtype not in FP8_CHECKPOINT_DTYPES:
+        return t.to(dtype)
+    if t.dtype not in FP8_CHECKPOINT_DTYPES:
+        raise WeightError(f"checkpoint tensor '{name}' is {str(t.dtype).removeprefix('torch.')}, but param "
+                          f"'{spec.name}' is {spec.dtype} and reads it unquantized; a quantized checkpoint needs its "
+                          "`quantize { weights = ... }` line (kiln recipe from-hf writes it)", spec.loc)
+    scales = [f"{name}_scale", f"{name}_scale_inv"]
+    scale_name = next((s for s in scales if s in ckpt), None)
+    if scale_name is None:
+        raise WeightError(f"checkpoint tensor '{name}' is fp8 but has no scale ('{scales[0]}' or '{scales[1]}') to "
+                          f"dequantize it into param '{spec.name}' ({spec.dtype})", spec.loc)
+    from kiln.compiler.quant import fp8_dequantize
+
+    scale = ckpt.get(scale_name).float()
+    n, k = t.shape if t.dim() == 2 else (t.shape[0], 1)
+    if scale.numel() == 1:
+        return fp8_dequantize(t.reshape(n, -1), scale.reshape(1)).reshape(t.shape).to(dtype)
+    if tuple(scale.shape) in ((n,), (n, 1)):
+        return fp8_dequantize(t.reshape(n, -1), scale.reshape(n)).reshape(t.shape).to(dtype)
+    block = next((b for b in BLOCK_SIZES if scale.dim() == 2 and t.dim() == 2
+                  and tuple(scale.shape) == (-(-n // b), -(-k // b))), None)
+    if block is None:
+        raise WeightError(f"checkpoint '{scale_name}' has shape {_fmt(scale.shape)}, which is no per-tensor, per-row "
+                          f"or block scale of '{name}' {_fmt(t.shape)}", spec.loc)
+    return fp8_dequantize(t, scale, block).to(dtype)
+
+
 def _load(entry: _Entry, ckpt: Checkpoint) -> torch.Tensor:
-    dtype = TORCH_DTYPES[entry.spec.dtype]
-    parts = [torch.stack([ckpt.get(n).to(dtype) for n in names]) if EXPERT_INDEX in src else ckpt.get(src).to(dtype)
+    spec = entry.spec
+    parts = [torch.stack([float_source(ckpt, n, spec) for n in names]) if EXPERT_INDEX in src
+             else float_source(ckpt, src, spec)
              for src, names in zip(entry.spec.sources_for(entry.layer), _source_tensors(entry), strict=True)]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=entry.spec.concat_dim)
     return t.contiguous()

@@ -173,3 +173,44 @@ def test_a_shard_index_of_the_wrong_shape_is_a_checkpoint_error(tmp_path):
     (tmp_path / "ck/model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a", "b"]}))
     with pytest.raises(CheckpointError, match="weight_map must map tensor names to file names"):
         convert_weights(make_program(), tmp_path / "ck", tmp_path / "out", progress=False)
+
+
+def _e4m3(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def test_fp8_checkpoint_tensors_into_float_params_are_dequantized_with_their_scales(ckpt_factory, tmp_path):
+    """An unquantized param reading an e4m3 checkpoint tensor (DeepSeek-V3's and the FP8 MoE checkpoints'
+    experts: quantize_weights leaves 3-D expert weights float) gets codes x scale, not the codes: per row
+    (`_scale` [N, 1]), per tensor (`_scale` [1]) and 16x16 blocks (`_scale_inv`); the rest stays as it was."""
+    tensors = checkpoint_tensors()
+    p = "model.layers.0.self_attn"
+    q, k, v = (tensors[f"{p}.{m}_proj.weight"] for m in "qkv")
+    q_s = q.abs().amax(1, keepdim=True) / 448
+    v_s = (v.abs().amax() / 448).reshape(1)
+    k_s = torch.stack([k[i:i + 16, j:j + 16].abs().amax() / 448 for i in range(0, KV, 16)
+                       for j in range(0, HIDDEN, 16)]).reshape(-(-KV // 16), HIDDEN // 16)
+    k_full = k_s.repeat_interleave(16, 0)[:KV].repeat_interleave(16, 1)[:, :HIDDEN]
+    tensors |= {f"{p}.q_proj.weight": _e4m3(q, q_s), f"{p}.q_proj.weight_scale": q_s,
+                f"{p}.k_proj.weight": _e4m3(k, k_full), f"{p}.k_proj.weight_scale_inv": k_s,
+                f"{p}.v_proj.weight": _e4m3(v, v_s), f"{p}.v_proj.weight_scale": v_s}
+    files = convert_weights(make_program(), ckpt_factory(tensors=tensors), tmp_path, progress=False)
+    w = read_all(tmp_path / "weights/rank0", files)["decoder.0.wqkv"]
+    want = torch.cat([_e4m3(q, q_s).float() * q_s, _e4m3(k, k_full).float() * k_full, _e4m3(v, v_s).float() * v_s])
+    assert torch.equal(w, want)
+    assert (w - torch.cat([q, k, v])).abs().max() < 0.05  # and close to the float weights they quantize
+
+
+@pytest.mark.parametrize("tensor, message", [
+    (lambda w: (w.to(torch.float8_e4m3fn), None), "is fp8 but has no scale"),
+    (lambda w: (w.to(torch.int8), None), "is int8, but param 'decoder.wqkv' is f32 and reads it unquantized"),
+    (lambda w: (w.to(torch.float8_e4m3fn), torch.ones(3, 5)), r"has shape \[3, 5\], which is no per-tensor"),
+])
+def test_quantized_checkpoint_tensors_a_float_param_cannot_read_are_errors(tensor, message, ckpt_factory, tmp_path):
+    tensors = checkpoint_tensors()
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors[name], scale = tensor(tensors[name])
+    if scale is not None:
+        tensors[name + "_scale"] = scale
+    with pytest.raises(WeightError, match=message):
+        convert_weights(make_program(), ckpt_factory(tensors=tensors), tmp_path, progress=False)
