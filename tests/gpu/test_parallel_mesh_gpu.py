@@ -19,13 +19,15 @@ TOL = 0.1
 
 @pytest.fixture(scope="module")
 def build(tiny_checkpoint, tmp_path_factory):
-    def make(arch: str, mesh: str | None):
+    def make(arch: str, mesh: str | None, quantize: str | None = None):
         ckpt = tiny_checkpoint(arch)
         work = tmp_path_factory.mktemp(f"gpu_mesh_{arch}")
         assert main(["recipe", "from-hf", str(ckpt), "-o", str(work / "r.dsl")]) == 0
         text = (work / "r.dsl").read_text().replace("dtype   = fp32", "dtype   = bf16")
         if mesh:
             text = text.replace("  serve     {", f"  parallel  {{ {mesh} }}\n  serve     {{", 1)
+        if quantize:
+            text = text.replace("  serve     {", f"  quantize  {{ weights = {quantize} }}\n  serve     {{", 1)
         (work / "r.dsl").write_text(text)
         kiln.compile(work / "r.dsl", work / "art", target="h200", progress=False)
         return work / "art"
@@ -33,10 +35,12 @@ def build(tiny_checkpoint, tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize(("arch", "mesh"), [("llama", "tp = 2"), ("mixtral", "tp = 2; ep = 2"),
-                                            ("deepseek_v3", "dp = 2; ep = 2")])
-def test_single_process_mesh_on_one_gpu(arch, mesh, build, monkeypatch):
-    single, placed = build(arch, None), build(arch, mesh)
+@pytest.mark.parametrize(("arch", "mesh", "quantize"), [
+    ("llama", "tp = 2", None), ("mixtral", "tp = 2; ep = 2", None), ("deepseek_v3", "dp = 2; ep = 2", None),
+    ("llama", "tp = 2", "fp8(per_channel=true)"),  # the Triton fp8 GEMM on each rank's shard of weight + scales
+])
+def test_single_process_mesh_on_one_gpu(arch, mesh, quantize, build, monkeypatch):
+    single, placed = build(arch, None, quantize), build(arch, mesh, quantize)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (5, 40)]
     params = kiln.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=2)
@@ -52,4 +56,4 @@ def test_single_process_mesh_on_one_gpu(arch, mesh, build, monkeypatch):
             top = sorted((x.logprob for x in r.outputs[0].logprobs[step].values()), reverse=True)
             if len(top) > 1 and top[0] - top[1] < TOL:
                 break  # a near-tie: the rest may legitimately differ
-            assert a == b, f"{arch} {mesh}: token {step} differs"
+            assert a == b, f"{arch} {mesh} {quantize}: token {step} differs"
