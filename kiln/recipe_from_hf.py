@@ -342,14 +342,27 @@ def _tensor_names(ckpt: Path) -> set[str]:
 
 
 def _weight_quantization(cfg: dict[str, Any]) -> str | None:
-    """The recipe's `quantize.weights` for an llm-compressor / compressed-tensors FP8 checkpoint (from its
-    `quantization_config`), None for an unquantized one. Weights: `strategy` tensor / channel / block (with
-    `block_structure`); activations: none, `dynamic: true` (per token) or `dynamic: false` (static: the
-    checkpoint's per-tensor `input_scale`s are read). Other compressed-tensors formats are refused here;
-    other `quant_method`s are left to the recipe's author."""
+    """The recipe's `quantize.weights` for a quantized checkpoint (from its `quantization_config`), None for an
+    unquantized one:
+
+    * compressed-tensors FP8 (llm-compressor): weights `strategy` tensor / channel / block (with
+      `block_structure`); activations none, `dynamic: true` (per token) or `dynamic: false` (static: the
+      checkpoint's per-tensor `input_scale`s are read); its other formats are refused;
+    * `fp8` (transformers' FineGrainedFP8: DeepSeek-V3/R1, Qwen3-*-FP8): 128x128 (`weight_block_size`) e4m3
+      blocks with `weight_scale_inv`, activations quantized per token and block (`activation_scheme` dynamic);
+    * `awq` (AutoAWQ GEMM layout, 4 bits, zero points) and `gptq` (AutoGPTQ / GPTQModel, 4 bits,
+      `checkpoint_format` gptq = v1 or gptq_v2), with their `group_size`.
+    Any other `quant_method` (bitsandbytes, exl2, marlin, ...) is refused, naming it: a recipe without the
+    quantize line would read packed tensors as float weights."""
     qc = cfg.get("quantization_config") or {}
-    if qc.get("quant_method") != "compressed-tensors":
+    method = qc.get("quant_method")
+    if method is None:
         return None
+    if method in _QUANT_METHODS:
+        return _QUANT_METHODS[method](qc)
+    if method != "compressed-tensors":
+        raise UnsupportedCheckpoint(f"quantization_config.quant_method = {method!r}: kiln reads compressed-tensors "
+                                    "FP8, fp8 (128x128 blocks), awq (GEMM) and gptq (4-bit) checkpoints")
     schemes = set()
     for name, group in (qc.get("config_groups") or {}).items():
         w, act = group.get("weights") or {}, group.get("input_activations")
@@ -383,6 +396,49 @@ def _weight_quantization(cfg: dict[str, Any]) -> str | None:
         raise UnsupportedCheckpoint(f"compressed-tensors config groups quantize differently ({', '.join(sorted(schemes))}); "
                                     "kiln applies one fp8 scheme to every linear")
     return schemes.pop() if schemes else None
+
+
+def _fine_grained_fp8(qc: dict[str, Any]) -> str:
+    block = qc.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or block[0] != block[1]:
+        raise UnsupportedCheckpoint(f"fp8 weight_block_size {block}: kiln's fp8 blocks are square")
+    act = qc.get("activation_scheme", "dynamic")
+    if act != "dynamic":
+        raise UnsupportedCheckpoint(f"fp8 activation_scheme {act!r} with block scales: kiln quantizes the "
+                                    "activations of block-fp8 weights dynamically (per token and block)")
+    return f"fp8(block={int(block[0])}, act=dynamic)"
+
+
+def _int4_group(qc: dict[str, Any], method: str) -> int:
+    if qc.get("bits", 4) != 4:
+        raise UnsupportedCheckpoint(f"{method} with bits = {qc.get('bits')}: kiln reads 4-bit {method} checkpoints")
+    group = qc.get("group_size", 128)
+    if not isinstance(group, int) or group <= 0:
+        raise UnsupportedCheckpoint(f"{method} group_size = {group!r}: kiln reads grouped scales (a positive "
+                                    "group size; -1, one scale per output channel, is not supported)")
+    return group
+
+
+def _awq(qc: dict[str, Any]) -> str:
+    group = _int4_group(qc, "awq")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise UnsupportedCheckpoint(f"awq version {qc.get('version')!r}: kiln reads AutoAWQ's GEMM layout")
+    if qc.get("zero_point", True) is not True:
+        raise UnsupportedCheckpoint("awq with zero_point = false: kiln reads AutoAWQ GEMM checkpoints with zeros")
+    return f"awq(group={group})"
+
+
+def _gptq(qc: dict[str, Any]) -> str:
+    group = _int4_group(qc, "gptq")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise UnsupportedCheckpoint(f"gptq checkpoint_format {fmt!r}: kiln reads gptq (v1) and gptq_v2")
+    sym = qc.get("sym", True)
+    return f"gptq(group={group}, sym={'true' if sym else 'false'}" + (", format=v2)" if fmt == "gptq_v2" else ")")
+
+
+_QUANT_METHODS = {"fp8": _fine_grained_fp8, "awq": _awq, "gptq": _gptq}
 
 
 def checkpoint_model_args(ckpt_dir: str | Path, *, mtp: bool = True) -> tuple[str, dict[str, Any]]:

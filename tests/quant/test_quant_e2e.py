@@ -158,6 +158,29 @@ def test_int4_checkpoint_matches_dequantized_reference(fmt, ckpt, work, tokens, 
     assert params[qkv]["dtype"] == "i32" and ("decoder.wq_qweight" in params) == (fmt == "gptq")
 
 
+@pytest.mark.parametrize("fmt,config", [
+    ("awq", {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}),
+    ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": True}),
+])
+def test_from_hf_recipe_of_an_int4_checkpoint_compiles_to_its_dequantized_model(fmt, config, ckpt, work, tokens):
+    """`kiln recipe from-hf` reads AutoAWQ's / AutoGPTQ's `quantization_config` into the quantize line: the
+    generated recipe compiles as is and gives the dequantized reference's logits."""
+    from kiln.cli import main
+
+    work = work / "from_hf"
+    work.mkdir(exist_ok=True)
+    packed, reference = _int4_checkpoints(ckpt, work, fmt)
+    cfg = json.loads((packed / "config.json").read_text())
+    (packed / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
+    recipe = work / f"{fmt}_from_hf.dsl"
+    assert main(["recipe", "from-hf", str(packed), "-o", str(recipe)]) == 0
+    assert f"weights = {fmt}(group={GROUP}" in recipe.read_text()
+    kiln.compile(recipe, work / f"{fmt}_from_hf", progress=False)
+    got = log_probs(work / f"{fmt}_from_hf", tokens)
+    torch.testing.assert_close(got, log_probs(build(reference, work / f"{fmt}_from_hf_ref"), tokens), atol=1e-4,
+                               rtol=0)
+
+
 def test_int4_missing_packed_tensor_is_a_located_error(ckpt, work):
     with pytest.raises(WeightError, match=r"qweight.*is not in") as e:
         build(ckpt, work / "awq_plain", "weights = awq")

@@ -247,4 +247,33 @@ def test_from_hf_refuses_other_compressed_tensors_formats():
     cfg["config_groups"]["group_0"]["input_activations"] = None
     with pytest.raises(UnsupportedCheckpoint, match="4-bit int weights; kiln reads its FP8"):
         _weight_quantization({"quantization_config": cfg})
-    assert _weight_quantization({"quantization_config": {"quant_method": "fp8"}}) is None  # not compressed-tensors
+
+
+@pytest.mark.parametrize("config,expected", [
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     "fp8(block=128, act=dynamic)"),  # DeepSeek-V3 / Qwen3-FP8
+    ({"quant_method": "fp8"}, "fp8(block=128, act=dynamic)"),  # transformers' FineGrainedFP8Config defaults
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "awq(group=128)"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False},
+     "gptq(group=32, sym=false)"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"},
+     "gptq(group=128, sym=true, format=v2)"),
+])
+def test_from_hf_maps_fp8_awq_gptq_configs(config, expected):
+    from kiln.recipe_from_hf import _weight_quantization
+
+    assert _weight_quantization({"quantization_config": config}) == expected
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method = 'bitsandbytes'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "awq version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq with bits = 8"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size = -1"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
+])
+def test_from_hf_refuses_quantized_checkpoints_it_cannot_read(config, message):
+    from kiln.recipe_from_hf import UnsupportedCheckpoint, _weight_quantization
+
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        _weight_quantization({"quantization_config": config})
