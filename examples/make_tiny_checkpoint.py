@@ -81,6 +81,7 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                          "routed_scaling_factor": 1.5}),
     # 4 experts, top-2; expert width 32 (Qwen3-MoE: moe_intermediate_size; its dense width is unused)
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "phi3": ("Phi3Config", {"sliding_window": None}),  # fused qkv_proj / gate_up_proj in the checkpoint
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "use_sliding_window": False, "num_experts": 4,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
 }

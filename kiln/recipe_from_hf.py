@@ -181,6 +181,25 @@ def _llama(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "llama", args
 
 
+def _phi3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Phi-3 / Phi-4 (models/phi3.dsl): fused qkv_proj and gate_up_proj tensors, unscaled full rotary."""
+    rp = _rope_parameters(cfg)
+    kind = _rope_kind(rp)
+    if kind != "default":
+        raise UnsupportedCheckpoint(f"Phi-3 rope scaling {kind!r} is not supported yet (Phi-3-*-128k and "
+                                    "Phi-3.5 use longrope; the 4k/8k variants and Phi-4 are unscaled)")
+    rotary = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if rotary != 1.0:
+        raise UnsupportedCheckpoint(f"Phi-3 with partial_rotary_factor = {rotary} is not supported yet "
+                                    "(kiln's Phi-3 rotates every dim of a head)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpoint(f"Phi-3 with hidden_act = {cfg['hidden_act']!r} (kiln's is silu)")
+    args = _common(cfg, 10000.0)
+    if cfg.get("sliding_window"):
+        args["sliding_window"] = int(cfg["sliding_window"])
+    return "phi3", args
+
+
 def _refuse_sliding_window(cfg: dict[str, Any], family: str) -> None:
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         # Qwen applies the window only to layers >= max_window_layers; kiln has one window per model.
@@ -320,6 +339,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]]
     "DeepseekV2ForCausalLM": lambda cfg: _deepseek(cfg, v2=True),
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "Phi3ForCausalLM": _phi3,
 }
 
 

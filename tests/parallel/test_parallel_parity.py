@@ -21,7 +21,8 @@ CASES = [
     ("llama3_rope", "tp = 2", {}),
     ("mistral", "tp = 2", {}),
     ("qwen2", "tp = 2", {}),  # q/k/v bias: column-parallel biases
-    ("qwen3", "tp = 2", {"tie_word_embeddings": True}),  # q/k norm per head; the tied embedding is the LM head
+    ("qwen3", "tp = 2", {"tie_word_embeddings": True}),
+    ("phi3", "tp = 2", {}),  # q/k/v and gate/up fused in the checkpoint: one param cut per segment of its slices  # q/k norm per head; the tied embedding is the LM head
     ("mixtral", "tp = 2", {}),  # experts tensor-parallel inside (ep = 1)
     ("mixtral", "tp = 2; ep = 2", {}),  # two whole experts per rank
     ("qwen3_moe", "tp = 2; ep = 2; expert_placement = round_robin", {}),
