@@ -411,18 +411,17 @@ def linear_weight_params(node: Node) -> int:
 
 def regroup(segments: tuple[Segment, ...], factor: int, what: str) -> tuple[Segment, ...]:
     """The segments of a dim whose every `factor` consecutive elements became one (a packed int32 word of 8
-    int4 values, a scale per group or block): whole units map to whole packed units, or `factor / size`
-    units to one."""
+    int4 values, a scale per group or block): the fewest `t` whole units that pack into whole elements
+    (t = factor / gcd(size, factor)) become one unit of t·size / factor, so a rank holding a multiple of t
+    units holds exactly its packed elements (4 heads of 24 rows in 16-row blocks: 2 units of 3 blocks)."""
     out = []
     for seg in segments:
         if seg.padded:
             raise PlacementError(f"{what}: a padded segment ({seg}) cannot be packed by {factor}")
-        if seg.size % factor == 0:
-            out.append(Segment(seg.units, seg.size // factor))
-        elif factor % seg.size == 0 and seg.units % (factor // seg.size) == 0:
-            out.append(Segment(seg.units // (factor // seg.size), 1))
-        else:
+        t = factor // math.gcd(seg.size, factor)
+        if seg.units % t:
             raise PlacementError(f"{what}: {seg.units} units of {seg.size} do not pack by {factor}")
+        out.append(Segment(seg.units // t, t * seg.size // factor))
     return tuple(out)
 
 

@@ -58,13 +58,13 @@ def build(tiny_checkpoint, tmp_path_factory):
     from kiln.cli import main
 
     root = tmp_path_factory.mktemp("quantized_mesh")
-    base = tiny_checkpoint("llama")
     ckpts: dict[str, pathlib.Path] = {}
     cache: dict[tuple, pathlib.Path] = {}
 
-    def make(scheme: str | None, mesh: str | None) -> pathlib.Path:
-        key = (scheme, mesh)
+    def make(scheme: str | None, mesh: str | None, arch: str = "llama") -> pathlib.Path:
+        key = (scheme, mesh, arch)
         if key not in cache:
+            base = tiny_checkpoint(arch)
             kind = (scheme or "").split("(")[0]
             if kind in ("awq", "gptq") and kind not in ckpts:
                 ckpts[kind] = rewrite_checkpoint(base, root / f"ckpt-{kind}", _int4(kind))
@@ -103,6 +103,21 @@ def test_quantized_tp2_equals_one_device(scheme, build, local_mesh):
     params = json.loads((two / "manifest.json").read_text())["parallel"]["params"]
     quant = {n: p for n, p in params.items() if any(r in n for r in ("_fp8", "_scale", "_qweight", "_scales"))}
     assert quant and any(p["placement"] != "R" for p in quant.values()), "no quantized param is sharded"
+    lp1, tok1 = _run(one)
+    lp2, tok2 = _run(two)
+    for a, b in zip(lp1, lp2, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+    assert tok2 == tok1
+
+
+def test_deepseek_block_fp8_tp2_equals_one_device(build, local_mesh):
+    """DeepSeek-V3's scheme (block scales, activations per token and block) on MLA: q_b_proj's 4 heads of
+    24 rows split 48 a rank, three 16-row blocks each (a block scale unit of two heads), and every row-parallel
+    input slice is whole 16-column activation tiles, so tp = 2 is exact too."""
+    scheme = "fp8(block=16, act=dynamic)"
+    one, two = build(scheme, None, "deepseek_v3"), build(scheme, "tp = 2", "deepseek_v3")
+    params = json.loads((two / "manifest.json").read_text())["parallel"]["params"]
+    assert params["dense.wq_b_scale"]["placement"] == "S0[2x3]"
     lp1, tok1 = _run(one)
     lp2, tok2 = _run(two)
     for a, b in zip(lp1, lp2, strict=True):
