@@ -43,7 +43,9 @@ def test_h200_artifact_with_adapters_matches_peft_and_the_cpu_artifact(adapter, 
 
     params = kiln.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     want = kiln.LLM(str(cpu)).generate(PROMPTS, params, lora=NAMES)
-    for chunk in (None, 4):
+    # chunked prefill only (the interpreter is slow): every step then mixes an adapter's prompt chunk with the
+    # others' decodes; whole-prompt segments of up to 98 rows are tests/codegen/test_triton_lora.py's
+    for chunk in (4,):
         llm = kiln.LLM(str(tmp_path / "h200"), chunked_prefill=chunk)
         K = sys.modules[type(llm.engine.runner.model).__module__].K  # the artifact's triton kernels
         monkeypatch.setattr(K._ref, "lora", _no_fallback)
