@@ -42,12 +42,13 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
                              + "<|im_start|>user\nSay something") for i in range(n)]
 
 
-def run_once(artifact: Path, batch: list[list[int]], speculative: str | None, k: int, max_tokens: int) -> dict:
+def run_once(artifact: Path, batch: list[list[int]], speculative: str | None, k: int, max_tokens: int,
+             **engine_kw) -> dict:
     from kiln.runtime.engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(artifact, speculative=speculative, num_speculative_tokens=k if speculative else None,
-                       prefix_cache=None)
+                       prefix_cache=None, **engine_kw)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request("warmup", batch[0][:16], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
