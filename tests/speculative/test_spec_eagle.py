@@ -258,3 +258,39 @@ def test_acceptance_in_metrics_endpoint_labelled_eagle(target, heads):
     accepted = values["kiln:spec_decode_num_accepted_tokens_total" + label]
     assert 0 < drafts <= drafted <= 4 * drafts and 0 < accepted < drafted
     assert values["kiln:spec_decode_draft_acceptance_rate" + label] == pytest.approx(accepted / drafted)
+
+
+def test_a_batch_drafts_for_each_sequence_what_it_drafts_alone(target, heads):
+    """Four sequences of different lengths and budgets in one batch (the head's varlen forward over all their
+    tokens, then one decode per chained draft over those still drafting) get, at every length, the drafts each
+    gets when it runs alone; afterwards the head's pool is all free."""
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.model_runner import DraftInput
+    from kiln.runtime.scheduler import ScheduledBatch
+    from kiln.runtime.speculative import Launched
+
+    def drafts(engine, requests):
+        got: dict[str, dict[int, list[int]]] = {}
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+            for seq in engine.scheduler.running:
+                got.setdefault(seq.request_id, {})[seq.num_tokens] = list(seq.draft_token_ids)
+        return got
+
+    requests = [(str(i), p, greedy(m)) for i, (p, m) in enumerate(zip(prompts(), (9, 5, 12, 3), strict=True))]
+    engine = LLMEngine(target[1], speculative="eagle", num_speculative_tokens=4,
+                       speculative_model=str(heads["random"]), num_kv_blocks=64, prefix_cache=None)
+    batched = drafts(engine, requests)
+    alone = {}
+    for r in requests:
+        alone.update(drafts(engine, [r]))
+    assert batched == alone
+    assert sum(len(d) for seq in batched.values() for d in seq.values()) > 4 * len(requests)
+    assert {len(d) for seq in batched.values() for d in seq.values()} >= {1, 4}  # limits differ near the end
+    proposer = engine.speculator.proposer
+    proposer.propose(ScheduledBatch(), Launched(sampled=None, new_tokens=[], draft_input=DraftInput(None, None),
+                                                starts=[]), [], [])
+    proposer.block_manager.check_invariants([])
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
