@@ -128,6 +128,9 @@ class EagleHead:
                                                                                                        "embed"))}
         _fuse(self.w, [f"layers.0.self_attn.{p}_proj" for p in "qkv"], _QKV)
         _fuse(self.w, ["layers.0.mlp.gate_proj", "layers.0.mlp.up_proj"], _GATE_UP)
+        if hasattr(kernels, "pack_weights"):  # a library whose GEMM reads weights in its own layout (TVM's)
+            kernels.pack_weights(self.w, {f"{n}.weight" for n in ("fc", _QKV, "layers.0.self_attn.o_proj", _GATE_UP,
+                                                                   "layers.0.mlp.down_proj")})
         self.qkv_split = [shape.heads * shape.head_dim] + [shape.kv_heads * shape.head_dim] * 2
         self.rope = kernels.rope_cache(shape.head_dim, max_position, shape.rope_theta).to(device)
 
@@ -143,9 +146,9 @@ class EagleHead:
         if norm is not None:
             x = K.rms_norm(x, norm, s.eps)
         q, k, v = self._linear(x, _QKV).split(self.qkv_split, -1)
-        q = K.rope(q.reshape(n, s.heads, s.head_dim), batch.positions, self.rope)
-        k = K.rope(k.reshape(n, s.kv_heads, s.head_dim), batch.positions, self.rope)
-        a = K.paged_attention(q, k, v.reshape(n, s.kv_heads, s.head_dim), kv_cache, batch, s.head_dim ** -0.5)
+        a = K.paged_attention(q.reshape(n, s.heads, s.head_dim), k.reshape(n, s.kv_heads, s.head_dim),
+                              v.reshape(n, s.kv_heads, s.head_dim), kv_cache, batch, s.head_dim ** -0.5,
+                              rope_cache=self.rope)  # q and k roped at batch.positions, as K.rope does
         h = h + self._linear(a, "layers.0.self_attn.o_proj")
         x = K.rms_norm(h, self.w["layers.0.post_attention_layernorm.weight"], s.eps)
         return h + self._linear(K.silu_mul(self._linear(x, _GATE_UP)), "layers.0.mlp.down_proj")
@@ -167,17 +170,19 @@ class EagleHead:
         return out, kv[:, 0].flatten(0, 1)[:n], kv[:, 1].flatten(0, 1)[:n]
 
 
-def target_tensor(model: Any, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The target model's weight `name` (a generated Model's attribute) as a plain tensor of `shape`."""
+def target_tensor(model: Any, name: str, shape: tuple[int, ...], packed: bool = False) -> torch.Tensor:
+    """The target model's weight `name` (a generated Model's attribute) of `shape`: a plain tensor, or with
+    `packed` also one its kernel library holds in a layout of its own (read only by its kernels)."""
     t = getattr(model, name, None)
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+    if (not isinstance(t, torch.Tensor) and not (packed and hasattr(t, "dtype"))
+            or tuple(getattr(t, "shape", ())) != shape):
         raise ArtifactError(f"speculative eagle: the target model has no {name} tensor {list(shape)} (an EAGLE head "
                             "shares the target's embedding, final norm and LM head: a Llama-family model)")
     return t
 
 
-_KERNELS = ("logits", "embedding", "linear", "concat", "rms_norm", "rope_cache", "rope", "paged_attention",
-            "silu_mul")  # what the head runs of the target's kernel library
+# what the head runs of the target's kernel library
+_KERNELS = ("logits", "embedding", "linear", "concat", "rms_norm", "rope_cache", "paged_attention", "silu_mul")
 
 
 def target_kernels(model: Any) -> Any:
@@ -243,16 +248,16 @@ class EagleProposer(Proposer):
         kiln_file = path / "kiln.json"  # written by kiln compile; a raw checkpoint: its own eps (the target's)
         extra = json.loads(kiln_file.read_text(encoding="utf-8")) if kiln_file.is_file() else {}
         self.K = target_kernels(model)
-        embed = self.embed = target_tensor(model, "embed", (mc.vocab_size, shape.hidden))
+        self.embed = target_tensor(model, "embed", (mc.vocab_size, shape.hidden), packed=True)  # K.embedding's
         self.lm_head = target_lm_head(model)
-        self.norm = target_tensor(model, "norm", (shape.hidden,))
+        norm = self.norm = target_tensor(model, "norm", (shape.hidden,))
         self.norm_eps = float(extra.get("target_norm_eps") or shape.eps)
-        self.head = EagleHead(shape, weights, self.K, embed.dtype, embed.device, mc.max_model_len)
+        self.head = EagleHead(shape, weights, self.K, norm.dtype, norm.device, mc.max_model_len)
         bs = artifact.kv_cache_config.block_size
         tokens = runner.num_blocks * bs + artifact.scheduler_config.max_seqs * (config.num_tokens + bs)
         self.block_manager = BlockManager(cdiv(tokens, bs), bs)
         self.kv_cache = torch.zeros((self.block_manager.num_blocks, 2, bs, shape.kv_heads, shape.head_dim),
-                                    dtype=embed.dtype, device=embed.device)
+                                    dtype=norm.dtype, device=norm.device)
         self.kv: SeqStates[_HeadKV] = SeqStates(lambda seq: _HeadKV(shadow_sequence(seq)),
                                                 lambda state: self.block_manager.free(state.shadow))
 

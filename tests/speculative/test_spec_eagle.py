@@ -294,3 +294,17 @@ def test_a_batch_drafts_for_each_sequence_what_it_drafts_alone(target, heads):
                                                 starts=[]), [], [])
     proposer.block_manager.check_invariants([])
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+def test_eagle_on_a_target_whose_tied_embedding_is_packed(embedded, doc_prompts, tmp_path):
+    """The embedded model compiled for the cpu target holds its tied embedding / LM head in the TVM GEMM's packed
+    layout, which the head reads through the target's kernels (K.embedding, K.logits): greedy outputs equal
+    plain decoding."""
+    head = save_eagle_head(tmp_path / "head", pathlib.Path(__file__).resolve().parents[2] / "examples" / "embedded",
+                           repeat=True)
+    params = [greedy(12), greedy(9)]
+    want, _, _ = run(embedded, params, doc_prompts[:2], speculative=None)
+    got, _, engine = run(embedded, params, doc_prompts[:2], speculative="eagle", num_speculative_tokens=3,
+                         speculative_model=str(head))
+    assert not isinstance(engine.artifact.model.embed, torch.Tensor)  # the packed layout, not a tensor
+    assert tokens(got) == tokens(want) and engine.stats()["spec_num_draft_tokens"] > 0
