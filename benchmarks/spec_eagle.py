@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
 
-    import torch
+    # before torch: importing kiln.runtime first sets OMP_WAIT_POLICY (runtime/threads.py)
     from kiln.runtime.artifact import load_artifact
 
     name, artifact = ensure_artifact(args.artifact)
@@ -105,6 +105,8 @@ def main() -> None:
         if args.compare:
             assert runs["compared"][-1]["steps"] == runs["eagle"][-1]["steps"], "the two proposers drafted differently"
         results.append(row)
+    import torch
+
     meta = {"artifact": name, "k": args.tokens, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "threads": torch.get_num_threads(), "compare": str(args.compare) if args.compare else None}
     if args.json:
