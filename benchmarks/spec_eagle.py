@@ -6,6 +6,8 @@ drafts are about the target's own next token again (accepted where the model rep
 is the proposer's cost per step next to the target's, at each batch size. `--compare FILE` also runs the
 proposer of another version of runtime/speculative/eagle.py (`git show REV:runtime/speculative/eagle.py >
 FILE`), alternating with the current one (off, eagle, compared, off, ...), `--repeats` times on fresh engines.
+Reported: the median tokens/s (wall time) and CPU ms a token (this process's CPU time: steadier than wall time
+on a shared machine, but it counts threads that spin as well as those that work).
 
     python benchmarks/spec_eagle.py --batch-sizes 1 8 --tokens 4 --max-tokens 64 --repeats 3 [--compare old.py]
 """
@@ -99,6 +101,7 @@ def main() -> None:
                                            args.max_tokens, speculative_model=str(head)))
         row = {"batch": b, **{f"{m}_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[m])
                               for m in modes},
+               **{f"{m}_cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in runs[m]) for m in modes},
                "acceptance_rate": runs["eagle"][-1]["acceptance_rate"],
                "mean_acceptance_length": runs["eagle"][-1]["mean_acceptance_length"],
                "steps": {m: runs[m][-1]["steps"] for m in modes}}
@@ -114,9 +117,11 @@ def main() -> None:
         return
     print(f"artifact {name}, k = {args.tokens}, {args.max_tokens} greedy tokens a request, "
           f"median of {args.repeats}, {meta['threads']} threads")
-    print("batch  " + "  ".join(f"{m + ' tok/s':>15}" for m in modes) + "  acceptance  mean accepted length  steps")
+    print("batch  " + "  ".join(f"{m + ' tok/s':>15}" for m in modes) + "  "
+          + "  ".join(f"{m + ' cpu ms/tok':>20}" for m in modes) + "  acceptance  mean accepted length  steps")
     for r in results:
-        print(f"{r['batch']:5d}  " + "  ".join(f"{r[m + '_tokens_per_s']:15.1f}" for m in modes)
+        print(f"{r['batch']:5d}  " + "  ".join(f"{r[m + '_tokens_per_s']:15.1f}" for m in modes) + "  "
+              + "  ".join(f"{r[m + '_cpu_ms_per_token']:20.2f}" for m in modes)
               + f"  {r['acceptance_rate']:10.2f}  {r['mean_acceptance_length']:20.2f}  {r['steps']}")
 
 
