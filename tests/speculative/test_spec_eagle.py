@@ -3,7 +3,8 @@
 The head's features and chained drafts equal a reference built from HF's LlamaDecoderLayer by the EAGLE
 equations; greedy outputs equal plain decoding for k = 1, 2, 4 whether its drafts are mostly right or mostly
 wrong; sampled verification of 4 drafts keeps the target distribution; the recipe compiles the head into the
-artifact's eagle/; EAGLE-3 and mismatched heads are refused at their place; /metrics labels it eagle."""
+artifact's eagle/; EAGLE-3 and mismatched heads are refused at their place; /metrics labels it eagle; a batch of
+sequences gets the drafts each gets alone; a target with a packed tied embedding (TVM) runs it."""
 from __future__ import annotations
 
 import json
