@@ -42,12 +42,13 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
                              + "<|im_start|>user\nSay something") for i in range(n)]
 
 
-def run_once(artifact: Path, batch: list[list[int]], speculative: str | None, k: int, max_tokens: int) -> dict:
+def run_once(artifact: Path, batch: list[list[int]], speculative: str | None, k: int, max_tokens: int,
+             **engine_kw) -> dict:
     from kiln.runtime.engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(artifact, speculative=speculative, num_speculative_tokens=k if speculative else None,
-                       prefix_cache=None)
+                       prefix_cache=None, **engine_kw)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request("warmup", batch[0][:16], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -56,18 +57,19 @@ def run_once(artifact: Path, batch: list[list[int]], speculative: str | None, k:
     for i, prompt in enumerate(batch):
         engine.add_request(str(i), prompt, params)
     generated, steps = 0, 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         steps += 1
         for out in engine.step():
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     s = engine.stats()
     drafted = s["spec_num_draft_tokens"] - base["spec_num_draft_tokens"]
     accepted = s["spec_num_accepted_tokens"] - base["spec_num_accepted_tokens"]
     drafts = s["spec_num_drafts"] - base["spec_num_drafts"]
-    return {"tokens_per_s": generated / seconds, "steps": steps, "generated": generated,
+    return {"tokens_per_s": generated / seconds, "cpu_ms_per_token": 1e3 * cpu / generated, "steps": steps,
+            "generated": generated,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
 

@@ -91,6 +91,14 @@ class SeqStates(Generic[T]):
         return len(self._states)
 
 
+def shadow_sequence(seq: Sequence) -> Sequence:
+    """A proposer's own `Sequence` following `seq` (same ids and limits, no tokens, no blocks): its block table
+    and computed count in the proposer's BlockManager."""
+    return Sequence(seq_id=seq.seq_id, request_id=seq.request_id, index=seq.index, token_ids=[],
+                    num_prompt_tokens=seq.num_prompt_tokens, params=seq.params, max_tokens=seq.max_tokens,
+                    arrival=seq.arrival)
+
+
 class SpeculativeDecoder:
     """Decoding with a proposer (`config.method`) and verification by the target model.
 

@@ -13,7 +13,7 @@ from ..kv_cache import BlockManager, cdiv
 from ..model_runner import ModelRunner
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
-from . import Launched, Proposer, SeqStates
+from . import Launched, Proposer, SeqStates, shadow_sequence
 
 
 class DraftModelProposer(Proposer):
@@ -51,13 +51,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(draft.model, kv, num_blocks, draft.device)
         self.block_manager = BlockManager(num_blocks, kv.block_size)
         self.max_model_len = draft.model_config.max_model_len
-        self.shadows: SeqStates[Sequence] = SeqStates(self._shadow, self.block_manager.free)
-
-    @staticmethod
-    def _shadow(seq: Sequence) -> Sequence:
-        return Sequence(seq_id=seq.seq_id, request_id=seq.request_id, index=seq.index, token_ids=[],
-                        num_prompt_tokens=seq.num_prompt_tokens, params=seq.params, max_tokens=seq.max_tokens,
-                        arrival=seq.arrival)
+        self.shadows: SeqStates[Sequence] = SeqStates(shadow_sequence, self.block_manager.free)
 
     def propose(self, batch: ScheduledBatch, launched: Launched, wanting: list[int],
                 limits: list[int]) -> list[list[int]]:

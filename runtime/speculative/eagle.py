@@ -2,8 +2,10 @@
 
 The head is one Llama decoder layer after a projection `fc` of [embedding(token t+1); target feature at t]
 (the target's last hidden state after its final norm) to a feature at t+1; the target's LM head turns a feature
-into draft logits. It shares the target's embedding and LM head, and keeps the KV of its one layer itself. Drafts
-2..k chain the head on its own output feature and the previous draft.
+into draft logits. It shares the target's embedding and LM head, and keeps the KV of its one layer itself, paged
+(its own block pool, a block table per sequence). Drafts 2..k chain the head on its own output feature and the
+previous draft. The head runs by the target's kernel library (its model.py's `K`), batched over every sequence of
+a step: one varlen forward over the step's tokens, then one decode forward per chained draft.
 
 `read_checkpoint` checks a checkpoint directory (config.json and fc.weight / layers.0.* in model.safetensors or
 pytorch_model.bin) and is what `kiln compile` runs for `speculative { method = eagle; draft = "hf:DIR" }` before
@@ -11,6 +13,7 @@ storing the head in the artifact's eagle/ (EAGLE_DIR).
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -18,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..config import SpeculativeConfig
 from ..errors import ArtifactError
+from ..forward_batch import ForwardBatch
+from ..kv_cache import BlockManager, cdiv
+from ..model_runner import host_to_device
 from ..scheduler import ScheduledBatch
-from . import Launched, Proposer, SeqStates
+from ..sequence import Sequence
+from . import Launched, Proposer, SeqStates, shadow_sequence
 
 EAGLE_DIR = "eagle"  # the head's checkpoint inside an artifact (config.json, model.safetensors)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -90,107 +96,143 @@ def read_checkpoint(path: str | Path) -> tuple[EagleShape, dict[str, torch.Tenso
     return shape, weights
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama's rotary embedding (rotate-half) of x [n, heads, head_dim] at `positions` [n]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    freqs = positions.float()[:, None] * inv[None]
-    cos, sin = (torch.cat([f, f], -1)[:, None].to(x.dtype) for f in (freqs.cos(), freqs.sin()))
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+_QKV = "layers.0.self_attn.qkv_proj"  # q/k/v fused into one GEMM, as the target's fuse_qkv makes it
+_GATE_UP = "layers.0.mlp.gate_up_proj"  # gate/up likewise (fuse_gate_up), read by the kernels' silu_mul
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+def _fuse(w: dict[str, torch.Tensor], names: list[str], fused: str) -> None:
+    """Replaces the linears `names` of `w` by one whose output is theirs side by side (a missing bias: zeros)."""
+    weights = [w.pop(f"{n}.weight") for n in names]
+    biases = [w.pop(f"{n}.bias", None) for n in names]
+    w[f"{fused}.weight"] = torch.cat(weights)
+    if any(b is not None for b in biases):
+        w[f"{fused}.bias"] = torch.cat([b if b is not None else weights[i].new_zeros(weights[i].shape[0])
+                                        for i, b in enumerate(biases)])
 
 
 class EagleHead:
-    """The head's math on one sequence's positions: `step(embeds, features, positions, past)` -> (features at the
-    next positions, the new K/V rows to append to `past`)."""
+    """The head's math over a flat, token-major batch of several sequences' rows, by the target's own kernel
+    library `kernels` (the `K` of its model.py: the rms_norm, rope, paged attention and GEMMs the target runs).
 
-    def __init__(self, shape: EagleShape, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+    `forward(embeds, features, batch, kv_cache)`: the embeddings of tokens t+1 and the features at t [T, hidden]
+    of the rows of `batch` (a ForwardBatch of the head's one paged KV layer `kv_cache`: each row's K/V is written
+    at `batch.slot_mapping`, then it attends over its sequence's rows through `batch.block_tables` and
+    `batch.seq_lens`; `batch.positions` are the rows' positions in their sequences, for the rotary embedding)
+    -> the features at t+1 [T, hidden]."""
+
+    def __init__(self, shape: EagleShape, weights: dict[str, torch.Tensor], kernels: Any, dtype: torch.dtype,
+                 device: torch.device, max_position: int) -> None:
         self.shape = shape
+        self.K = kernels
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if not k.startswith(("lm_head",
                                                                                                        "embed"))}
+        _fuse(self.w, [f"layers.0.self_attn.{p}_proj" for p in "qkv"], _QKV)
+        _fuse(self.w, ["layers.0.mlp.gate_proj", "layers.0.mlp.up_proj"], _GATE_UP)
+        if hasattr(kernels, "pack_weights"):  # a library whose GEMM reads weights in its own layout (TVM's)
+            kernels.pack_weights(self.w, {f"{n}.weight" for n in ("fc", _QKV, "layers.0.self_attn.o_proj", _GATE_UP,
+                                                                   "layers.0.mlp.down_proj")})
+        self.qkv_split = [shape.heads * shape.head_dim] + [shape.kv_heads * shape.head_dim] * 2
+        self.rope = kernels.rope_cache(shape.head_dim, max_position, shape.rope_theta).to(device)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
+        return self.K.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
 
-    def step(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-             past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s, n = self.shape, embeds.shape[0]
-        h = self._linear(torch.cat([embeds, features], -1), "fc")
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, batch: ForwardBatch,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        s, K, n = self.shape, self.K, embeds.shape[0]
+        h = self._linear(K.concat(embeds, features), "fc")
         x = h
         norm = self.w.get("layers.0.input_layernorm.weight")  # EAGLE-1/2: the first layer has none
         if norm is not None:
-            x = rms_norm(x, norm, s.eps)
-        q = rope(self._linear(x, "layers.0.self_attn.q_proj").view(n, s.heads, s.head_dim), positions, s.rope_theta)
-        k = rope(self._linear(x, "layers.0.self_attn.k_proj").view(n, s.kv_heads, s.head_dim), positions,
-                 s.rope_theta)
-        v = self._linear(x, "layers.0.self_attn.v_proj").view(n, s.kv_heads, s.head_dim)
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k]), torch.cat([past[1], v]))
-        p = keys.shape[0] - n
-        mask = torch.ones(n, p + n, dtype=torch.bool, device=x.device).tril(p)  # causal within the new rows
-        rep = s.heads // s.kv_heads
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(rep, 1).transpose(0, 1),
-                                              values.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
-        h = h + self._linear(attn.transpose(0, 1).reshape(n, s.heads * s.head_dim), "layers.0.self_attn.o_proj")
-        x = rms_norm(h, self.w["layers.0.post_attention_layernorm.weight"], s.eps)
-        mlp = F.silu(self._linear(x, "layers.0.mlp.gate_proj")) * self._linear(x, "layers.0.mlp.up_proj")
-        return h + self._linear(mlp, "layers.0.mlp.down_proj"), k, v
+            x = K.rms_norm(x, norm, s.eps)
+        q, k, v = self._linear(x, _QKV).split(self.qkv_split, -1)
+        a = K.paged_attention(q.reshape(n, s.heads, s.head_dim), k.reshape(n, s.kv_heads, s.head_dim),
+                              v.reshape(n, s.kv_heads, s.head_dim), kv_cache, batch, s.head_dim ** -0.5,
+                              rope_cache=self.rope)  # q and k roped at batch.positions, as K.rope does
+        h = h + self._linear(a, "layers.0.self_attn.o_proj")
+        x = K.rms_norm(h, self.w["layers.0.post_attention_layernorm.weight"], s.eps)
+        return h + self._linear(K.silu_mul(self._linear(x, _GATE_UP)), "layers.0.mlp.down_proj")
+
+    def step(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+             past: None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` over one sequence's rows at consecutive `positions` with no rows before them, on a scratch
+        pool: (features, the rows' K, their V). A reference check's entry point; the proposer runs `forward`."""
+        assert past is None, "EagleHead.step runs one sequence from no past rows"
+        s, n, bs = self.shape, embeds.shape[0], 16
+        dev = embeds.device
+        kv = torch.zeros(cdiv(n, bs), 2, bs, s.kv_heads, s.head_dim, dtype=embeds.dtype, device=dev)
+        i32 = functools.partial(torch.tensor, dtype=torch.int32, device=dev)
+        batch = ForwardBatch(input_ids=i32([0] * n), positions=positions.to(device=dev, dtype=torch.int32),
+                             query_start_loc=i32([0, n]), seq_lens=i32([n]),
+                             block_tables=i32([list(range(kv.shape[0]))]),
+                             slot_mapping=torch.arange(n, device=dev), logits_indices=i32([]))
+        out = self.forward(embeds, features, batch, kv)
+        return out, kv[:, 0].flatten(0, 1)[:n], kv[:, 1].flatten(0, 1)[:n]
 
 
-@dataclass(slots=True)
-class _HeadKV:
-    """One sequence's head KV: rows for positions `pos` (those of the target's computed tokens, then drafts')."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    pos: torch.Tensor | None = None
-
-    def keep_below(self, position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Drops rows at `position` and after (drafts, rejected or not, and a preempted sequence's); the rest."""
-        if self.pos is None:
-            return None
-        keep = self.pos < position
-        self.k, self.v, self.pos = self.k[keep], self.v[keep], self.pos[keep]
-        return (self.k, self.v) if self.pos.numel() else None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        if self.pos is None or not self.pos.numel():
-            self.k, self.v, self.pos = k, v, pos
-        else:
-            self.k, self.v, self.pos = torch.cat([self.k, k]), torch.cat([self.v, v]), torch.cat([self.pos, pos])
-
-
-def target_tensor(model: Any, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The target model's weight `name` (a generated Model's attribute) as a plain tensor of `shape`."""
+def target_tensor(model: Any, name: str, shape: tuple[int, ...], packed: bool = False) -> torch.Tensor:
+    """The target model's weight `name` (a generated Model's attribute) of `shape`: a plain tensor, or with
+    `packed` also one its kernel library holds in a layout of its own (read only by its kernels)."""
     t = getattr(model, name, None)
-    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+    if (not isinstance(t, torch.Tensor) and not (packed and hasattr(t, "dtype"))
+            or tuple(getattr(t, "shape", ())) != shape):
         raise ArtifactError(f"speculative eagle: the target model has no {name} tensor {list(shape)} (an EAGLE head "
                             "shares the target's embedding, final norm and LM head: a Llama-family model)")
     return t
 
 
+# what the head runs of the target's kernel library
+_KERNELS = ("logits", "embedding", "linear", "concat", "rms_norm", "rope_cache", "paged_attention", "silu_mul")
+
+
+def target_kernels(model: Any) -> Any:
+    """The target's kernel library (the `K` its generated model.py calls), which the head runs on too."""
+    kernels = getattr(sys.modules[type(model).__module__], "K", None)
+    missing = [k for k in _KERNELS if kernels is not None and not hasattr(kernels, k)]
+    if kernels is None or missing:
+        raise ArtifactError(f"speculative eagle: the target's model.py has no kernel library with "
+                            f"{', '.join(missing or _KERNELS)} (K.*), which the EAGLE head runs on")
+    return kernels
+
+
 def target_lm_head(model: Any) -> Any:
     """features [n, hidden] -> float32 logits [n, vocab] by the target's own LM head kernel (its weight may be
     held in a kernel library's packed layout), `lm_head` or the tied embedding."""
-    kernels = getattr(sys.modules[type(model).__module__], "K", None)
+    kernels = target_kernels(model)
     weight = getattr(model, "lm_head", None)
     weight = model.embed if weight is None else weight
-    if kernels is None or not hasattr(kernels, "logits"):
-        raise ArtifactError("speculative eagle: the target's model.py has no LM head kernel (K.logits)")
     return lambda f: kernels.logits(f, weight, torch.arange(f.shape[0], device=f.device))
+
+
+@dataclass(slots=True)
+class _HeadKV:
+    """One sequence's rows in the head's paged pool: the K/V of its positions `first`, `first` + 1, ... (those
+    of the target's computed tokens, then drafts'), in the blocks of `shadow.block_table` (the head's
+    BlockManager), `shadow.num_computed_tokens` of them being the rows kept across steps."""
+
+    shadow: Sequence
+    first: int = 0
+
+    def keep_below(self, position: int) -> None:
+        """Drops rows at `position` and after (drafts, rejected or not, and a preempted sequence's); rows would
+        start at `position` when none below it are held (a prefix-cache hit, or a recompute from the start)."""
+        held = self.shadow.num_computed_tokens
+        if self.first <= position <= self.first + held:
+            self.shadow.num_computed_tokens = position - self.first
+        else:
+            self.first, self.shadow.num_computed_tokens = position, 0
 
 
 class EagleProposer(Proposer):
     """Runs the head over every token the target computed in the step (its KV must cover each computed
-    position, drafting or not), rows past a rejected draft dropped; then chains it from each drafting sequence's
-    last valid position `limit` times, greedily. Chained rows' KV is dropped at the next step, which rewrites
-    those positions from the target's features. A prefix-cache hit leaves the head without KV for the cached
-    positions: its drafts are then worse, never wrong (verification is exact)."""
+    position, drafting or not), rows past a rejected draft dropped: one varlen forward over every sequence of
+    the step; then chains it from each drafting sequence's last valid position `limit` times, greedily: one
+    batched decode forward per draft over the sequences still drafting. The head's KV is one paged layer of
+    its own (a BlockManager over as many token slots as the target's pool plus k + a block per sequence it may
+    run), block tables per sequence. Chained rows' KV is dropped at the next step, which rewrites those
+    positions from the target's features. A prefix-cache hit leaves the head without KV for the cached
+    positions: its drafts are then worse, never wrong (verification is exact); so does a full head pool (the
+    sequence's rows restart at the next step)."""
 
     needs_hidden = True
 
@@ -205,49 +247,110 @@ class EagleProposer(Proposer):
         model, mc = artifact.model, artifact.model_config
         kiln_file = path / "kiln.json"  # written by kiln compile; a raw checkpoint: its own eps (the target's)
         extra = json.loads(kiln_file.read_text(encoding="utf-8")) if kiln_file.is_file() else {}
-        embed = self.embed = target_tensor(model, "embed", (mc.vocab_size, shape.hidden))
+        self.K = target_kernels(model)
+        self.embed = target_tensor(model, "embed", (mc.vocab_size, shape.hidden), packed=True)  # K.embedding's
         self.lm_head = target_lm_head(model)
-        self.norm = target_tensor(model, "norm", (shape.hidden,))
+        norm = self.norm = target_tensor(model, "norm", (shape.hidden,))
         self.norm_eps = float(extra.get("target_norm_eps") or shape.eps)
-        self.head = EagleHead(shape, weights, embed.dtype, embed.device)
-        self.kv: SeqStates[_HeadKV] = SeqStates(lambda seq: _HeadKV())
+        self.head = EagleHead(shape, weights, self.K, norm.dtype, norm.device, mc.max_model_len)
+        bs = artifact.kv_cache_config.block_size
+        tokens = runner.num_blocks * bs + artifact.scheduler_config.max_seqs * (config.num_tokens + bs)
+        self.block_manager = BlockManager(cdiv(tokens, bs), bs)
+        self.kv_cache = torch.zeros((self.block_manager.num_blocks, 2, bs, shape.kv_heads, shape.head_dim),
+                                    dtype=norm.dtype, device=norm.device)
+        self.kv: SeqStates[_HeadKV] = SeqStates(lambda seq: _HeadKV(shadow_sequence(seq)),
+                                                lambda state: self.block_manager.free(state.shadow))
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden states (before its final norm) as the head reads them."""
-        return rms_norm(hidden, self.norm, self.norm_eps)
+        return self.K.rms_norm(hidden, self.norm, self.norm_eps)
 
     def propose(self, batch: ScheduledBatch, launched: Launched, wanting: list[int],
                 limits: list[int]) -> list[list[int]]:
         self.kv.prune()
         want = dict(zip(wanting, limits, strict=True))
-        out: dict[int, list[int]] = {}
-        device = self.embed.device
-        feats = self.features(launched.draft_input.hidden)
+        rows: list[int] = []  # the step's hidden rows the head reads, sequence after sequence
+        tokens: list[int] = []  # token t+1 of each
+        entries: list[tuple[_HeadKV, int, int]] = []  # (state, first position, rows) of each sequence it runs
+        chains: list[tuple[int, int, _HeadKV]] = []  # (batch index, last row, state) of each drafting sequence
         base = 0
+        for i, (seq, n, start) in enumerate(zip(batch.seqs, batch.num_new_tokens, launched.starts, strict=True)):
+            count = seq.num_computed_tokens - start  # valid rows: computed, token t+1 known
+            lo, base = base, base + n
+            if seq.is_finished:
+                continue
+            state = self.kv.get(seq)
+            state.keep_below(start)
+            if count <= 0:
+                continue
+            if not self.block_manager.allocate_slots(state.shadow, count + want.get(i, 1) - 1):
+                self.block_manager.free(state.shadow)  # a full pool: its rows restart at the next step
+                state.first, state.shadow.num_computed_tokens = seq.num_computed_tokens, 0
+                continue
+            rows.extend(range(lo, lo + count))
+            tokens.extend(seq.token_ids[start + 1:start + 1 + count])
+            entries.append((state, start, count))
+            if i in want:
+                chains.append((i, len(rows) - 1, state))
+        if not entries:
+            return [[] for _ in wanting]
+        K, device = self.K, self.kv_cache.device
         with torch.inference_mode():
-            for i, (seq, n, start) in enumerate(zip(batch.seqs, batch.num_new_tokens, launched.starts,
-                                                    strict=True)):
-                rows = feats[base:base + seq.num_computed_tokens - start]  # valid rows: computed, token t+1 known
-                base += n
-                state = self.kv.get(seq)
-                past = state.keep_below(start)
-                if not rows.shape[0]:
-                    continue
-                nxt = torch.tensor(seq.token_ids[start + 1:seq.num_computed_tokens + 1], device=device)
-                pos = torch.arange(start, seq.num_computed_tokens, device=device)
-                f, k, v = self.head.step(self.embed[nxt], rows, pos, past)
-                state.append(k, v, pos)
-                if i not in want:
-                    continue
-                f, p, drafts = f[-1:], seq.num_computed_tokens, []
-                while True:
-                    drafts.append(int(self.lm_head(f).argmax(-1)))
-                    if len(drafts) == want[i]:
-                        break
-                    pos = torch.tensor([p], device=device)
-                    f, k, v = self.head.step(self.embed[torch.tensor(drafts[-1:], device=device)], f, pos,
-                                             (state.k, state.v))
-                    state.append(k, v, pos)
-                    p += 1
-                out[i] = drafts
-        return [out.get(i, []) for i in wanting]
+            fb = self._batch(entries, host_to_device(tokens, torch.int32, device))
+            feats = self.features(launched.draft_input.hidden[host_to_device(rows, torch.int64, device)])
+            f = self.head.forward(K.embedding(fb.input_ids, self.embed), feats, fb, self.kv_cache)
+            for state, _, count in entries:
+                state.shadow.num_computed_tokens += count
+            if not chains:
+                return [[] for _ in wanting]
+            f = f[host_to_device([r for _, r, _ in chains], torch.int64, device)]
+            tok = self.lm_head(f).argmax(-1)  # draft 1 of every chain
+            live = list(range(len(chains)))
+            rounds = [(live, tok)]
+            for r in range(1, max(want[i] for i, _, _ in chains)):
+                keep = [j for j, c in enumerate(live) if want[chains[c][0]] > r]
+                if not keep:
+                    break
+                if len(keep) < len(live):
+                    index = host_to_device(keep, torch.int64, device)
+                    f, tok, live = f[index], tok[index], [live[j] for j in keep]
+                # draft r + 1: the head at position num_computed + r - 1, on draft r and its own feature
+                fb = self._batch([(chains[c][2], batch.seqs[chains[c][0]].num_computed_tokens + r - 1, 1)
+                                  for c in live], tok.to(torch.int32), num_decodes=len(live))
+                f = self.head.forward(K.embedding(fb.input_ids, self.embed), f, fb, self.kv_cache)
+                tok = self.lm_head(f).argmax(-1)
+                rounds.append((live, tok))
+            flat = iter(torch.cat([t for _, t in rounds]).tolist())  # the one copy of the drafts to the host
+        drafts: dict[int, list[int]] = {}
+        for live, _ in rounds:
+            for c in live:
+                drafts.setdefault(chains[c][0], []).append(next(flat))
+        return [drafts.get(i, []) for i in wanting]
+
+    def _batch(self, entries: list[tuple[_HeadKV, int, int]], input_ids: torch.Tensor,
+               num_decodes: int = 0) -> ForwardBatch:
+        """The head's ForwardBatch of `entries` (state, position p, count): each sequence's rows at positions
+        p, p + 1, ... after the rows its state holds below p; rotary positions in the sequence, slots and context
+        in the head's pool."""
+        bs = self.block_manager.block_size
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, lens = [0], []
+        for state, start, count in entries:
+            table, lo = state.shadow.block_table, start - state.first
+            positions.extend(range(start, start + count))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(lo, lo + count))
+            starts.append(starts[-1] + count)
+            lens.append(lo + count)
+        width = cdiv(max(lens), bs)
+        tables = [state.shadow.block_table[:cdiv(n, bs)] + [-1] * (width - cdiv(n, bs))
+                  for (state, _, _), n in zip(entries, lens, strict=True)]
+        device = self.kv_cache.device
+
+        def i32(values: list) -> torch.Tensor:
+            return host_to_device(values, torch.int32, device)
+
+        return ForwardBatch(input_ids=input_ids, positions=i32(positions), query_start_loc=i32(starts),
+                            seq_lens=i32(lens), block_tables=i32(tables),
+                            slot_mapping=host_to_device(slots, torch.int64, device), logits_indices=i32([]),
+                            num_decodes=num_decodes)

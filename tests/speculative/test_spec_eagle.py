@@ -3,7 +3,8 @@
 The head's features and chained drafts equal a reference built from HF's LlamaDecoderLayer by the EAGLE
 equations; greedy outputs equal plain decoding for k = 1, 2, 4 whether its drafts are mostly right or mostly
 wrong; sampled verification of 4 drafts keeps the target distribution; the recipe compiles the head into the
-artifact's eagle/; EAGLE-3 and mismatched heads are refused at their place; /metrics labels it eagle."""
+artifact's eagle/; EAGLE-3 and mismatched heads are refused at their place; /metrics labels it eagle; a batch of
+sequences gets the drafts each gets alone; a target with a packed tied embedding (TVM) runs it."""
 from __future__ import annotations
 
 import json
@@ -258,3 +259,53 @@ def test_acceptance_in_metrics_endpoint_labelled_eagle(target, heads):
     accepted = values["kiln:spec_decode_num_accepted_tokens_total" + label]
     assert 0 < drafts <= drafted <= 4 * drafts and 0 < accepted < drafted
     assert values["kiln:spec_decode_draft_acceptance_rate" + label] == pytest.approx(accepted / drafted)
+
+
+def test_a_batch_drafts_for_each_sequence_what_it_drafts_alone(target, heads):
+    """Four sequences of different lengths and budgets in one batch (the head's varlen forward over all their
+    tokens, then one decode per chained draft over those still drafting) get, at every length, the drafts each
+    gets when it runs alone; afterwards the head's pool is all free."""
+    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.model_runner import DraftInput
+    from kiln.runtime.scheduler import ScheduledBatch
+    from kiln.runtime.speculative import Launched
+
+    def drafts(engine, requests):
+        got: dict[str, dict[int, list[int]]] = {}
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+            for seq in engine.scheduler.running:
+                got.setdefault(seq.request_id, {})[seq.num_tokens] = list(seq.draft_token_ids)
+        return got
+
+    requests = [(str(i), p, greedy(m)) for i, (p, m) in enumerate(zip(prompts(), (9, 5, 12, 3), strict=True))]
+    engine = LLMEngine(target[1], speculative="eagle", num_speculative_tokens=4,
+                       speculative_model=str(heads["random"]), num_kv_blocks=64, prefix_cache=None)
+    batched = drafts(engine, requests)
+    alone = {}
+    for r in requests:
+        alone.update(drafts(engine, [r]))
+    assert batched == alone
+    assert sum(len(d) for seq in batched.values() for d in seq.values()) > 4 * len(requests)
+    assert {len(d) for seq in batched.values() for d in seq.values()} >= {1, 4}  # limits differ near the end
+    proposer = engine.speculator.proposer
+    proposer.propose(ScheduledBatch(), Launched(sampled=None, new_tokens=[], draft_input=DraftInput(None, None),
+                                                starts=[]), [], [])
+    proposer.block_manager.check_invariants([])
+    assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+def test_eagle_on_a_target_whose_tied_embedding_is_packed(embedded, doc_prompts, tmp_path):
+    """The embedded model compiled for the cpu target holds its tied embedding / LM head in the TVM GEMM's packed
+    layout, which the head reads through the target's kernels (K.embedding, K.logits): greedy outputs equal
+    plain decoding."""
+    head = save_eagle_head(tmp_path / "head", pathlib.Path(__file__).resolve().parents[2] / "examples" / "embedded",
+                           repeat=True)
+    params = [greedy(12), greedy(9)]
+    want, _, _ = run(embedded, params, doc_prompts[:2], speculative=None)
+    got, _, engine = run(embedded, params, doc_prompts[:2], speculative="eagle", num_speculative_tokens=3,
+                         speculative_model=str(head))
+    assert not isinstance(engine.artifact.model.embed, torch.Tensor)  # the packed layout, not a tensor
+    assert tokens(got) == tokens(want) and engine.stats()["spec_num_draft_tokens"] > 0
