@@ -311,9 +311,10 @@ def gemm(tmp_path_factory):
 
 
 # (rows, K, N): every register-tile height (1-6) and tails of it, K not a multiple of the k-unroll, N from one
-# panel to the ~100 M model's fused gate/up width
-GEMM_SHAPES = [(1, 576, 960), (2, 37, 16), (3, 576, 48), (4, 1536, 576), (5, 64, 3072), (6, 575, 32), (7, 33, 16),
-               (13, 576, 960), (64, 1536, 576), (0, 64, 16)]
+# panel to the ~100 M model's fused gate/up width; at 1-3 rows (tasks of 4 / 3 / 2 panels) panel counts with and
+# without panels left over (5, 1 and 7, 3)
+GEMM_SHAPES = [(1, 576, 960), (1, 37, 80), (2, 37, 16), (2, 576, 112), (3, 576, 48), (4, 1536, 576), (5, 64, 3072),
+               (6, 575, 32), (7, 33, 16), (13, 576, 960), (64, 1536, 576), (0, 64, 16)]
 
 
 @pytest.mark.parametrize("rows,k,n", GEMM_SHAPES)
