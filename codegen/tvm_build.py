@@ -50,7 +50,8 @@ class TVMKernel:
 # kernel id (as kernel selection picks it) -> its TVMScript. `tvm.embedding` has none: a row gather from the packed
 # GEMM layout, in kernels/tvm.py.
 TVM_KERNELS: dict[str, TVMKernel] = {
-    "tvm.paged_attention": TVMKernel("tvm/paged_attention.py.j2", ("paged_attention", "kv_write", "rope_kv_write")),
+    "tvm.paged_attention": TVMKernel("tvm/paged_attention.py.j2", ("paged_attention", "kv_write", "kv_write_serial",
+                                                                  "rope_kv_write", "rope_kv_write_serial")),
     "tvm.add_rms_norm": TVMKernel("tvm/norm.py.j2", ("add_rms_norm", "add_rms_norm_serial")),
     "tvm.rms_norm": TVMKernel("tvm/norm.py.j2", ("rms_norm", "rms_norm_serial")),
     "tvm.silu_mul": TVMKernel("tvm/norm.py.j2", ("silu_mul", "silu_mul_serial")),

@@ -93,11 +93,14 @@ def _packed_qkv(q, k, v):
             qkv[:, h * d + kvw:].unflatten(-1, (-1, d)))
 
 
+@pytest.mark.parametrize("parallel_kv_write", [False, True], ids=["serial", "parallel"])
 @pytest.mark.parametrize("rope", [False, True], ids=["kv_write", "rope_kv_write"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}_kv{}_d{}_bs{}".format(*s))
-def test_paged_attention_matches_op_reference(package, shape, rope):
+def test_paged_attention_matches_op_reference(package, shape, rope, parallel_kv_write, monkeypatch):
     heads, kv_heads, head_dim, block_size = shape
     K = package(*shape)
+    # the KV write's two variants: over tokens in parallel (prefill-sized steps) and serial (decode-sized ones)
+    monkeypatch.setattr(K, "_PARALLEL_MIN", 0 if parallel_kv_write else 1 << 62)
     batch, kv_cache, q, k, v, dense = _batch(MIXED, heads, kv_heads, head_dim, block_size, torch.float32, rope=rope)
     scale = head_dim ** -0.5
     rope_cache = K.rope_cache(head_dim, 128, THETA) if rope else None
@@ -311,9 +314,10 @@ def gemm(tmp_path_factory):
 
 
 # (rows, K, N): every register-tile height (1-6) and tails of it, K not a multiple of the k-unroll, N from one
-# panel to the ~100 M model's fused gate/up width
-GEMM_SHAPES = [(1, 576, 960), (2, 37, 16), (3, 576, 48), (4, 1536, 576), (5, 64, 3072), (6, 575, 32), (7, 33, 16),
-               (13, 576, 960), (64, 1536, 576), (0, 64, 16)]
+# panel to the ~100 M model's fused gate/up width; at 1-3 rows (tasks of 4 / 3 / 2 panels) panel counts with and
+# without panels left over (5, 1 and 7, 3)
+GEMM_SHAPES = [(1, 576, 960), (1, 37, 80), (2, 37, 16), (2, 576, 112), (3, 576, 48), (4, 1536, 576), (5, 64, 3072),
+               (6, 575, 32), (7, 33, 16), (13, 576, 960), (64, 1536, 576), (0, 64, 16)]
 
 
 @pytest.mark.parametrize("rows,k,n", GEMM_SHAPES)
