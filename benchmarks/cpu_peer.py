@@ -329,7 +329,7 @@ def start_server(kind: str, ckpt: Path, art: Path, args: argparse.Namespace, log
     if kind == "kiln":
         cmd = [sys.executable, "-m", "kiln.cli", "serve", str(art), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", SERVED_NAME, "--log-level", "warning",
-               "--num-kv-blocks", str(kiln_kv_blocks(art, args.kv_gib))]
+               "--num-kv-blocks", str(kiln_kv_blocks(art, args.kv_gib)), *args.kiln_serve_args.split()]
         env["OMP_NUM_THREADS"] = str(args.kiln_threads)
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--host",
@@ -656,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-b1-prompts", type=int, default=8, help="prompts of the offline batch-1 run")
     ap.add_argument("--cores", type=parse_cores, help="cores both servers run on, e.g. 0-1 (default: all allowed)")
     ap.add_argument("--kiln-threads", type=int, help="kiln's OMP_NUM_THREADS (default: the number of cores)")
+    ap.add_argument("--kiln-serve-args", default="", help="more `kiln serve` options for kiln's server, e.g. "
+                    "'--stream-interval 4' (recorded in the JSON)")
     ap.add_argument("--kv-gib", type=float, help="KV cache space of each server, GiB (default 2; --tiny: 1/16)")
     ap.add_argument("--max-model-len", type=int, default=512, help="vLLM's --max-model-len (default 512)")
     ap.add_argument("--stream-seconds", type=float, help="length of the streaming loop (default 3)")
@@ -709,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": {"cores": args.cores, "kiln": {"OMP_NUM_THREADS": args.kiln_threads, "affinity": args.cores},
                     "vllm": {"VLLM_CPU_OMP_THREADS_BIND": cores_text(args.cores), "affinity": args.cores}
                     if args.vllm_python else None},
-        "vllm_python": args.vllm_python, "checkpoints": {},
+        "vllm_python": args.vllm_python, "kiln_serve_args": args.kiln_serve_args, "checkpoints": {},
     }
     t_run = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--mode", choices=["offline", "served"], required=True)
     ap.add_argument("--core", type=int, default=0, help="the CPU everything runs on (default 0)")
+    ap.add_argument("--serve-args", default="", help="more `kiln serve` options, e.g. '--stream-interval 4'")
     args = ap.parse_args()
     os.sched_setaffinity(0, {args.core})
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -68,7 +69,8 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", args.artifact, "--port", str(port),
-                             "--num-threads", "1", "--log-level", "warning", "--num-kv-blocks", "4096"],
+                             "--num-threads", "1", "--log-level", "warning", "--num-kv-blocks", "4096",
+                             *args.serve_args.split()],
                             stdout=subprocess.PIPE, text=True)
     try:
         core = int(re.search(r"engine core pid (\d+)", proc.stdout.readline()).group(1))

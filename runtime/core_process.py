@@ -62,6 +62,57 @@ WAITING = SequenceStatus.WAITING
 SEP = "\x1f"  # between a client's name and its request id in the engine's request ids
 
 
+def _merged(held: SeqDelta, new: SeqDelta) -> SeqDelta:
+    """`held` followed by `new`, as one delta of the same completion (per-token lists concatenated)."""
+    def cat(a: list | None, b: list | None) -> list | None:
+        return b if a is None else a if b is None else a + b
+
+    return SeqDelta(new.request_id, new.index, held.token_ids + new.token_ids, cat(held.logprobs, new.logprobs),
+                    cat(held.prompt_logprobs, new.prompt_logprobs), new.finish_reason, new.stop_reason, new.error)
+
+
+class StreamCoalescer:
+    """Holds back each completion's new tokens until `interval` of them are waiting, so that a client (the API
+    server, and behind it each HTTP stream) wakes up once per `interval` tokens of a stream instead of once per
+    step. A completion's first tokens, its end (finish, error) and anything with prompt logprobs go out at once;
+    held tokens are merged in order into the next delta sent. `forget` drops what is held for ended requests
+    (aborted: nothing more is sent for them). interval 1 passes every delta through unchanged."""
+
+    def __init__(self, interval: int) -> None:
+        if interval < 1:
+            raise ValueError(f"stream_interval {interval}: give at least 1")
+        self.interval = interval
+        # engine request id -> completion index -> its held delta (None: its first tokens went out, none held)
+        self.streams: dict[str, dict[int, SeqDelta | None]] = {}
+
+    def __call__(self, deltas: list[SeqDelta]) -> list[SeqDelta]:
+        if self.interval == 1:
+            return deltas
+        out, streams, interval = [], self.streams, self.interval
+        for d in deltas:
+            seqs = streams.setdefault(d.request_id, {})
+            started = d.index in seqs
+            held = seqs.get(d.index)
+            if held is not None:
+                d = _merged(held, d)
+            if d.finish_reason is not None:
+                out.append(d)
+                seqs.pop(d.index, None)
+                if not seqs:
+                    del streams[d.request_id]
+            elif len(d.token_ids) >= interval or (d.token_ids and not started) or d.prompt_logprobs:
+                out.append(d)
+                seqs[d.index] = None
+            else:
+                seqs[d.index] = d
+        return out
+
+    def forget(self, live: Callable[[str], bool]) -> None:
+        """Drops every request for which `live(request_id)` is False."""
+        for request_id in [r for r in self.streams if not live(r)]:
+            del self.streams[request_id]
+
+
 @dataclass
 class _Client:
     name: str
@@ -85,6 +136,7 @@ class EngineCoreProc:
         self.utilities: dict[str, Callable[..., Any]] = {"stats": lambda e: e.stats(), **LORA_UTILITIES}
         self.pollers: list[Callable[[], None]] = []  # run every loop iteration (plugins: runtime/disagg's roles)
         self._unscheduled: dict[str, float] = {}  # engine request id -> when it was added
+        self.coalescer = StreamCoalescer(config.stream_interval)
         self.num_step_errors = 0
         self.executor_failure: str | None = None  # set by a mesh executor's watcher thread (a rank died)
         self.latest = (0, CoreStats())  # (version, stats): one tuple, read by the heartbeat thread
@@ -163,8 +215,13 @@ class EngineCoreProc:
             os._exit(1)
 
     def _publish(self, deltas: list[SeqDelta], scheduled: list[tuple[str, float]]) -> None:
-        """One StepOutputs per client that has anything in this step; ids back to the client's own."""
+        """One StepOutputs per client that has anything in this step (after the coalescer held back what it
+        holds); ids back to the client's own."""
         version, stats = self.latest
+        coalescer = self.coalescer
+        if coalescer.interval > 1:
+            deltas = coalescer(deltas)
+            coalescer.forget(self.engine.requests.__contains__)  # aborted: nothing more is sent for them
         per_client: dict[str, tuple[list, list]] = {}
         for d in deltas:
             name, _, d.request_id = d.request_id.partition(SEP)

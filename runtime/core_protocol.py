@@ -36,7 +36,9 @@ class RequestLimits(msgspec.Struct, frozen=True):
 class CoreConfig(msgspec.Struct, kw_only=True):
     """How a launcher starts a core (core_process.main). `engine` holds EngineCore keyword arguments;
     `num_threads` the core's intra-op threads (threads.py: None = every core this process may run on);
-    `max_waiting` the sequences queued or preempted before an add is refused as overloaded; `plugins`
+    `max_waiting` the sequences queued or preempted before an add is refused as overloaded; `stream_interval`
+    how many new tokens of a completion the core holds back before it sends them (its first token and its end
+    are sent at once; 1: every step's, see core_process.StreamCoalescer); `plugins`
     "module:function" or "/path/file.py:function" callables run with the EngineCoreProc before it serves
     (extensions, test hooks); `plugin_options` their settings, by plugin (e.g. runtime/disagg's "disagg": the KV
     transport and the address its receiver binds, for a core serving one role on the network)."""
@@ -46,6 +48,7 @@ class CoreConfig(msgspec.Struct, kw_only=True):
     engine: dict[str, Any] = {}
     num_threads: int | None = None
     max_waiting: int = 1024
+    stream_interval: int = 1
     input_address: str = ""
     heartbeat_interval: float = 0.5
     client_timeout: float = 30.0  # a client silent this long is gone: its requests are aborted

@@ -20,6 +20,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give at least 1")
+    return value
+
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}
 
@@ -56,6 +66,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "as `kiln compile --report` states it)")
     p.add_argument("--num-threads", type=int, help="the engine core's intra-op threads (default: every CPU the "
                    "process may run on; the API server itself uses one)")
+    p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
+                   help="send a stream's tokens every N (its first token and its end at once); fewer, larger SSE "
+                        "events: less CPU per token in the API server and the client, coarser inter-token timing "
+                        "(default 1: every token)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
@@ -175,7 +189,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         transport = args.kv_transport or (manifest.get("disaggregate") or {}).get("transport", "tcp")
         config = core_config(args.artifact, max_waiting=args.max_waiting, num_threads=args.num_threads,
-                             num_kv_blocks=args.num_kv_blocks, prefix_cache=not args.no_prefix_cache,
+                             stream_interval=args.stream_interval, num_kv_blocks=args.num_kv_blocks, prefix_cache=not args.no_prefix_cache,
                              speculative=args.speculative, async_scheduling=args.async_scheduling,
                              kv_reserve=args.kv_reserve, num_speculative_tokens=args.num_speculative_tokens,
                              speculative_model=args.speculative_model)
@@ -199,7 +213,7 @@ def run_serve(args: argparse.Namespace) -> int:
                  reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
                  replicas=args.replicas, router_policy=args.router_policy,
                  num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
-                 kv_offload=args.kv_offload)
+                 kv_offload=args.kv_offload, stream_interval=args.stream_interval)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -1108,10 +1108,10 @@ def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = Tru
 
 
 def core_config(artifact: str | Path, *, max_waiting: int = 1024, num_threads: int | None = None,
-                **options: Any) -> CoreConfig:
+                stream_interval: int = 1, **options: Any) -> CoreConfig:
     """The engine core's configuration for `kiln serve`'s options (engine_options)."""
     return CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
-                      engine=engine_options(**options))
+                      stream_interval=stream_interval, engine=engine_options(**options))
 
 
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -1121,7 +1121,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           num_threads: int | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None,
           reasoning_efforts: dict[str, int] | None = None, disaggregate: dict | None = None, replicas: int = 1,
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
-          speculative_model: str | None = None, kv_offload: int | None = None) -> int:
+          speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -1134,13 +1134,14 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     over one prefill and one decode core instead of one core. `replicas` > 1 (`--data-parallel-size`): that many
     replicas (cores, each with its own ranks for a parallel artifact, or pairs) behind a KV-aware router
     (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements). `kv_offload`: bytes of the CPU
-    offload tier (None: the recipe's; 0: none; runtime/kv_offload.py)."""
+    offload tier (None: the recipe's; 0: none; runtime/kv_offload.py). `stream_interval`: a stream's tokens are
+    sent every that many (its first and last at once; core_process.StreamCoalescer)."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     effort_budgets(reasoning_efforts)  # so does a bad effort table
     threads.configure_api_server()
-    config = core_config(artifact, max_waiting=max_waiting, num_threads=num_threads, num_kv_blocks=num_kv_blocks,
-                         prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
+    config = core_config(artifact, max_waiting=max_waiting, num_threads=num_threads, stream_interval=stream_interval,
+                         num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
                          kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
                          speculative_model=speculative_model, kv_offload_bytes=kv_offload)
     with contextlib.ExitStack() as stack:

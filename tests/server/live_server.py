@@ -96,7 +96,8 @@ class LiveServer:
     to the core (it counts the sequences waiting). `replicas` > 1: that many cores behind the KV-aware router."""
 
     def __init__(self, artifact: Path, engine_kwargs: dict | None = None, *, max_waiting: int = 1024,
-                 disaggregate: dict | None = None, replicas: int = 1, **app_kwargs: Any) -> None:
+                 disaggregate: dict | None = None, replicas: int = 1, stream_interval: int = 1,
+                 **app_kwargs: Any) -> None:
         import uvicorn
         from kiln.runtime.async_engine import AsyncLLMEngine
         from kiln.runtime.core_client import CoreProcess
@@ -104,7 +105,7 @@ class LiveServer:
         from kiln.runtime.server import build_app
 
         config = CoreConfig(artifact=str(artifact), engine=dict(engine_kwargs or {}), max_waiting=max_waiting,
-                            num_threads=1, plugins=[HOOKS])
+                            num_threads=1, plugins=[HOOKS], stream_interval=stream_interval)
         self._stack = contextlib.ExitStack()
         try:
             if replicas > 1:  # a KV-aware router over replicas (runtime/disagg/router.py); `cores` in order

@@ -181,3 +181,46 @@ def test_streaming_sends_deltas_at_2000_tokens(long_artifact: Path, monkeypatch:
         assert "".join(texts) == nonstream.json()["choices"][0]["text"]  # the deltas add up to the whole
     finally:
         server.stop()
+
+
+def test_stream_interval_sends_fewer_larger_deltas_and_the_same_text(long_artifact: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """`--stream-interval 8`: the API server gets a message for a stream every 8 tokens (its first token and its
+    end at once), the SSE events carry the same text as the non-streamed answer, token by token in order."""
+    import kiln.runtime.core_client as core_client
+    from kiln.runtime.core_protocol import StepOutputs
+
+    tokens_per_message: list[int] = []
+    decoder = core_client.client_decoder
+
+    class Recording:
+        def decode(self, buf):  # noqa: ANN001, ANN202
+            msg = decoder.decode(buf)
+            if isinstance(msg, StepOutputs) and msg.deltas:
+                tokens_per_message.append(sum(len(d.token_ids) for d in msg.deltas))
+            return msg
+
+    monkeypatch.setattr(core_client, "client_decoder", Recording())
+    server = LiveServer(long_artifact, {"num_kv_blocks": 256}, stream_interval=8)
+    try:
+        body = {**_body(61), "stream_options": {"include_usage": True}, "logprobs": 1}
+        texts, tokens, usage = [], [], None
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:
+                        texts.append(chunk["choices"][0]["text"])
+                        tokens += chunk["choices"][0]["logprobs"]["tokens"]
+                    else:
+                        usage = chunk["usage"]
+        assert usage["completion_tokens"] == 61
+        assert tokens_per_message == [1] + [8] * 7 + [4], tokens_per_message  # first, every 8, the end
+        assert len(texts) <= len(tokens_per_message)
+        whole = httpx.post(server.url + "/v1/completions", json={**_body(61), "logprobs": 1, "stream": False},
+                           timeout=60).json()
+        assert "".join(texts) == whole["choices"][0]["text"]
+        assert tokens == whole["choices"][0]["logprobs"]["tokens"]
+    finally:
+        server.stop()

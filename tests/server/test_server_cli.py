@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from live_server import free_port, interrupt, wait_serving
 
 
@@ -46,6 +47,16 @@ def test_serve_parser():
     assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks, args.metrics_public) == (
         None, None, None, 1024, None, False)
     assert build_parser().parse_args(["serve", "art", "--metrics-public"]).metrics_public
+    assert args.stream_interval == 1 and build_parser().parse_args(["serve", "art", "--stream-interval", "4"]) \
+        .stream_interval == 4
+
+
+def test_serve_parser_refuses_a_stream_interval_under_1(capsys):
+    from kiln.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "art", "--stream-interval", "0"])
+    assert e.value.code == 2 and "--stream-interval: 0: give at least 1" in capsys.readouterr().err
 
 
 def test_serve_parser_options_and_unknown_parser_names(standin_dir, capsys):
