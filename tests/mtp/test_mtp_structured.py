@@ -48,6 +48,7 @@ def test_constrained_greedy_equal_with_and_without_speculation(mtp_artifact, rep
 def test_verification_rows_are_masked(mtp_artifact):
     """SpeculativeDecoder.verify on logits built to tempt it: a draft the grammar forbids, though the model's
     favourite, is rejected; the target's token after an accepted draft is one the grammar allows."""
+    import time
     from types import SimpleNamespace
 
     import torch
@@ -62,8 +63,12 @@ def test_verification_rows_are_masked(mtp_artifact):
     [a], [b], [z] = (tok.encode(c, add_special_tokens=False) for c in "abz")
     params = SamplingParams(max_tokens=8, temperature=0.0, structured_output=GrammarSpec.regex("[ab]{1,8}"))
     engine.add_request("r", [5, 6, 7], params)
-    engine.step()  # compiles the grammar, registers the request, prefills and samples its first token
     [seq] = engine.requests["r"].seqs
+    for _ in range(1000):  # the grammar compiles off the step loop: the request waits for it, then prefills
+        engine.step()
+        if len(seq.token_ids) > seq.num_prompt_tokens:
+            break
+        time.sleep(0.01)
     first = seq.token_ids[-1]
     assert first in (a, b)
     vocab = engine.model_config.vocab_size
