@@ -5,16 +5,18 @@ What a replica holds comes from the replica: the core plugin `kv_events_plugin` 
 block hash it publishes and evicts, and the router drains those events every `index_interval` seconds (utility
 `kv_events`; a full snapshot at the start and after a lost answer or a cache reset). Between two drains the blocks
 of the prompts the router just sent are *predicted* on their replica (for `predict_ttl` seconds, or until the
-replica reports them evicted), so requests sharing a prefix follow the first one before its replica has reported
-anything (once its prefill ran: until then it is queued work there, see the cost). The block hashes are the cores' own (prefix_cache.block_hashes: a hash chain over token
+replica reports them evicted), so a burst of requests sharing a prefix follows the first one before its replica
+has reported anything. The block hashes are the cores' own (prefix_cache.block_hashes: a hash chain over token
 blocks, stable across processes), so the router matches exactly what a core's lookup would.
 
 Cost of replica r: the request's estimated time to first token there, `(queued_r + running_r + uncached_r) /
 speed_r`, where `uncached_r` is the prompt tokens r would compute (not cached there), `queued_r` the uncached
 tokens of r's requests still waiting for their first token, `running_r` its requests past it (one decode token each
 in every step this prefill shares) — all counted by the router itself, immediate, never stale — and `speed_r`
-r's measured prefill speed: tokens it had to compute (what was queued ahead plus the request's own) per second of
-time to first token, averaged over its requests (until r has one: the other replicas' mean; none measured: 1).
+r's measured prefill speed: a request's uncached tokens (plus one per request running beside it) per second of its
+time to first token, averaged over the requests that had no prefill queued ahead of them (a request behind others
+would measure r's batching, which grows with its load: a loaded replica would look fast and draw more), and until
+r has one the other replicas' mean (none measured: 1).
 A prefix hit thus saves what its tokens take to compute there, and no more: a replica holding the prefix behind a
 queue loses to an idle one when the queue costs more than the hit saves. The cheapest live replica wins; ties go
 to fewer requests in flight, then round robin. A
@@ -118,20 +120,20 @@ class ReplicaIndex:
 
 
 @dataclass(slots=True)
-class Routed:
-    """One request as the router sent it to a replica."""
-
-    uncached: int  # prompt tokens the replica had to compute (not cached there, as the router believed)
-    ahead: int  # tokens queued ahead of it there then (Load.queued + Load.running)
-    at: float  # when (the router's clock)
-    measured: bool = False  # its time to first token went into the replica's speed
-
-
-@dataclass(slots=True)
 class Load:
     queued: int = 0  # uncached prompt tokens of the replica's requests still waiting for their first token
     running: int = 0  # its requests past their first token
     requests: int = 0  # both (plus requests being added)
+
+
+@dataclass(slots=True)
+class Routed:
+    """One request as the router sent it to a replica."""
+
+    uncached: int  # prompt tokens the replica had to compute (not cached there, as the router believed)
+    load: Load  # the replica's load when it was routed there
+    at: float  # when (the router's clock)
+    measured: bool = False  # its time to first token went into the replica's speed
 
 
 class Replica:
@@ -143,7 +145,7 @@ class Replica:
         self.index = index
         self.groups: list[tuple[RequestGroup, dict[str, Routed]]] = []
         self.adding: dict[int, int] = {}  # uncached tokens of groups being added (routed, not accepted yet)
-        # EWMAs of the tokens a first token needed and of the seconds it took; speed = their ratio
+        # EWMAs of the tokens a first token needed and of the seconds it took (requests with nothing queued ahead)
         self.measured_tokens = self.measured_seconds = 0.0
         self.num_routed = 0
         self.num_matched_blocks = 0
@@ -157,9 +159,9 @@ class Replica:
     def _measure(self, routed: Routed, first_token_at: float) -> None:
         routed.measured = True
         seconds = first_token_at - routed.at
-        if seconds <= 0:
+        if seconds <= 0 or routed.load.queued:
             return
-        tokens = routed.ahead + routed.uncached
+        tokens = routed.uncached + routed.load.running
         if self.measured_seconds == 0:
             self.measured_tokens, self.measured_seconds = float(tokens), seconds
         else:
@@ -279,8 +281,8 @@ class ReplicaRouter:
                 continue
             finally:
                 del replica.adding[key]
-            now, ahead = self.clock(), load.queued + load.running
-            replica.groups.append((group, {p.request_id: Routed(u, ahead, now) for p, u in
+            now = self.clock()
+            replica.groups.append((group, {p.request_id: Routed(u, load, now) for p, u in
                                            zip(inputs, uncached, strict=True)}))
             replica.num_routed += len(inputs)
             replica.num_matched_blocks += sum(matched)
@@ -363,8 +365,7 @@ class ReplicaRouter:
 class _RouterCollector:
     """Per replica: kiln:router_replica_up, kiln:router_requests_total, kiln:router_matched_tokens_total (prompt
     tokens the router expected cached where it sent them), kiln:replica_prefix_cache_{queries,hits}_total (tokens,
-    the replica's own counters), kiln:replica_num_requests_{running,waiting}, and the router's cost inputs
-    kiln:router_queued_prefill_tokens and kiln:router_prefill_speed_tokens_per_second."""
+    the replica's own counters), kiln:replica_num_requests_{running,waiting}."""
 
     def __init__(self, router: ReplicaRouter) -> None:
         self.router = router
@@ -388,11 +389,6 @@ class _RouterCollector:
                                          labels=["replica"]),
             "waiting": GaugeMetricFamily("kiln:replica_num_requests_waiting", "Sequences waiting on the replica.",
                                          labels=["replica"]),
-            "queued": GaugeMetricFamily("kiln:router_queued_prefill_tokens", "Uncached prompt tokens of the "
-                                        "replica's requests still waiting for their first token.", labels=["replica"]),
-            "speed": GaugeMetricFamily("kiln:router_prefill_speed_tokens_per_second", "The replica's measured "
-                                       "prefill speed: tokens computed per second of time to first token (0: not "
-                                       "measured yet).", labels=["replica"]),
         }
         for r in self.router.replicas:
             s, label = r.engine.stats, [r.name]
@@ -403,8 +399,6 @@ class _RouterCollector:
             families["hits"].add_metric(label, s.prefix_cache_hits * bs)
             families["running"].add_metric(label, s.num_requests_running)
             families["waiting"].add_metric(label, s.num_requests_waiting)
-            families["queued"].add_metric(label, r.load().queued)
-            families["speed"].add_metric(label, r.speed or 0.0)
         yield from families.values()
 
 
