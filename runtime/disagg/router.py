@@ -9,16 +9,19 @@ replica reports them evicted), so a burst of requests sharing a prefix follows t
 has reported anything. The block hashes are the cores' own (prefix_cache.block_hashes: a hash chain over token
 blocks, stable across processes), so the router matches exactly what a core's lookup would.
 
-Cost of replica r: the request's estimated time to first token there, `(queued_r + running_r + uncached_r) /
-speed_r`, where `uncached_r` is the prompt tokens r would compute (not cached there), `queued_r` the uncached
+Cost of replica r: the request's estimated time to first token there plus the time its own prefill delays the
+requests that queue behind it, `(queued_r + running_r + (1 + prefill_weight) * uncached_r) / speed_r`
+(prefill_weight 1), where `uncached_r` is the prompt tokens r would compute (not cached there), `queued_r` the uncached
 tokens of r's requests still waiting for their first token, `running_r` its requests past it (one decode token each
 in every step this prefill shares) — all counted by the router itself, immediate, never stale — and `speed_r`
 r's measured prefill speed: a request's uncached tokens (plus one per request running beside it) per second of its
 time to first token, averaged over the requests that had no prefill queued ahead of them (a request behind others
 would measure r's batching, which grows with its load: a loaded replica would look fast and draw more), and until
 r has one the other replicas' mean (none measured: 1).
-A prefix hit thus saves what its tokens take to compute there, and no more: a replica holding the prefix behind a
-queue loses to an idle one when the queue costs more than the hit saves. The cheapest live replica wins; ties go
+A prefix hit thus saves what its tokens take to compute there (for this request and for those behind it), and no
+more: a replica holding the prefix behind a queue loses to an idle one when the queue costs more than the hit
+saves. (With prefill_weight 0 — this request's TTFT alone — a chat whose replica had one prefill queued moved to
+the other replica and then stayed there with its history: chats drifted onto one replica, 8 / 24 requests.) The cheapest live replica wins; ties go
 to fewer requests in flight, then round robin. A
 replica whose core dies fails only its own requests (its AsyncLLMEngine's liveness: process sentinel and
 heartbeats) and is skipped from then on; the router is down only when every replica is. A replica may be a
@@ -194,7 +197,8 @@ class ReplicaRouter:
     """Stands where an AsyncLLMEngine stands for the API server (runtime/server.py): `add_requests` picks a replica
     and returns that replica's RequestGroup (its aborts go to that replica); stats are summed over live replicas."""
 
-    def __init__(self, engines: list[AsyncLLMEngine], *, policy: str = "kv", index_interval: float = 0.2, predict_ttl: float = 30.0,
+    def __init__(self, engines: list[AsyncLLMEngine], *, policy: str = "kv", prefill_weight: float = 1.0,
+                 index_interval: float = 0.2, predict_ttl: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         assert engines, "a router needs at least one replica"
         if policy not in POLICIES:
@@ -205,6 +209,7 @@ class ReplicaRouter:
         self.info, self.tokenizer, self.max_waiting = first.info, first.tokenizer, first.max_waiting
         self.block_size = first.info.limits.block_size
         self.clock = clock
+        self.prefill_weight = prefill_weight
         self.index_interval = index_interval
         self.on_dead: list[Callable[[str], None]] = []
         self.dead: str | None = None
@@ -298,8 +303,8 @@ class ReplicaRouter:
     def rank(self, hashes: list[list[int]], lengths: list[int] | None = None) -> list[tuple[Replica, list[int]]]:
         """Live replicas, cheapest first, with the leading blocks of each prompt each is believed to hold.
 
-        Cost: the estimated time to first token there, `(queued + running + uncached) / speed` (the module's
-        docstring); `lengths` are the prompts' tokens (default: their whole blocks)."""
+        Cost: the estimated time to first token there plus the delay its prefill adds behind it, `(queued + running
+        + (1 + prefill_weight) * uncached) / speed` (the module's docstring); `lengths` are the prompts' tokens (default: their whole blocks)."""
         live = [r for r in self.replicas if r.engine.is_running]
         if not live:
             return []
@@ -316,7 +321,8 @@ class ReplicaRouter:
             matched = [r.index.match(h) for h in hashes]
             uncached = sum(n - m * bs for n, m in zip(lengths, matched, strict=True))
             load = r.load()
-            cost = (load.queued + load.running + uncached) / (r.speed or default_speed)
+            work = load.queued + load.running + (1 + self.prefill_weight) * uncached
+            cost = work / (r.speed or default_speed)
             scored.append((cost, load.requests, (k - turn) % len(live), r, matched))
         scored.sort(key=lambda s: s[:3])
         return [(s[3], s[4]) for s in scored]
