@@ -12,7 +12,7 @@ while a copy is in flight is released late, when the copy ended, so no block is 
 Host slots being read by a restore are pinned: the tier's LRU never reuses them meanwhile.
 
 The digest of an offloaded block is computed by a thread of the tier's own, off the step: an eviction happens while
-the scheduler allocates, and BLAKE2b over a block costs ~20 copies of it (docs/performance.md, "CPU offload tier").
+the scheduler allocates, and BLAKE2b over a block costs ~8-14 copies of it (docs/performance.md, "CPU offload tier").
 hashlib releases the GIL for buffers this large. A restore waits for the digests of its slots; a slot is reused only
 once its pending digest was computed or cancelled, so the thread always reads what was offloaded.
 
