@@ -16,8 +16,9 @@ tokens of r's requests still waiting for their first token, `running_r` its requ
 in every step this prefill shares) — all counted by the router itself, immediate, never stale — and `speed_r`
 r's measured prefill speed: a request's uncached tokens (plus one per request running beside it) per second of its
 time to first token, averaged over the requests that had no prefill queued ahead of them (a request behind others
-would measure r's batching, which grows with its load: a loaded replica would look fast and draw more), and until
-r has one the other replicas' mean (none measured: 1).
+would measure r's batching, which grows with its load: a loaded replica would look fast and draw more) and at least
+MIN_SPEED_SAMPLE tokens to compute (a short one measures fixed per-request costs), and until r has one the other
+replicas' mean (none measured: 1).
 A prefix hit thus saves what its tokens take to compute there (for this request and for those behind it), and no
 more: a replica holding the prefix behind a queue loses to an idle one when the queue costs more than the hit
 saves. (With prefill_weight 0 — this request's TTFT alone — a chat whose replica had one prefill queued moved to
@@ -51,7 +52,10 @@ from ..sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PLUGIN = "kiln.runtime.disagg.router:kv_events_plugin"
-POLICIES = ("kv", "round_robin")  # round_robin: the baseline for benchmarks (no cache or load awareness)
+POLICIES = ("kv", "round_robin")
+# a speed sample needs this many tokens to compute: below it a request's TTFT is mostly fixed per-request cost
+# (RPC, the step), and identical replicas measured 2-3x apart, which sent every request to the one that looked fast
+MIN_SPEED_SAMPLE = 256  # round_robin: the baseline for benchmarks (no cache or load awareness)
 
 
 def kv_events_plugin(proc) -> None:
@@ -162,9 +166,9 @@ class Replica:
     def _measure(self, routed: Routed, first_token_at: float) -> None:
         routed.measured = True
         seconds = first_token_at - routed.at
-        if seconds <= 0 or routed.load.queued:
-            return
         tokens = routed.uncached + routed.load.running
+        if seconds <= 0 or routed.load.queued or tokens < MIN_SPEED_SAMPLE:
+            return
         if self.measured_seconds == 0:
             self.measured_tokens, self.measured_seconds = float(tokens), seconds
         else:

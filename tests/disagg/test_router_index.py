@@ -145,27 +145,30 @@ def test_the_cost_is_the_estimated_time_to_first_token():
     chat = prefix(28, 7)  # 112 tokens, cached on a
     router.replicas[0].index.apply({"full": block_hashes(chat, BS, [])})
     b.refuse = EngineOverloadedError
-    queued = [route(router, prefix(16, 20 + i), f"q{i}")[1] for i in range(6)]  # 6 prefills of 64 tokens on a
+    queued = [route(router, prefix(64, 20 + i), f"q{i}")[1] for i in range(2)]  # 2 prefills of 256 tokens on a
     b.refuse = None
-    assert router.replicas[0].load() == Load(queued=6 * 64, running=0, requests=6)
-    # the next turn: 176 tokens, 64 past a's hit. a: 384 queued + 2 * 64 (its own, and what it delays others);
+    assert router.replicas[0].load() == Load(queued=2 * 256, running=0, requests=2)
+    # the next turn: 176 tokens, 64 past a's hit. a: 512 queued + 2 * 64 (its own, and what it delays others);
     # b: 2 * 176
     assert route(router, chat + prefix(16, 8), "t0")[0] == "1"
-    # a's six have their first tokens (1 s after they were routed): decoding now, no longer prefill ahead
+    # a's two have their first tokens (1 s after they were routed): decoding now, no longer prefill ahead
     clock.now += 1.0
     for i, g in enumerate(queued):
         g.first_token_at[f"q{i}"] = clock.now
-    assert router.replicas[0].load() == Load(queued=0, running=6, requests=6)
-    # measured by q0 alone (64 tokens in 1 s): the others had prefills queued ahead (their time is a's batching)
-    assert router.replicas[0].speed == pytest.approx(64.0)
-    assert route(router, chat + prefix(16, 9), "t1")[0] == "0"  # a: 6 + 2 * 64 tokens; b: 176 + 2 * 176
-    # b is slow: t0's 176 tokens took 17.6 s (10 tokens/s). A prompt cached nowhere: a has 6 + 64 + 2 * 64 tokens
-    # to go at 64 tokens/s, b 1 + 2 * 64 at 10 tokens/s
-    clock.now += 16.6
-    b_groups = router.replicas[1].groups
-    b_groups[0][0].first_token_at["t0"] = clock.now
-    assert router.replicas[1].load() == Load(queued=0, running=1, requests=1)  # (the router measures as it looks)
-    assert router.replicas[1].speed == pytest.approx(10.0)
+    assert router.replicas[0].load() == Load(queued=0, running=2, requests=2)
+    # measured by q0 alone (256 tokens in 1 s): q1 had a prefill queued ahead (its time is a's batching)
+    assert router.replicas[0].speed == pytest.approx(256.0)
+    assert route(router, chat + prefix(16, 9), "t1")[0] == "0"  # a: 2 + 2 * 64 tokens; b: 176 + 2 * 176
+    # t0 (too short to measure b) has its first token; then b alone takes 256 tokens and needs 25.7 s for them
+    router.replicas[1].groups[0][0].first_token_at["t0"] = clock.now
+    assert router.replicas[1].load() == Load(queued=0, running=1, requests=1) and router.replicas[1].speed is None
+    a.refuse = EngineOverloadedError
+    _, big = route(router, prefix(64, 40), "big")
+    a.refuse = None
+    clock.now += 25.7
+    big.first_token_at["big"] = clock.now
+    assert router.replicas[1].load().running == 2 and router.replicas[1].speed == pytest.approx(10.0)
+    # a prompt cached nowhere: a has 2 + 64 + 2 * 64 tokens to go at 256 tokens/s, b 2 + 2 * 64 at 10 tokens/s
     assert route(router, prefix(16, 30), "u0")[0] == "0"
 
 
