@@ -37,24 +37,35 @@ def _kiln(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "kiln.cli", *args], check=True, cwd=REPO)
 
 
+# `long`: a random Llama of the embedded model's width with a 4K context, for 2K-token prompts (the embedded
+# model's context is 512)
+LONG = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "vocab_size": 4096, "max_position_embeddings": 4096}
+
+
+def _tiny_checkpoint(ckpt: Path, **config) -> None:
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", REPO / "examples" / "make_tiny_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build_tiny_checkpoint(ckpt, "llama", **config)
+
+
 def ensure_artifact(which: str = "auto") -> tuple[str, Path]:
-    """(name, artifact dir) for `which` in auto | embedded | tiny; compiles when missing or stale."""
+    """(name, artifact dir) for `which` in auto | embedded | tiny | long; compiles when missing or stale."""
     if which == "embedded" or (which == "auto" and embedded_available()):
         assert embedded_available(), f"no embedded checkpoint in {EMBEDDED_CKPT}"
         out = BUILD / "embedded"
         if _stale(out, EMBEDDED_RECIPE, EMBEDDED_CKPT):
             _kiln("compile", str(EMBEDDED_RECIPE), "-o", str(out), "--no-progress")
         return "embedded", out
-    ckpt, recipe, out = BUILD / "tiny-ckpt", BUILD / "tiny.dsl", BUILD / "tiny"
+    name = "long" if which == "long" else "tiny"
+    ckpt, recipe, out = BUILD / f"{name}-ckpt", BUILD / f"{name}.dsl", BUILD / name
     if not (ckpt / "config.json").exists():
-        spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", REPO / "examples" / "make_tiny_checkpoint.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.build_tiny_checkpoint(ckpt, "llama")
+        _tiny_checkpoint(ckpt, **(LONG if name == "long" else {}))
     if _stale(out, ckpt):
         _kiln("recipe", "from-hf", str(ckpt), "-o", str(recipe))
         _kiln("compile", str(recipe), "-o", str(out), "--no-progress")
-    return "tiny-llama", out
+    return ("long-llama (random, hidden 256, 4 layers, 4K context)" if name == "long" else "tiny-llama"), out
 
 
 @contextlib.contextmanager

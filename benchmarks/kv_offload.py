@@ -10,6 +10,7 @@ Both servers run at once and every round goes to one, then the other, one reques
 machine hits both modes alike.
 
     python benchmarks/kv_offload.py --prefix-len 448 --rounds 8
+    python benchmarks/kv_offload.py --digest-cost   # per block: the tier's host copy vs its BLAKE2b digest
 """
 from __future__ import annotations
 
@@ -85,6 +86,34 @@ def _summary(values: list[float]) -> dict:
             "n": len(ms)}
 
 
+def digest_cost(blocks: int = 64, repeats: int = 5) -> None:
+    """Per block, best of `repeats` passes over `blocks`: the offload's device -> host copy (every layer's slice)
+    against the tier's digest of it (`OffloadTier._content_digest`), one torch thread, two KV layouts."""
+    import torch
+    from kiln.runtime.kv_cache import BlockManager
+    from kiln.runtime.kv_offload import OffloadTier
+    from kiln.runtime.prefix_cache import PrefixCache
+
+    torch.set_num_threads(1)
+    print("| layout | block bytes | copy µs / block | BLAKE2b digest µs / block |\n|---|---|---|---|")
+    for name, (layers, heads, dim) in {"embedded": (6, 4, 32), "108M Llama": (12, 12, 64)}.items():
+        kv = [torch.randn(blocks, 2, 16, heads, dim) for _ in range(layers)]
+        tier = OffloadTier(BlockManager(blocks, 16, PrefixCache()), kv, blocks)
+        copy = digest = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for b in range(blocks):
+                for host, dev in zip(tier.host, kv, strict=True):
+                    host[b].copy_(dev[b])
+            copy = min(copy, (time.perf_counter() - t) / blocks)
+            t = time.perf_counter()
+            for b in range(blocks):
+                tier._content_digest(b)
+            digest = min(digest, (time.perf_counter() - t) / blocks)
+        print(f"| {name} ({layers} layers x {heads} KV heads x {dim}, block 16, fp32) | "
+              f"{tier.block_bytes // 1024} KiB | {copy * 1e6:.0f} | {digest * 1e6:.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="auto", choices=["auto", "embedded", "tiny"])
@@ -97,7 +126,11 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--digest-cost", action="store_true", help="only the per-block copy vs digest microbenchmark")
     args = p.parse_args()
+    if args.digest_cost:
+        digest_cost()
+        return
     name, artifact = ensure_artifact(args.model)
     results = {"model": name, "args": {k: str(v) for k, v in vars(args).items()},
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}

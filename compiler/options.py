@@ -514,7 +514,8 @@ class DisaggregateOptions:
     prefill: int = opt(1, _pos_int)  # prefill cores
     decode: int = opt(1, _pos_int)  # decode cores
     transport: str = opt("auto", _choice("auto", "tcp", "nixl"))  # auto: tcp (no extra dependency)
-    remote_prefill: str = opt("always", _choice("always", "never", "auto"))
+    # auto: remotely only what would stall the decode core (runtime/disagg/service.py); always: tests, benchmarks
+    remote_prefill: str = opt("auto", _choice("always", "never", "auto"))
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class RequestGroup:
         self.params = params
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self.unfinished = {p.request_id for p in inputs}
+        self.first_token_at: dict[str, float] = {}  # request id -> when its first token came (monotonic)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
         while self.unfinished:
@@ -297,6 +298,7 @@ class AsyncLLMEngine:
             if num_new:
                 if tracked.last_token_time is None:
                     observer.on_first_token(now - tracked.arrival)
+                    tracked.group.first_token_at[state.request_id] = now
                 else:
                     observer.on_inter_token(now - tracked.last_token_time)
                 tracked.last_token_time = now

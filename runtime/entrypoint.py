@@ -79,11 +79,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "kv_cache.offload)")
     p.add_argument("--disaggregate", action="store_true",
                    help="serve through a router over one prefill and one decode engine core on this machine (the "
-                   "recipe's disaggregate section, else transport tcp, remote_prefill always)")
+                   "recipe's disaggregate section, else transport tcp, remote_prefill auto)")
     p.add_argument("--remote-prefill", choices=["always", "never", "auto"],
                    help="with --disaggregate: prefill every prompt on the prefill core (always), none (never), or "
                    "only those whose uncached part would stall the decode core longer than a budget at its measured "
-                   "prefill speed, while the prefill queue has room (auto) (default: the recipe's)")
+                   "prefill speed, while the prefill queue has room (auto) (default: the recipe's, else auto)")
     p.add_argument("--data-parallel-size", "--replicas", dest="replicas", type=int, default=1, metavar="N",
                    help="N replicas behind one KV-aware router that sends each request where its prompt's prefix is "
                    "cached, balanced against load: each an engine core (for a parallel artifact with its own ranks: "
@@ -169,6 +169,20 @@ def launched_worker(artifact: str) -> int | None:
     return main([str(artifact)])
 
 
+def disaggregate_section(manifest: dict, args: argparse.Namespace) -> dict | None:
+    """`kiln serve`'s disaggregation: None (co-located), else the recipe's section (or one prefill and one decode
+    core, transport tcp, remote_prefill auto) with the flags over it."""
+    if not (args.disaggregate or args.kv_transport or args.remote_prefill):
+        return None
+    disaggregate = dict(manifest.get("disaggregate") or
+                        {"prefill": 1, "decode": 1, "transport": "auto", "remote_prefill": "auto"})
+    if args.kv_transport:
+        disaggregate["transport"] = args.kv_transport
+    if args.remote_prefill:
+        disaggregate["remote_prefill"] = args.remote_prefill
+    return disaggregate
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from .artifact import read_manifest
     from .server import serve
@@ -197,14 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
                           kv_host=args.kv_host, kv_port=args.kv_port)
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
     efforts = {**(manifest["serve"].get("reasoning_effort") or {}), **(args.reasoning_effort or {})}
-    disaggregate = None
-    if args.disaggregate or args.kv_transport or args.remote_prefill:
-        disaggregate = dict(manifest.get("disaggregate") or
-                            {"prefill": 1, "decode": 1, "transport": "auto", "remote_prefill": "always"})
-        if args.kv_transport:
-            disaggregate["transport"] = args.kv_transport
-        if args.remote_prefill:
-            disaggregate["remote_prefill"] = args.remote_prefill
+    disaggregate = disaggregate_section(manifest, args)
     return serve(args.artifact, host=host, port=port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,

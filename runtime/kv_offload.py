@@ -11,6 +11,11 @@ only when `commit` finds every digest equal to the one recorded when the block w
 while a copy is in flight is released late, when the copy ended, so no block is ever both free and written.
 Host slots being read by a restore are pinned: the tier's LRU never reuses them meanwhile.
 
+The digest of an offloaded block is computed by a thread of the tier's own, off the step: an eviction happens while
+the scheduler allocates, and BLAKE2b over a block costs ~8-14 copies of it (docs/performance.md, "CPU offload tier").
+hashlib releases the GIL for buffers this large. A restore waits for the digests of its slots; a slot is reused only
+once its pending digest was computed or cancelled, so the thread always reads what was offloaded.
+
 Accounting: device free + active + leased + cached == total (the ledger's `check`); host
 free + offloaded == capacity (`check`), `offloaded` counting the slots that hold a block (some of them being read).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import Counter, OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +45,8 @@ class Restore:
 class OffloadTier:
     """`num_blocks` host blocks under `bm`'s prefix cache, for the device pool `kv_caches` (one tensor per layer,
     [num_device_blocks, *block shape]). Attaching it hooks the prefix cache's evictions and the block manager's
-    lookups (`bm.offload`). Single-threaded, like the block manager: the engine's loop drives it."""
+    lookups (`bm.offload`). Driven by the engine's loop, like the block manager; only the offload digests run on a
+    thread of the tier's."""
 
     def __init__(self, bm: BlockManager, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
         assert bm.prefix_cache is not None, "the offload tier lives under a prefix cache"
@@ -54,7 +61,8 @@ class OffloadTier:
             TransferLedger(bm)
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash -> host slot, least recently used first
         self._hash_of: dict[int, int] = {}  # host slot -> block hash
-        self._digest: dict[int, bytes] = {}  # host slot -> digest of its content when offloaded
+        self._digest: dict[int, Future[bytes]] = {}  # host slot -> digest of its content when offloaded
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kiln-offload-digest")
         self._free: deque[int] = deque(range(num_blocks))
         self._reading: Counter[int] = Counter()  # host slots restores are copying from (never reused meanwhile)
         self._ids = itertools.count()
@@ -85,7 +93,7 @@ class OffloadTier:
             host[slot].copy_(dev[block_id])
         self._slot_of[block_hash] = slot
         self._hash_of[slot] = block_hash
-        self._digest[slot] = self._content_digest(slot)
+        self._digest[slot] = self._hasher.submit(self._content_digest, slot)
         self.counts["offloaded"] += 1
         self.counts["offload_bytes"] += self.block_bytes
 
@@ -94,7 +102,10 @@ class OffloadTier:
             return self._free.popleft()
         for block_hash, slot in self._slot_of.items():  # the least recently used slot nobody is reading
             if not self._reading[slot]:
-                del self._slot_of[block_hash], self._hash_of[slot], self._digest[slot]
+                del self._slot_of[block_hash], self._hash_of[slot]
+                pending = self._digest.pop(slot)
+                if not pending.cancel():  # being computed: the caller overwrites the slot only after it was read
+                    pending.result()
                 return slot
         return None
 
@@ -141,7 +152,7 @@ class OffloadTier:
         assert lease is not None, "num_available_blocks said the pool could spare them"
         for i, (b, gen) in enumerate(zip(lease.blocks, lease.generations, strict=True)):
             assert self.ledger.begin_write(lease.transfer_id, i, b, gen)
-        self.ledger.expect(lease.transfer_id, [self._digest[s] for s in slots])
+        self.ledger.expect(lease.transfer_id, [self._digest[s].result() for s in slots])
         for h in hashes:
             self._slot_of.move_to_end(h)
         return Restore(lease, slots, hashes)

@@ -159,7 +159,7 @@ def _tokenizer(info, artifact: str | None):
 
 
 def build_router(prefill: list[str], decode: list[str], replicas: list[str], *, artifact: str | None = None,
-                 remote_prefill: str = "always", policy: str = "kv", heartbeat_timeout: float = 10.0,
+                 remote_prefill: str = "auto", policy: str = "kv", heartbeat_timeout: float = 10.0,
                  probe_timeout: float = 30.0, lease_s: float = 30.0):
     """The router's engine over remote cores (started by the server's lifespan); raises KilnRuntimeError when a
     core is not there, has another role, or will not pair (the KV layout)."""
@@ -214,9 +214,9 @@ def add_router_args(sub) -> None:
                    "key)")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     p.add_argument("--served-model-name", help="model name of the API (default: the artifact's served name, else its directory name)")
-    p.add_argument("--remote-prefill", choices=["always", "never", "auto"], default="always",
+    p.add_argument("--remote-prefill", choices=["always", "never", "auto"], default="auto",
                    help="prefill every prompt on a prefill core, none, or by the decode core's measured speed and "
-                   "the prefill queue (default always)")
+                   "the prefill queue (default auto)")
     p.add_argument("--router-policy", choices=["kv", "round_robin"], default="kv",
                    help="route by cached prefix against load (kv) or round robin (default kv)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,

@@ -130,11 +130,11 @@ class DecodeRole:
     # Admission --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None,
                     transfer_id: str, *, priority: int = 0, min_remote_tokens: int = 0,
-                    local_reason: str | None = None) -> RemotePrefill | None:
+                    local_reason: str | None = None, short_reason: str = "short_prompt") -> RemotePrefill | None:
         """Queues the request; returns the leased destination for a remote prefill, or None to prefill it here:
         `local_reason` (the router decided: e.g. its prefill queue is full), or fewer than `min_remote_tokens`
-        prompt tokens left to compute past this core's prefix-cache hit (conditional disaggregation), or a
-        reason of the request's own. `self.last_decision` and `self.uncached` (the prompt tokens past the hit) then
+        prompt tokens left to compute past this core's prefix-cache hit (conditional disaggregation: the reason
+        is then `short_reason`), or a reason of the request's own. `self.last_decision` and `self.uncached` (the prompt tokens past the hit) then
         describe it."""
         engine = self.engine
         engine.add_request(request_id, prompt_token_ids, params, priority=priority)
@@ -151,7 +151,7 @@ class DecodeRole:
             if need <= 0:
                 reason = "nothing_to_transfer"
             elif self.uncached - 1 < min_remote_tokens:
-                reason = "short_prompt"
+                reason = short_reason
         if reason is None:
             lease = self.ledger.reserve(transfer_id, need, hits)
             if lease is None:

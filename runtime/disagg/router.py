@@ -9,10 +9,21 @@ replica reports them evicted), so a burst of requests sharing a prefix follows t
 has reported anything. The block hashes are the cores' own (prefix_cache.block_hashes: a hash chain over token
 blocks, stable across processes), so the router matches exactly what a core's lookup would.
 
-Cost of replica r (in KV blocks, the form of Dynamo's KV router): `overlap_weight * prefill_r + active_r`, where
-`prefill_r` is the prompt blocks r would have to compute (not cached there) and `active_r` the blocks of r's
-requests in flight once this one joined (each: its uncached blocks when it was routed, plus one), which the router
-counts itself (immediate, never stale). The cheapest live replica wins; ties go to fewer requests in flight, then round robin. A
+Cost of replica r: the request's estimated time to first token there plus the time its own prefill delays the
+requests that queue behind it, `(queued_r + running_r + (1 + prefill_weight) * uncached_r) / speed_r`
+(prefill_weight 1), where `uncached_r` is the prompt tokens r would compute (not cached there), `queued_r` the uncached
+tokens of r's requests still waiting for their first token, `running_r` its requests past it (one decode token each
+in every step this prefill shares) — all counted by the router itself, immediate, never stale — and `speed_r`
+r's measured prefill speed: a request's uncached tokens (plus one per request running beside it) per second of its
+time to first token, averaged over the requests that had no prefill queued ahead of them (a request behind others
+would measure r's batching, which grows with its load: a loaded replica would look fast and draw more) and at least
+MIN_SPEED_SAMPLE tokens to compute (a short one measures fixed per-request costs), and until r has one the other
+replicas' mean (none measured: 1).
+A prefix hit thus saves what its tokens take to compute there (for this request and for those behind it), and no
+more: a replica holding the prefix behind a queue loses to an idle one when the queue costs more than the hit
+saves. (With prefill_weight 0 — this request's TTFT alone — a chat whose replica had one prefill queued moved to
+the other replica and then stayed there with its history: chats drifted onto one replica, 8 / 24 requests.) The cheapest live replica wins; ties go
+to fewer requests in flight, then round robin. A
 replica whose core dies fails only its own requests (its AsyncLLMEngine's liveness: process sentinel and
 heartbeats) and is skipped from then on; the router is down only when every replica is. A replica may be a
 co-located core (AsyncLLMEngine) or a disaggregated pair (service.DisaggAsyncEngine).
@@ -27,6 +38,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -40,7 +52,10 @@ from ..sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PLUGIN = "kiln.runtime.disagg.router:kv_events_plugin"
-POLICIES = ("kv", "round_robin")  # round_robin: the baseline for benchmarks (no cache or load awareness)
+POLICIES = ("kv", "round_robin")
+# a speed sample needs this many tokens to compute: below it a request's TTFT is mostly fixed per-request cost
+# (RPC, the step), and identical replicas measured 2-3x apart, which sent every request to the one that looked fast
+MIN_SPEED_SAMPLE = 256  # round_robin: the baseline for benchmarks (no cache or load awareness)
 
 
 def kv_events_plugin(proc) -> None:
@@ -111,36 +126,82 @@ class ReplicaIndex:
         self.predicted.clear()
 
 
+@dataclass(slots=True)
+class Load:
+    queued: int = 0  # uncached prompt tokens of the replica's requests still waiting for their first token
+    running: int = 0  # its requests past their first token
+    requests: int = 0  # both (plus requests being added)
+
+
+@dataclass(slots=True)
+class Routed:
+    """One request as the router sent it to a replica."""
+
+    uncached: int  # prompt tokens the replica had to compute (not cached there, as the router believed)
+    load: Load  # the replica's load when it was routed there
+    at: float  # when (the router's clock)
+    measured: bool = False  # its time to first token went into the replica's speed
+
+
 class Replica:
-    """The router's view of one replica: its engine, its index, and its requests in flight."""
+    """The router's view of one replica: its engine, its index, its requests in flight and its prefill speed."""
 
     def __init__(self, name: str, engine: AsyncLLMEngine, index: ReplicaIndex) -> None:
         self.name = name
         self.engine = engine
         self.index = index
-        self.groups: list[tuple[RequestGroup, dict[str, int]]] = []  # with each request's expected blocks
+        self.groups: list[tuple[RequestGroup, dict[str, Routed]]] = []
+        self.adding: dict[int, int] = {}  # uncached tokens of groups being added (routed, not accepted yet)
+        # EWMAs of the tokens a first token needed and of the seconds it took (requests with nothing queued ahead)
+        self.measured_tokens = self.measured_seconds = 0.0
         self.num_routed = 0
         self.num_matched_blocks = 0
         self.num_index_errors = 0
 
-    def load(self) -> tuple[int, int]:
-        """(blocks, requests) in flight: the blocks each request was expected to add when it was routed here
-        (its uncached prompt blocks, plus one for its decode); forgets finished groups."""
-        self.groups = [(g, blocks) for g, blocks in self.groups if g.unfinished]
-        total = requests = 0
-        for g, blocks in self.groups:
-            for request_id, n in blocks.items():
+    @property
+    def speed(self) -> float | None:
+        """Prefill tokens per second of time to first token (None: nothing measured yet)."""
+        return self.measured_tokens / self.measured_seconds if self.measured_seconds > 0 else None
+
+    def _measure(self, routed: Routed, first_token_at: float) -> None:
+        routed.measured = True
+        seconds = first_token_at - routed.at
+        tokens = routed.uncached + routed.load.running
+        if seconds <= 0 or routed.load.queued or tokens < MIN_SPEED_SAMPLE:
+            return
+        if self.measured_seconds == 0:
+            self.measured_tokens, self.measured_seconds = float(tokens), seconds
+        else:
+            self.measured_tokens = 0.8 * self.measured_tokens + 0.2 * tokens
+            self.measured_seconds = 0.8 * self.measured_seconds + 0.2 * seconds
+
+    def load(self) -> Load:
+        """What is in flight here; measures the speed from requests whose first token came and forgets finished
+        groups."""
+        load = Load(queued=sum(self.adding.values()), requests=len(self.adding))
+        kept = []
+        for g, routed in self.groups:
+            for request_id, r in routed.items():
+                started = g.first_token_at.get(request_id)
+                if started is not None and not r.measured:
+                    self._measure(r, started)
                 if request_id in g.unfinished:
-                    total += n
-                    requests += 1
-        return total, requests
+                    load.requests += 1
+                    if started is None:
+                        load.queued += r.uncached
+                    else:
+                        load.running += 1
+            if g.unfinished:
+                kept.append((g, routed))
+        self.groups = kept
+        return load
 
 
 class ReplicaRouter:
     """Stands where an AsyncLLMEngine stands for the API server (runtime/server.py): `add_requests` picks a replica
     and returns that replica's RequestGroup (its aborts go to that replica); stats are summed over live replicas."""
 
-    def __init__(self, engines: list[AsyncLLMEngine], *, policy: str = "kv", overlap_weight: float = 1.0,
+    def __init__(self, engines: list[AsyncLLMEngine], *, policy: str = "kv", prefill_weight: float = 1.0,
                  index_interval: float = 0.2, predict_ttl: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         assert engines, "a router needs at least one replica"
@@ -151,7 +212,8 @@ class ReplicaRouter:
         first = engines[0]
         self.info, self.tokenizer, self.max_waiting = first.info, first.tokenizer, first.max_waiting
         self.block_size = first.info.limits.block_size
-        self.overlap_weight = overlap_weight
+        self.clock = clock
+        self.prefill_weight = prefill_weight
         self.index_interval = index_interval
         self.on_dead: list[Callable[[str], None]] = []
         self.dead: str | None = None
@@ -216,14 +278,21 @@ class ReplicaRouter:
         else:  # a core salts an adapter's blocks with an id of its own: the router cannot match them
             hashes = [[] for _ in inputs]
         error: EngineOverloadedError | None = None
-        for replica, matched in self.rank(hashes):
+        for replica, matched in self.rank(hashes, [len(p.prompt_token_ids) for p in inputs]):
+            uncached = [len(p.prompt_token_ids) - m * self.block_size for p, m in zip(inputs, matched, strict=True)]
+            load = replica.load()
+            key = id(uncached)  # counted as queued while the replica accepts it (other routings run meanwhile)
+            replica.adding[key] = sum(uncached)
             try:
                 group = await replica.engine.add_requests(inputs, params, lora_name)
             except EngineOverloadedError as e:  # its queue is full, or it is gone: the next one
                 error = e
                 continue
-            replica.groups.append((group, {p.request_id: len(h) - m + 1 for p, h, m in
-                                           zip(inputs, hashes, matched, strict=True)}))
+            finally:
+                del replica.adding[key]
+            now = self.clock()
+            replica.groups.append((group, {p.request_id: Routed(u, load, now) for p, u in
+                                           zip(inputs, uncached, strict=True)}))
             replica.num_routed += len(inputs)
             replica.num_matched_blocks += sum(matched)
             for h in hashes:
@@ -235,12 +304,11 @@ class ReplicaRouter:
             return group
         raise error or EngineOverloadedError(f"no replica is running ({self.dead or 'none started'})")
 
-    def rank(self, hashes: list[list[int]]) -> list[tuple[Replica, list[int]]]:
+    def rank(self, hashes: list[list[int]], lengths: list[int] | None = None) -> list[tuple[Replica, list[int]]]:
         """Live replicas, cheapest first, with the leading blocks of each prompt each is believed to hold.
 
-        Cost (in KV blocks, Dynamo's form): `overlap_weight * prefill + active`, where prefill is the prompt
-        blocks the replica would compute (not cached there) and active the blocks of its requests in flight after
-        this one joined (each request: its uncached blocks when routed, plus one)."""
+        Cost: the estimated time to first token there plus the delay its prefill adds behind it, `(queued + running
+        + (1 + prefill_weight) * uncached) / speed` (the module's docstring); `lengths` are the prompts' tokens (default: their whole blocks)."""
         live = [r for r in self.replicas if r.engine.is_running]
         if not live:
             return []
@@ -248,13 +316,18 @@ class ReplicaRouter:
         if self.policy == "round_robin":  # the baseline the KV-aware policy is measured against
             order = live[turn % len(live):] + live[:turn % len(live)]
             return [(r, [r.index.match(h) for h in hashes]) for r in order]
+        bs = self.block_size
+        lengths = lengths or [len(h) * bs for h in hashes]
+        speeds = [s for s in (r.speed for r in live) if s is not None]
+        default_speed = sum(speeds) / len(speeds) if speeds else 1.0
         scored = []
         for k, r in enumerate(live):
             matched = [r.index.match(h) for h in hashes]
-            prefill = sum(len(h) - m for h, m in zip(hashes, matched, strict=True))
-            active, requests = r.load()
-            cost = self.overlap_weight * prefill + active + prefill + len(hashes)
-            scored.append((cost, requests, (k - turn) % len(live), r, matched))
+            uncached = sum(n - m * bs for n, m in zip(lengths, matched, strict=True))
+            load = r.load()
+            work = load.queued + load.running + (1 + self.prefill_weight) * uncached
+            cost = work / (r.speed or default_speed)
+            scored.append((cost, load.requests, (k - turn) % len(live), r, matched))
         scored.sort(key=lambda s: s[:3])
         return [(s[3], s[4]) for s in scored]
 

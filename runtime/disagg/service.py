@@ -143,7 +143,7 @@ class DisaggAsyncEngine(AsyncLLMEngine):
     the first). Each remote prefill goes to the live prefill core with the fewest transfers in flight; one that
     dies fails only its own transfers (they fall back to the decode core) and the others carry on."""
 
-    def __init__(self, *args: Any, prefill: AsyncLLMEngine | list[AsyncLLMEngine], remote_prefill: str = "always",
+    def __init__(self, *args: Any, prefill: AsyncLLMEngine | list[AsyncLLMEngine], remote_prefill: str = "auto",
                  transport: str = "tcp",
                  lease_s: float = 30.0, local_prefill_budget_s: float = 0.05, max_local_prefill: int = 256,
                  max_prefill_queue: int = 64, **kwargs: Any) -> None:
@@ -263,12 +263,16 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         return AddResult(0)
 
     def policy(self) -> dict[str, Any]:
-        """What the decode core is told for the next request (DecodeRole.add_request)."""
+        """What the decode core is told for the next request (DecodeRole.add_request). On a cold start (no short
+        prompt prefilled on the decode core yet, so no speed measured) the threshold is `max_local_prefill` tokens
+        and a prompt kept local for it is counted as `local:short_prompt_unmeasured`; it is also what measures the
+        speed."""
         if self.remote_prefill == "always":
             return {}
         if len(self.transfers) >= self.max_prefill_queue:
             return {"local_reason": "prefill_queue_full"}
-        return {"min_remote_tokens": self.local_prefill_threshold}
+        return {"min_remote_tokens": self.local_prefill_threshold,
+                "short_reason": "short_prompt" if self.local_prefill_tps is not None else "short_prompt_unmeasured"}
 
     @property
     def local_prefill_threshold(self) -> int:
@@ -299,7 +303,7 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         decision, added, uncached, first, queued = timing
         seconds = max(first - added, 1e-6)
         self.ttft["remote" if decision == "remote" else "local"].observe(seconds)
-        if decision == "local:short_prompt":  # its compute time: the time it waited in the queue is not speed
+        if decision in ("local:short_prompt", "local:short_prompt_unmeasured"):  # its compute time: the time it waited in the queue is not speed
             tps = uncached / max(seconds - queued, 1e-6)
             self.local_prefill_tps = tps if self.local_prefill_tps is None else 0.8 * self.local_prefill_tps + 0.2 * tps
 
@@ -379,8 +383,10 @@ class _DisaggCollector:
             yield family
         family = GaugeMetricFamily("kiln:local_prefill_threshold_tokens", "Conditional disaggregation: prompts "
                                    "with at most this many tokens past the decode core's prefix-cache hit are "
-                                   "prefilled there (from its measured prefill speed).")
-        family.add_metric([], self.engine.local_prefill_threshold)
+                                   "prefilled there (source: measured, from its prefill speed; default, "
+                                   "max_local_prefill until a speed was measured).", labels=["source"])
+        family.add_metric(["default" if self.engine.local_prefill_tps is None else "measured"],
+                          self.engine.local_prefill_threshold)
         yield family
         for histogram in self.engine.ttft.values():
             yield from histogram.collect()
@@ -420,5 +426,5 @@ def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout:
     tuning = {k: disaggregate[k] for k in ("local_prefill_budget_s", "max_local_prefill", "max_prefill_queue")
               if k in disaggregate}
     return DisaggAsyncEngine(info, tokenizer, process=decode, prefill=engines, **tuning,
-                             remote_prefill=disaggregate.get("remote_prefill", "always"), transport=transport,
+                             remote_prefill=disaggregate.get("remote_prefill", "auto"), transport=transport,
                              lease_s=float(disaggregate.get("lease_s", 30.0)), heartbeat_timeout=heartbeat_timeout)

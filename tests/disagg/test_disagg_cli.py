@@ -37,6 +37,31 @@ def test_recipe_section_reaches_the_manifest(tmp_path):
                                             "remote_prefill": "always"}
 
 
+def test_remote_prefill_defaults_to_auto(tmp_path):
+    """A recipe that does not say is conditionally disaggregated (the issue's default); so are `kiln serve
+    --disaggregate` without a recipe section and `kiln router`."""
+    import argparse
+
+    from kiln.compiler.options import recipe_options
+    from kiln.dsl import load_recipe
+    from kiln.runtime.disagg.remote import add_router_args
+    from kiln.runtime.entrypoint import add_serve_args, disaggregate_section
+
+    p = tmp_path / "r.dsl"
+    p.write_text(textwrap.dedent(RECIPE).replace("; remote_prefill = always", ""))
+    assert recipe_options(load_recipe(str(p)).recipe).disaggregate.remote_prefill == "auto"
+    serve = argparse.ArgumentParser()
+    serve.add_argument("artifact")
+    add_serve_args(serve)
+    assert disaggregate_section({}, serve.parse_args(["art", "--disaggregate"]))["remote_prefill"] == "auto"
+    assert disaggregate_section({}, serve.parse_args(["art"])) is None
+    given = serve.parse_args(["art", "--disaggregate", "--remote-prefill", "always"])
+    assert disaggregate_section({"disaggregate": {"remote_prefill": "auto"}}, given)["remote_prefill"] == "always"
+    router = argparse.ArgumentParser().add_subparsers()
+    add_router_args(router)
+    assert router.choices["router"].parse_args(["--replica", "h:1"]).remote_prefill == "auto"
+
+
 def _kiln_serve(art, *flags: str):
     """`kiln serve ART FLAGS` in its own process, on a free port: (process, port, output lines, child pids), once
     /health answers 200."""

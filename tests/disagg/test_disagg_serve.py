@@ -46,7 +46,7 @@ def colocated(artifact_dir):
 
 
 def test_disaggregated_server_answers_like_colocated(artifact_dir, colocated):
-    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, disaggregate={"transport": "tcp"})
+    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, disaggregate={"transport": "tcp", "remote_prefill": "always"})
     pids = [server.core.pid, server.prefill_core.pid]
     try:
         ps = prompts()
@@ -102,7 +102,7 @@ def test_disaggregated_server_answers_like_colocated(artifact_dir, colocated):
 def test_prefill_killed_mid_transfer_costs_no_request(artifact_dir, colocated):
     # 16 tokens a step: the prefill core works through the prompts over several steps
     server = LiveServer(artifact_dir, {"num_kv_blocks": 256, "max_num_batched_tokens": 16},
-                        disaggregate={"transport": "tcp"})
+                        disaggregate={"transport": "tcp", "remote_prefill": "always"})
     try:
         ps = prompts()
         # the prefill core computes slowly, so some transfers are done, some in flight, some queued when it dies
@@ -132,7 +132,7 @@ def test_prefill_killed_mid_transfer_costs_no_request(artifact_dir, colocated):
 
 
 def test_decode_killed_fails_every_request_in_bound(artifact_dir):
-    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, disaggregate={"transport": "tcp"})
+    server = LiveServer(artifact_dir, {"num_kv_blocks": 256}, disaggregate={"transport": "tcp", "remote_prefill": "always"})
     prefill_pid = server.prefill_core.pid
     try:
         ps = prompts()
@@ -170,12 +170,13 @@ def test_conditional_disaggregation_auto(artifact_dir, colocated):
             assert got["status"] == 200 and got["body"]["choices"][0]["text"] == colocated[tuple(p)]["text"], p
             return disagg_stats(server)["decisions"]
 
-        assert router.local_prefill_threshold == 8  # nothing measured yet
+        assert router.local_prefill_threshold == 8  # nothing measured yet: the cold start's max_local_prefill
+        assert server.metric('kiln:local_prefill_threshold_tokens{source="default"}') == 8.0
         assert ask(long_a) == {"remote": 1}
-        assert ask(short) == {"remote": 1, "local:short_prompt": 1}
+        assert ask(short) == {"remote": 1, "local:short_prompt_unmeasured": 1}  # kept local by the default
         assert router.local_prefill_tps is not None and router.local_prefill_threshold >= 4  # >= 4 tokens/s
         # the same long prompt again: the decode core caches all but its last block, so it is short now
-        assert ask(long_a)["local:short_prompt"] == 2
+        assert ask(long_a)["local:short_prompt"] == 1
         router.max_prefill_queue = 0  # (the router's attribute; read per request on its loop)
         assert ask(long_b)["local:prefill_queue_full"] == 1
         router.max_prefill_queue = 8
@@ -189,7 +190,7 @@ def test_conditional_disaggregation_auto(artifact_dir, colocated):
                 server.metric("kiln:kv_transfer_seconds_count") < 2:
             assert time.monotonic() < deadline, "per-path TTFT / transfer histograms missing from /metrics"
             time.sleep(0.1)
-        assert server.metric("kiln:local_prefill_threshold_tokens") == 1.0
+        assert server.metric('kiln:local_prefill_threshold_tokens{source="measured"}') == 1.0
         server.wait_idle()
     finally:
         server.stop()
@@ -202,7 +203,7 @@ def prefill_stats(server: LiveServer, core) -> dict:
 def test_two_prefill_cores_share_transfers_and_one_dying_costs_nothing(artifact_dir, colocated):
     # no prefix cache: the same prompts again are whole transfers again; 16 tokens a step: prefills take steps
     server = LiveServer(artifact_dir, {"num_kv_blocks": 256, "max_num_batched_tokens": 16, "prefix_cache": None},
-                        disaggregate={"transport": "tcp", "prefill": 2})
+                        disaggregate={"transport": "tcp", "prefill": 2, "remote_prefill": "always"})
     router = server.engine
     try:
         assert len(router.prefills) == 2

@@ -100,7 +100,8 @@ def test_disaggregated_remote_cores(artifact_dir, colocated):
     try:
         prefill = cluster.core(artifact_dir, "prefill")
         decodes = [cluster.core(artifact_dir, "decode") for _ in range(2)]
-        router = cluster.router("--prefill", prefill.url, "--decode", decodes[0].url, "--decode", decodes[1].url)
+        router = cluster.router("--prefill", prefill.url, "--decode", decodes[0].url, "--decode", decodes[1].url,
+                                "--remote-prefill", "always")
         assert "kiln router: over 1 prefill and 2 decode engine core(s)" in router.output()
         ps = prompts()
         for p in ps:  # concurrency 1: logprobs as co-located

@@ -75,7 +75,7 @@ def test_token_ids_and_logprobs_equal_colocated(bare, reference, cluster, transp
     prefill = next(p for p in cluster.procs if "prefill engine core" in p.output())
     decode = cluster.core(bare, "decode", "--kv-transport", transport)
     assert f"KV over {transport}" in decode.output()
-    router = cluster.router("--prefill", prefill.url, "--decode", decode.url)
+    router = cluster.router("--prefill", prefill.url, "--decode", decode.url, "--remote-prefill", "always")
     ps = workload()
     for i, p in enumerate(ps):
         ids, logprobs = complete(router.url, p)

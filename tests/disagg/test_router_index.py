@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from kiln.runtime.async_engine import EngineOverloadedError, PromptInput, RequestGroup, RequestObserver
 from kiln.runtime.core_protocol import CoreStats, RequestLimits
-from kiln.runtime.disagg.router import ReplicaIndex, ReplicaRouter
+from kiln.runtime.disagg.router import Load, ReplicaIndex, ReplicaRouter
 from kiln.runtime.errors import RequestError
 from kiln.runtime.prefix_cache import PrefixCache, block_hashes
 from kiln.runtime.sampling_params import SamplingParams
@@ -118,7 +118,7 @@ def test_longest_cached_prefix_wins_then_load_spills_over():
     # while r0 runs, requests sharing the prefix still go to b: each adds one uncached block or two there
     groups = [route(router, shared + [i, 7, 8], f"s{i}") for i in range(3)]
     assert [n for n, _ in groups] == ["1"] * 3
-    # an unrelated prompt: a costs its prompt; b costs its prompt plus its load, so a
+    # an unrelated prompt: a costs its prompt; b costs its prompt plus its queued prefills, so a
     assert route(router, prefix(4, 2), "u0")[0] == "0"
     # b loaded with many requests of its own (a refused them meanwhile): the shared prefix spills over to a
     a.refuse = EngineOverloadedError
@@ -126,19 +126,58 @@ def test_longest_cached_prefix_wins_then_load_spills_over():
         route(router, prefix(4, 10 + i), f"load{i}")
     a.refuse = None
     loads = {r.name: r.load() for r in router.replicas}
-    assert loads["1"][0] > 16 + loads["0"][0], loads
+    assert loads["1"].queued > 16 * BS + loads["0"].queued, loads
     assert route(router, shared + [9], "spill")[0] == "0"
     # finished requests free their replica's load
     for _, g in [("", g0), *groups]:
         g.unfinished.clear()
-    assert router.replicas[1].load()[1] < loads["1"][1]
+    assert router.replicas[1].load().requests == loads["1"].requests - 4
+
+
+def test_the_cost_is_the_estimated_time_to_first_token():
+    """A prefix hit is worth the prefill it saves and no more: the replica holding a chat's prefix loses to an idle
+    one when the prefills queued there take longer than the hit saves; requests already decoding are not queued
+    prefill work; and a replica measured slow (tokens it had to compute per second of time to first token) costs
+    more for the same work."""
+    clock = Clock()
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = ReplicaRouter([a, b], clock=clock)
+    chat = prefix(28, 7)  # 112 tokens, cached on a
+    router.replicas[0].index.apply({"full": block_hashes(chat, BS, [])})
+    b.refuse = EngineOverloadedError
+    queued = [route(router, prefix(64, 20 + i), f"q{i}")[1] for i in range(2)]  # 2 prefills of 256 tokens on a
+    b.refuse = None
+    assert router.replicas[0].load() == Load(queued=2 * 256, running=0, requests=2)
+    # the next turn: 176 tokens, 64 past a's hit. a: 512 queued + 2 * 64 (its own, and what it delays others);
+    # b: 2 * 176
+    assert route(router, chat + prefix(16, 8), "t0")[0] == "1"
+    # a's two have their first tokens (1 s after they were routed): decoding now, no longer prefill ahead
+    clock.now += 1.0
+    for i, g in enumerate(queued):
+        g.first_token_at[f"q{i}"] = clock.now
+    assert router.replicas[0].load() == Load(queued=0, running=2, requests=2)
+    # measured by q0 alone (256 tokens in 1 s): q1 had a prefill queued ahead (its time is a's batching)
+    assert router.replicas[0].speed == pytest.approx(256.0)
+    assert route(router, chat + prefix(16, 9), "t1")[0] == "0"  # a: 2 + 2 * 64 tokens; b: 176 + 2 * 176
+    # t0 (too short to measure b) has its first token; then b alone takes 256 tokens and needs 25.7 s for them
+    router.replicas[1].groups[0][0].first_token_at["t0"] = clock.now
+    assert router.replicas[1].load() == Load(queued=0, running=1, requests=1) and router.replicas[1].speed is None
+    a.refuse = EngineOverloadedError
+    _, big = route(router, prefix(64, 40), "big")
+    a.refuse = None
+    clock.now += 25.7
+    big.first_token_at["big"] = clock.now
+    assert router.replicas[1].load().running == 2 and router.replicas[1].speed == pytest.approx(10.0)
+    # a prompt cached nowhere: a has 2 + 64 + 2 * 64 tokens to go at 256 tokens/s, b 2 + 2 * 64 at 10 tokens/s
+    assert route(router, prefix(16, 30), "u0")[0] == "0"
 
 
 def test_predictions_steer_a_burst_before_any_report():
     a, b = FakeEngine("a"), FakeEngine("b")
     router = ReplicaRouter([a, b])
     shared = prefix(16, 3)
-    first, _ = route(router, shared + [1], "b0")
+    first, g0 = route(router, shared + [1], "b0")
+    g0.first_token_at["b0"] = 1.0  # its prefill is done (the prefix computed there), its replica reported nothing
     assert all(route(router, shared + [i + 2], f"b{i + 1}")[0] == first for i in range(4))
     assert router.replicas[int(first)].num_matched_blocks == 4 * 16
 

@@ -146,7 +146,7 @@ def test_killed_replica_fails_only_its_own_requests(artifact_dir, single):
 def test_disaggregated_replicas(artifact_dir, single):
     """`--replicas 2 --disaggregate`: two prefill + decode pairs behind the router; requests sharing a prefix stay
     on one pair, whose transfers all succeed; answers equal one core's; no process is left."""
-    with replicas(artifact_dir, disaggregate={"transport": "tcp"}) as (server, router):
+    with replicas(artifact_dir, disaggregate={"transport": "tcp", "remote_prefill": "always"}) as (server, router):
         sharing, _ = workload()
         names = set()
         for p in sharing[:3]:

@@ -7,6 +7,7 @@ computes fewer prompt tokens (its prefix-cache hit, counted at admission), witho
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -149,9 +150,38 @@ def test_a_restore_aborted_mid_copy_frees_its_block_only_when_the_copy_ended():
 def test_a_host_block_that_changed_is_not_restored():
     bm, kv, tier = _pool()
     _offload(bm, kv, 42)
+    tier._digest[tier._slot_of[42]].result()  # (its digest, taken on the tier's thread)
     tier.host[0][tier._slot_of[42]] += 1.0  # the host copy is not what was offloaded
     assert tier.restore([42], []) == []
     assert tier.counts["failed"] == 1 and not bm.prefix_cache.holds(42) and len(bm._free) == bm.num_blocks
+    tier.check()
+
+
+def test_offload_digests_off_the_step_and_a_reused_slot_waits_for_its_digest(monkeypatch):
+    """The eviction's caller does not hash the block: the tier's thread does, and an LRU reuse of the slot (its next
+    block copied in) waits until that thread read what was offloaded."""
+    bm, kv, tier = _pool(host=1)
+    gate, read = threading.Event(), []
+    digest = tier._content_digest
+
+    def slow(slot: int) -> bytes:
+        read.append((threading.current_thread().name, tier.host[0][slot, 0].item()))
+        assert gate.wait(30)
+        return digest(slot)
+
+    monkeypatch.setattr(tier, "_content_digest", slow)
+    _offload(bm, kv, 1)  # returns with its digest still being computed (the gate is closed)
+    pending = tier._digest[tier._slot_of[1]]
+    assert not pending.done()
+    timer = threading.Timer(0.05, gate.set)
+    timer.start()
+    try:
+        _offload(bm, kv, 2)  # the one slot goes to block 2: only once block 1's digest was read
+    finally:
+        timer.join(30)
+    assert gate.is_set() and pending.done() and tier._slot_of == {2: 0}
+    assert read[0][0].startswith("kiln-offload-digest") and read[0][1] == 1.0
+    assert tier.restore([2], []) != [] and tier.counts["failed"] == 0
     tier.check()
 
 
