@@ -38,6 +38,19 @@ def peft_logits(base_dir: pathlib.Path, adapter_dir: pathlib.Path | None, tokens
         return model(torch.tensor([tokens])).logits[0].float()
 
 
+def peft_greedy(base_dir: pathlib.Path, adapter_dir: pathlib.Path, prompt: list[int], n: int,
+                load_hf_model) -> list[int]:
+    """HF peft's greedy continuation (an argmax loop over full sequences) of `prompt`, `n` tokens."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_hf_model(base_dir), str(adapter_dir)).eval()
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
 def lora_recipe(recipe: str, lora_section: str) -> str:
     """The `kiln recipe from-hf` recipe with a `lora { ... }` section added."""
     body, last = recipe.rsplit("}", 1)

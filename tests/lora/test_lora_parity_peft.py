@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_testlib import ATTENTION, ATTENTION_MLP, peft_logits
+from lora_testlib import ATTENTION, ATTENTION_MLP, peft_greedy, peft_logits
 
 import kiln
 
@@ -35,14 +35,7 @@ def _check(art, name, adapter_dir, ckpt, load_hf_model):
             ids = torch.tensor(list(got))
             ours = torch.tensor([lp.logprob for lp in got.values()])
             torch.testing.assert_close(ours, ref[j - 1, ids], atol=1e-4, rtol=0)
-        # greedy continuation: HF peft's argmax loop
-        from peft import PeftModel
-        model = PeftModel.from_pretrained(load_hf_model(ckpt), str(adapter_dir)).eval()
-        seq = list(prompt)
-        with torch.no_grad():
-            for _ in range(8):
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        assert out.outputs[0].token_ids == seq[len(prompt):]
+        assert out.outputs[0].token_ids == peft_greedy(ckpt, adapter_dir, prompt, 8, load_hf_model)
 
 
 @pytest.mark.parametrize("case", list(CASES))

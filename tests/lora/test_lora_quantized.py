@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from lora_testlib import ATTENTION_MLP, lora_recipe, peft_logits
+from lora_testlib import ATTENTION_MLP, lora_recipe, peft_greedy, peft_logits
 
 import kiln
 
@@ -87,14 +87,7 @@ def test_adapter_over_quantized_base_matches_peft(scheme, recipe, adapter, tiny_
         ids = torch.tensor(list(got))
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.values()]), ref[j - 1, ids], atol=1e-4,
                                    rtol=0)
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(load(reference), str(path)).eval()
-    seq = list(PROMPT)
-    with torch.no_grad():
-        for _ in range(8):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    assert out.outputs[0].token_ids == seq[len(PROMPT):]
+    assert out.outputs[0].token_ids == peft_greedy(reference, path, PROMPT, 8, load)
     base = llm.generate([PROMPT], params)[0]  # no adapter: the quantized base alone
     assert base.outputs[0].token_ids != out.outputs[0].token_ids or any(
         abs(base.prompt_logprobs[j][t].logprob - out.prompt_logprobs[j][t].logprob) > 1e-3
