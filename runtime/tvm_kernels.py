@@ -16,9 +16,11 @@ line. `KILN_CPU_BF16_GEMM=tvm|torch` overrides it.
 
 Threads: TVM keeps its own pthread pool (one per calling thread), sized when the first parallel kernel runs
 from `TVM_NUM_THREADS`. Unless that is set, it is set here to torch's intra-op thread count, so both pools use
-the same cores. `TVM_THREAD_POOL_SPIN_COUNT` defaults to 0 here (TVM's default spins 300k iterations after every
-call): idle TVM workers spinning while torch's OpenMP threads run a GEMM on the same cores made alternating
-torch and TVM calls 1.4-7.5x slower than either alone (docs/performance.md).
+the same cores. `TVM_THREAD_POOL_SPIN_COUNT` defaults to 30000 here (TVM's own default spins 300k iterations
+after every call; 0, the earlier choice, made every parallel call wake a sleeping worker): with the GEMMs on
+TVM too and torch's OpenMP threads asleep when idle (runtime/threads.py), a short spin measured 1.4-2.8x the
+decode throughput of 0 at batch 1 and 1.1-1.3x at batch 16-64 (docs/performance.md, "TVM workers: a short
+spin"); the earlier finding, spinning TVM workers slowing torch's GEMMs 1.4-7.5x, was with GEMMs on torch.
 """
 from __future__ import annotations
 
@@ -104,14 +106,17 @@ def _runtime_library() -> Path:
     raise ImportError("the installed apache-tvm has no lib/libtvm_runtime.so")
 
 
+TVM_SPIN_COUNT = 30000  # iterations an idle TVM worker spins after a call before it sleeps
+
+
 def configure_threads() -> None:
-    """Sizes TVM's pool like torch's (unless TVM_NUM_THREADS is set) and stops its workers spinning between calls
-    (unless TVM_THREAD_POOL_SPIN_COUNT is set). Takes effect for pools not yet started."""
+    """Sizes TVM's pool like torch's (unless TVM_NUM_THREADS is set) and lets its workers spin briefly between
+    calls (TVM_THREAD_POOL_SPIN_COUNT, unless set). Takes effect for pools not yet started."""
     if "TVM_NUM_THREADS" not in os.environ:
         import torch
 
         os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(TVM_SPIN_COUNT))
 
 
 def _load_module(library: Path, digest: str) -> Any:
