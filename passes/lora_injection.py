@@ -4,10 +4,10 @@ from __future__ import annotations
 from kiln.compiler import Graph, Node, Pass, PassContext, PassError, Program, register_pass
 from kiln.compiler.ir import Attrs, ParamSpec, TensorType
 from kiln.compiler.options import RecipeOptions
+from kiln.compiler.placement import LINEAR_OPS
 from kiln.dsl.errors import KilnError
 
 WEIGHT_SUFFIX = ".weight"
-QUANTIZED_GEMMS = ("linear_fp8", "linear_w4a16")
 
 
 def _modules(spec: ParamSpec) -> tuple[str, ...] | None:
@@ -116,7 +116,7 @@ def _quantized_modules(spec: ParamSpec) -> tuple[tuple[str, ...] | None, tuple[i
 def _adapted_weight(program: Program, graph: Graph, node: Node) -> ParamSpec | None:
     """The weight of a linear the pass adapts: a plain float param, or the first param of a quantized GEMM
     (linear_fp8, linear_w4a16: the branch reads x and adds to y, whatever the base's weight format)."""
-    if node.op not in QUANTIZED_GEMMS + ("linear",) or not isinstance(node.out, TensorType):
+    if node.op not in LINEAR_OPS or not isinstance(node.out, TensorType):
         return None
     w = graph.node(node.inputs[1])
     if w.op != "param":
@@ -124,7 +124,7 @@ def _adapted_weight(program: Program, graph: Graph, node: Node) -> ParamSpec | N
     spec = program.params.get(w.attrs["name"])
     if spec is None or spec.sharding is not None:
         return None
-    if node.op in QUANTIZED_GEMMS:
+    if node.op != "linear":  # a quantized GEMM: its first param is the packed / e4m3 weight
         return spec if spec.quant is not None and spec.quant.get("role") in ("weight", "qweight") else None
     if spec.quant is not None or spec.dtype not in ("f32", "bf16", "f16"):
         return None
