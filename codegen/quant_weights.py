@@ -52,6 +52,11 @@ def _input_scale_name(weight_source: str) -> str:
     return f"{stem}.input_scale"
 
 
+def fp8_scale_names(weight_source: str) -> list[str]:
+    """Where an e4m3 checkpoint tensor's scale is: compressed-tensors `<name>_scale`, DeepSeek `<name>_scale_inv`."""
+    return [f"{weight_source}_scale", f"{weight_source}_scale_inv"]
+
+
 def _granularity_of(shape: tuple[int, ...], n: int) -> str:
     if len(shape) == 0 or (len(shape) == 1 and shape[0] == 1) or shape == (1, 1):
         return "tensor"
@@ -206,7 +211,7 @@ class QuantizedWeights:
 
     def _fp8_scale(self, entry: Any, src: str, n: int, k: int) -> torch.Tensor:
         q, spec = entry.spec.quant, entry.spec
-        names = [f"{src}_scale", f"{src}_scale_inv"]
+        names = fp8_scale_names(src)
         name = next((s for s in names if s in self.ckpt), None)
         if name is None:
             raise WeightError(f"checkpoint tensor '{src}' is fp8 but has no scale ('{names[0]}' or '{names[1]}')",

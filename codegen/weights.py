@@ -26,7 +26,13 @@ from tqdm import tqdm
 
 from .errors import CheckpointError, CodegenError, WeightError
 from .errors import fmt_shape as _fmt
-from .quant_weights import QuantizedWeights, calibrate_input_scales, calibrate_kv_scales, calibration_tokens
+from .quant_weights import (
+    QuantizedWeights,
+    calibrate_input_scales,
+    calibrate_kv_scales,
+    calibration_tokens,
+    fp8_scale_names,
+)
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 QUANT_DTYPES = {"fp8e4m3": torch.float8_e4m3fn, "i32": torch.int32}  # quantized params only (ParamSpec.quant)
@@ -239,7 +245,7 @@ def float_source(ckpt: Checkpoint, name: str, spec: ParamSpec) -> torch.Tensor:
         raise WeightError(f"checkpoint tensor '{name}' is {str(t.dtype).removeprefix('torch.')}, but param "
                           f"'{spec.name}' is {spec.dtype} and reads it unquantized; a quantized checkpoint needs its "
                           "`quantize { weights = ... }` line (kiln recipe from-hf writes it)", spec.loc)
-    scales = [f"{name}_scale", f"{name}_scale_inv"]
+    scales = fp8_scale_names(name)
     scale_name = next((s for s in scales if s in ckpt), None)
     if scale_name is None:
         raise WeightError(f"checkpoint tensor '{name}' is fp8 but has no scale ('{scales[0]}' or '{scales[1]}') to "
