@@ -530,7 +530,7 @@ def serve_rounds(name: str, ckpt: Path, art: Path, args: argparse.Namespace, log
     """Fills `out` = {server: {"startup_s": [...], "clients": {client: {concurrency: [round results]}}}},
     calling `save()` after every client run."""
     vocab = json.loads((art / "manifest.json").read_text())["runtime"]["vocab_size"]
-    servers = ["kiln"] + (["vllm"] if args.vllm_python else [])
+    servers = ["kiln"] + (["vllm"] if args.vllm_python and not args.kiln_only else [])
     clients = (["vllm"] if args.vllm_python else []) + ["kiln"]
     out.update({s: {"startup_s": [], "clients": {c: {str(k): [] for k in args.concurrency} for c in clients}}
                 for s in servers})
@@ -574,7 +574,7 @@ def summarize(result: dict[str, Any], concurrency: list[int]) -> list[dict[str, 
         stream = m["stream"]
         offline = {str(r["batch"]): r for r in m["offline"]["rows"]}
         served = m["served"]
-        primary = "vllm" if "vllm" in served else "kiln"  # the client the table is read from
+        primary = "vllm" if "vllm" in served["kiln"]["clients"] else "kiln"  # the client the table is read from
         for c in map(str, concurrency):
             row: dict[str, Any] = {"checkpoint": name, "concurrency": int(c), "client": primary}
             for server in served:
@@ -605,7 +605,8 @@ def format_table(result: dict[str, Any]) -> str:
     head = ["checkpoint", "conc", "kiln out tok/s"] + (["vLLM out tok/s", "ratio"] if vllm else []) + \
         ["kiln TPOT p50"] + (["vLLM TPOT p50"] if vllm else []) + \
         ["kiln offline tok/s", "served/offline", "limit/TPOT kiln"] + (["limit/TPOT vLLM"] if vllm else []) + \
-        (["ratio, kiln's client"] if vllm else [])
+        (["ratio, kiln's client"] if vllm else []) + \
+        (["kiln out tok/s, kiln's client"] if any("kiln_kiln_client_out_tok_s" in r for r in result["summary"]) else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["summary"]:
         m = result["checkpoints"][r["checkpoint"]]
@@ -620,6 +621,8 @@ def format_table(result: dict[str, Any]) -> str:
         if vllm:
             cells += [f"{r['vllm_stream_share']:.0%}",
                       f"{r['ratio_kiln_client']:.2f}×" if "ratio_kiln_client" in r else "-"]
+        if "kiln_kiln_client_out_tok_s" in r:
+            cells.append(toks(r["kiln_kiln_client_out_tok_s"]))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name, m in result["checkpoints"].items():
@@ -656,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-b1-prompts", type=int, default=8, help="prompts of the offline batch-1 run")
     ap.add_argument("--cores", type=parse_cores, help="cores both servers run on, e.g. 0-1 (default: all allowed)")
     ap.add_argument("--kiln-threads", type=int, help="kiln's OMP_NUM_THREADS (default: the number of cores)")
+    ap.add_argument("--kiln-only", action="store_true",
+                    help="with --vllm-python: serve kiln only, measured with vLLM's client and kiln's")
     ap.add_argument("--kiln-serve-args", default="", help="more `kiln serve` options for kiln's server, e.g. "
                     "'--stream-interval 4' (recorded in the JSON)")
     ap.add_argument("--kv-gib", type=float, help="KV cache space of each server, GiB (default 2; --tiny: 1/16)")
@@ -711,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": {"cores": args.cores, "kiln": {"OMP_NUM_THREADS": args.kiln_threads, "affinity": args.cores},
                     "vllm": {"VLLM_CPU_OMP_THREADS_BIND": cores_text(args.cores), "affinity": args.cores}
                     if args.vllm_python else None},
-        "vllm_python": args.vllm_python, "kiln_serve_args": args.kiln_serve_args, "checkpoints": {},
+        "vllm_python": args.vllm_python, "kiln_serve_args": args.kiln_serve_args,
+        "kiln_only": args.kiln_only, "checkpoints": {},
     }
     t_run = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
