@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -220,14 +221,67 @@ def offline_worker(art: Path, batches: list[int], num_prompts: int, b1_prompts: 
                                                    vocab_size=vocab, seed=seed)]
         llm = LLM(str(art), max_num_seqs=b, num_kv_blocks=num_kv_blocks, seed=seed)
         llm.generate(prompts[:b], SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))  # one wave
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _own_cpu()
         outs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, _own_cpu() - c0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"batch": b, "prompts": n, "output_tokens": tokens, "duration_s": dt,
-                     "out_tok_s": tokens / dt})
+                     "out_tok_s": tokens / dt, "cpu_ms_per_token": cpu / tokens * 1e3})
         del llm
     return {"rows": rows, "torch_threads": torch.get_num_threads()}
+
+
+def _own_cpu(who: int = resource.RUSAGE_SELF) -> float:
+    """CPU seconds (user + system) of this process's threads, or of its waited-for children."""
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+VLLM_OFFLINE = """
+import json, os, sys, time
+from vllm import LLM, SamplingParams
+spec = json.loads(sys.argv[1])
+llm = LLM(model=spec["ckpt"], dtype=spec["dtype"], max_num_seqs=spec["batch"], max_model_len=spec["max_model_len"],
+          seed=spec["seed"])
+prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+params = SamplingParams(max_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
+llm.generate(prompts[:spec["batch"]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+def cpu():
+    t = os.times()
+    return t.user + t.system
+t0, c0 = time.perf_counter(), cpu()
+outs = llm.generate(prompts, params, use_tqdm=False)
+dt, c = time.perf_counter() - t0, cpu() - c0
+n = sum(len(o.outputs[0].token_ids) for o in outs)
+json.dump({"batch": spec["batch"], "prompts": len(prompts), "output_tokens": n, "duration_s": dt,
+           "out_tok_s": n / dt, "cpu_ms_per_token_api_process": c / n * 1e3}, open(spec["out"], "w"))
+"""
+
+
+def vllm_offline(ckpt: Path, vocab: int, args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
+    """vLLM's `LLM.generate` on the served workload (kiln's prompt token ids), a fresh process per batch size,
+    pinned to `--cores` like its server; CPU per token is its front process's only (the engine core is a child
+    vLLM does not let us wait for), so only the throughput is compared."""
+    from kiln.bench import make_requests
+
+    rows = []
+    for b in args.concurrency:
+        n = min(args.num_prompts, args.offline_b1_prompts) if b == 1 else args.num_prompts
+        prompts = [s.prompt for s in make_requests(n, input_len=args.input_len, output_len=args.output_len,
+                                                   vocab_size=vocab, seed=args.seed)]
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {"ckpt": str(ckpt), "dtype": VLLM_DTYPES[args.dtype], "batch": b, "seed": args.seed,
+                    "max_model_len": args.max_model_len, "prompts": prompts, "output_len": args.output_len,
+                    "out": str(Path(tmp) / "r.json")}
+            env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_gib:g}",
+                   "VLLM_CPU_OMP_THREADS_BIND": cores_text(args.cores)}
+            with open(log_path, "ab") as f:
+                subprocess.run([args.vllm_python, "-c", VLLM_OFFLINE, json.dumps(spec)], check=True, cwd=tmp,
+                               env=env, stdout=f, stderr=subprocess.STDOUT, timeout=CLIENT_TIMEOUT_S,
+                               preexec_fn=lambda: os.sched_setaffinity(0, args.cores))
+            rows.append(json.loads((Path(tmp) / "r.json").read_text()))
+        log(f"vLLM offline LLM.generate at batch {b}: {rows[-1]['out_tok_s']:.1f} out tok/s")
+    return {"rows": rows}
 
 
 def run_worker(kind: str, cores: list[int], threads: int, **kw: Any) -> dict[str, Any]:
@@ -414,6 +468,10 @@ def group_cpu(pgid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def _group_total_cpu(pgid: int) -> float:
+    return sum(cpu for _, cpu in group_cpu(pgid).values())
+
+
 def profile_kiln(ckpt_name: str, art: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     """Where kiln's served time goes at concurrency C: while kiln's client keeps C requests in flight, (1) the
     CPU seconds of every thread of the server's process group and of the client, (2) py-spy samples of the
@@ -547,11 +605,16 @@ def serve_rounds(name: str, ckpt: Path, art: Path, args: argparse.Namespace, log
                     order = clients if rnd % 2 == 0 else clients[::-1]
                     for client in order if rnd < args.cross_check_rounds or len(order) == 1 else clients[:1]:
                         load = os.getloadavg()[0]
+                        who = resource.RUSAGE_CHILDREN if client == "vllm" else resource.RUSAGE_SELF
+                        s0, c0 = _group_total_cpu(server.proc.pid), _own_cpu(who)
                         if client == "vllm":
                             r = vllm_client(server.url, ckpt, c, args, logs / f"{name}-vllm-client.log")
                         else:
                             r = kiln_client(server.url, vocab, c, args)
-                        r.update(round=rnd + 1, load_avg_1m=[load, os.getloadavg()[0]])
+                        s1, c1 = _group_total_cpu(server.proc.pid), _own_cpu(who)
+                        r.update(round=rnd + 1, load_avg_1m=[load, os.getloadavg()[0]],
+                                 server_cpu_ms_per_token=(s1 - s0) / max(r["output_tokens"], 1) * 1e3,
+                                 client_cpu_ms_per_token=(c1 - c0) / max(r["output_tokens"], 1) * 1e3)
                         out[kind]["clients"][client][str(c)].append(r)
                         save()
                         log(f"{name}: {kind} server, {client} client, concurrency {c}: "
@@ -593,6 +656,22 @@ def summarize(result: dict[str, Any], concurrency: list[int]) -> list[dict[str, 
                         statistics.median(row["vllm_kiln_client_out_tok_s"])
             row["kiln_offline_out_tok_s"] = offline[c]["out_tok_s"]
             row["served_over_offline"] = kiln_med / offline[c]["out_tok_s"]
+            if "vllm_offline" in m and "vllm_out_tok_s" in row:
+                v_off = {str(r["batch"]): r for r in m["vllm_offline"]["rows"]}[c]["out_tok_s"]
+                row["vllm_offline_out_tok_s"] = v_off
+                row["vllm_served_over_offline"] = statistics.median(row["vllm_out_tok_s"]) / v_off
+            # CPU per output token (ms, every core): offline's, each server's, the client's, and the served /
+            # offline a server costing no more than offline would reach with this client on the same cores
+            runs = served["kiln"]["clients"][primary][c]
+            if "cpu_ms_per_token" in offline[c] and runs and "client_cpu_ms_per_token" in runs[0]:
+                off = offline[c]["cpu_ms_per_token"]
+                client = statistics.median(r["client_cpu_ms_per_token"] for r in runs)
+                row["cpu_ms_per_token"] = {
+                    "offline": off, "client": client,
+                    **{f"{srv}_server": statistics.median(r["server_cpu_ms_per_token"]
+                                                          for r in served[srv]["clients"][primary][c])
+                       for srv in served}}
+                row["zero_overhead_ceiling"] = off / (off + client)
             rows.append(row)
     return rows
 
@@ -624,6 +703,20 @@ def format_table(result: dict[str, Any]) -> str:
         if "kiln_kiln_client_out_tok_s" in r:
             cells.append(toks(r["kiln_kiln_client_out_tok_s"]))
         lines.append("| " + " | ".join(cells) + " |")
+    cpu_rows = [r for r in result["summary"] if "cpu_ms_per_token" in r]
+    if cpu_rows:
+        lines += ["", "CPU ms per output token, every core (client: " + cpu_rows[0]["client"] + "'s):", "",
+                  "| checkpoint | conc | kiln offline | kiln server | client | served/offline | ceiling "
+                  "(a server costing offline's, this client) |" + (" vLLM server | vLLM served/offline |" if vllm else ""),
+                  "|" + "---|" * (7 + 2 * vllm)]
+        for r in cpu_rows:
+            cpu = r["cpu_ms_per_token"]
+            cells = [r["checkpoint"], str(r["concurrency"]), f"{cpu['offline']:.3f}", f"{cpu['kiln_server']:.3f}",
+                     f"{cpu['client']:.3f}", f"{r['served_over_offline']:.2f}×", f"{r['zero_overhead_ceiling']:.2f}×"]
+            if vllm:
+                cells += [f"{cpu.get('vllm_server', float('nan')):.3f}",
+                          f"{r['vllm_served_over_offline']:.2f}×" if "vllm_served_over_offline" in r else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name, m in result["checkpoints"].items():
         s = m["stream"]
@@ -659,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offline-b1-prompts", type=int, default=8, help="prompts of the offline batch-1 run")
     ap.add_argument("--cores", type=parse_cores, help="cores both servers run on, e.g. 0-1 (default: all allowed)")
     ap.add_argument("--kiln-threads", type=int, help="kiln's OMP_NUM_THREADS (default: the number of cores)")
+    ap.add_argument("--vllm-offline", action="store_true",
+                    help="with --vllm-python: also vLLM's offline LLM.generate at each concurrency (vLLM's "
+                         "served/offline beside kiln's)")
     ap.add_argument("--kiln-only", action="store_true",
                     help="with --vllm-python: serve kiln only, measured with vLLM's client and kiln's")
     ap.add_argument("--kiln-serve-args", default="", help="more `kiln serve` options for kiln's server, e.g. "
@@ -744,6 +840,11 @@ def main(argv: list[str] | None = None) -> int:
                                   num_kv_blocks=m["kiln_num_kv_blocks"], seed=args.seed)
         m["offline"]["load_avg_1m"] = os.getloadavg()[0]
         save()
+        if args.vllm_offline:
+            log(f"{name}: vLLM offline LLM.generate at batch {args.concurrency}")
+            vocab = json.loads((art / "manifest.json").read_text())["runtime"]["vocab_size"]
+            m["vllm_offline"] = vllm_offline(ckpt, vocab, args, logs / f"{name}-vllm-offline.log")
+            save()
         serve_rounds(name, ckpt, art, args, logs, m["served"], save)
         if args.profile_concurrency:
             log(f"{name}: profiling kiln's server at concurrency {args.profile_concurrency}")
