@@ -137,9 +137,11 @@ class SpeculativeConfig:
 def speculative_config(manifest: dict, method: str | None, num_tokens: int | None = None,
                        draft_model: str | None = None) -> SpeculativeConfig | None:
     """`method` (None or "none": off) checked against what the artifact has: a draft head of that name, or a
-    draft model for "draft"; `num_tokens` drafts a step (default 1)."""
+    draft model for "draft"; `num_tokens` drafts a step (default: the manifest's, else 1)."""
     if method in (None, "none"):
         return None
+    if num_tokens is None:
+        num_tokens = (manifest.get("speculative") or {}).get("num_tokens")
     n = 1 if num_tokens is None else int(num_tokens)
     if n < 1:
         raise ArtifactError(f"speculative {method}: {n} draft tokens per step; at least 1")

@@ -26,7 +26,7 @@ from .sampler import NONFINITE_TOKEN, Sampler, SamplerOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PLACEHOLDER_TOKEN, Request, Sequence
-from .speculative import Launched, make_speculator
+from .speculative import Launched, make_speculator, speculator_pool_share
 from .stops import TokenStops
 from .validation import check_request
 
@@ -77,9 +77,12 @@ class EngineCore(EngineLoRA):
         if prefix_cache is not _UNSET:
             sched = replace(sched, prefix_cache=None if prefix_cache in (None, "none") else prefix_cache)
         device = self.artifact.device
+        method = (manifest.get("speculative") or {}).get("method") if speculative is _UNSET else speculative
+        self.speculative = speculative_config(manifest, method, num_speculative_tokens, speculative_model)
         # what runs the model (executor.py): a ModelRunner here, or a parallel artifact's ranks; it sizes its KV pool
         self.runner = create_executor(self.artifact, sched, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-                                      enforce_eager=enforce_eager, backend=executor)
+                                      enforce_eager=enforce_eager, backend=executor,
+                                      proposer=speculator_pool_share(self.speculative, self.artifact))
         num_blocks = self.runner.num_blocks
         self.limits = RequestLimits(cfg.vocab_size, cfg.max_model_len, kv.block_size, num_blocks)
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
@@ -87,10 +90,6 @@ class EngineCore(EngineLoRA):
         self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
         self.attach_lora()  # an artifact compiled with `lora { }`: its adapters and slots (lora.py)
         self.sampler = Sampler(seed, device)
-        spec = manifest.get("speculative") or {}
-        self.speculative = speculative_config(manifest, spec.get("method") if speculative is _UNSET else speculative,
-                                              spec.get("num_tokens") if num_speculative_tokens is None
-                                              else num_speculative_tokens, speculative_model)
         self.speculator = make_speculator(self.speculative, self.runner, self.sampler, self.artifact)
         eos = set(cfg.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

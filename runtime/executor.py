@@ -49,8 +49,9 @@ class Executor(Protocol):
 
 def create_executor(artifact: Any, sched: SchedulerConfig, *, num_kv_blocks: int | None = None,
                     kv_cache_bytes: int | None = None, enforce_eager: bool = False,
-                    backend: str | None = None) -> Executor:
-    """The executor of a loaded artifact, its KV pool sized (`plan_memory`) and allocated.
+                    backend: str | None = None, proposer: Any = None) -> Executor:
+    """The executor of a loaded artifact, its KV pool sized (`plan_memory`, sharing the budget with a speculative
+    `proposer`'s speculative.PoolShare) and allocated.
 
     `backend` (parallel artifacts): "mp" (default) — one worker process per rank > 0, or those a torchrun-style
     launch started (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT in the environment); "local" — every rank in this
@@ -60,11 +61,12 @@ def create_executor(artifact: Any, sched: SchedulerConfig, *, num_kv_blocks: int
         from .distributed.executor import create_mesh_executor
 
         return create_mesh_executor(artifact, sched, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
-                                    backend=backend)
+                                    backend=backend, proposer=proposer)
     if backend not in (None, "mp", "local"):
         raise KilnRuntimeError(f"unknown executor backend {backend!r} (known: mp, local)")
     graphs = artifact.cuda_graph_config if artifact.device.type == "cuda" and not enforce_eager else None
-    plan = plan_engine_pool(artifact, sched, graphs, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes)
+    plan = plan_engine_pool(artifact, sched, graphs, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
+                            proposer=proposer)
     num_swap_blocks = sched.swap_space // kv.bytes_per_block if sched.preemption == "swap" else 0
     runner = ModelRunner(artifact.model, kv, plan["kv_blocks"], artifact.device, num_swap_blocks, graphs)
     runner.memory_plan = plan  # what the pool was sized from (benchmarks/gpu_engine.py prints it)

@@ -19,25 +19,29 @@ DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
 
 def plan_kv_cache(*, bytes_per_block: int, total: int, fraction: float, weights: int, activation_peak: int,
-                  graph_reserve: int, free: int | None = None) -> dict[str, Any]:
+                  graph_reserve: int, free: int | None = None, proposer_per_block: int = 0,
+                  proposer_fixed: int = 0) -> dict[str, Any]:
     """The KV pool of a CUDA load, vLLM's profile-run arithmetic: `fraction` of the device's `total` memory, less
     the weights (allocated after load), the activation peak of the largest step (measured by a dummy
     max_batched_tokens prefill) and the decode graphs' reserve (captured after the pool is allocated). `free`
     (device memory free now, other processes' use included) caps it, so a shared device cannot over-commit.
-    Raises ArtifactError, naming each part, when not one block fits."""
-    budget = int(fraction * total) - weights - activation_peak - graph_reserve
-    room = budget if free is None else min(budget, free - activation_peak - graph_reserve)
-    blocks = max(room, 0) // bytes_per_block
+    A speculative proposer loaded after the plan (speculative.PoolShare) takes `proposer_fixed` bytes and
+    `proposer_per_block` beside each block. Raises ArtifactError, naming each part, when not one block fits."""
+    budget = int(fraction * total) - weights - activation_peak - graph_reserve - proposer_fixed
+    room = budget if free is None else min(budget, free - activation_peak - graph_reserve - proposer_fixed)
+    blocks = max(room, 0) // (bytes_per_block + proposer_per_block)
     if blocks <= 0:
         capped = "" if free is None or room == budget else f"; only {_gib(free)} of the device is free"
         raise ArtifactError(
             f"no memory left for the KV cache: {fraction:g} x {_gib(total)} device memory - {_gib(weights)} weights "
             f"- {_gib(activation_peak)} activation peak - {_gib(graph_reserve)} CUDA-graph reserve leaves "
-            f"{_gib(room)}, less than one KV block of {bytes_per_block} bytes{capped}; lower max_num_batched_tokens, "
-            "raise kv_cache.memory_fraction, or pass num_kv_blocks / kv_cache_bytes")
+            f"{_gib(room)}" + (f" after the speculative proposer's {_gib(proposer_fixed)}" if proposer_fixed else "")
+            + f", less than one KV block of {bytes_per_block + proposer_per_block} bytes{capped}; lower "
+            "max_num_batched_tokens, raise kv_cache.memory_fraction, or pass num_kv_blocks / kv_cache_bytes")
     return {"source": "profiled", "total": total, "fraction": fraction, "weights": weights,
             "activation_peak": activation_peak, "graph_reserve": graph_reserve, "free": free,
-            "kv_bytes": blocks * bytes_per_block, "kv_blocks": int(blocks)}
+            "kv_bytes": blocks * bytes_per_block, "kv_blocks": int(blocks),
+            "proposer_bytes": blocks * proposer_per_block + proposer_fixed}
 
 
 def _gib(n: int) -> str:
@@ -96,13 +100,16 @@ def profile_activation_peak(model: Any, kv: KVCacheConfig, device: torch.device,
 def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int | None = None,
                 kv_cache_bytes: int | None = None, memory_fraction: float = 0.9, model: Any = None,
                 prefill_lengths: list[int] | None = None, graph_reserve: int = 0,
-                vocab_size: int = 1) -> dict[str, Any]:
+                vocab_size: int = 1, proposer: Any = None) -> dict[str, Any]:
     """The KV pool's size and how it was reached (`kv_blocks`, `kv_bytes`, `source`). An explicit block count
     wins; then a byte budget; then the manifest's decision (`kiln compile --report` predicts from the same):
     its `num_blocks`, else its `pool_bytes` (the cpu target's budget). Else, on CUDA, the pool is what
     `plan_kv_cache` leaves after the weights, the activation peak of a dummy prefill of `prefill_lengths`
     through `model` (no model: not profiled, 0) and `graph_reserve`; off CUDA (a GPU artifact under the
-    Triton interpreter) DEFAULT_CPU_KV_BYTES."""
+    Triton interpreter) DEFAULT_CPU_KV_BYTES. A byte budget or a profiled device is shared with a speculative
+    `proposer`'s memory (a speculative.PoolShare: its own pool, sized per target block, and its weights), so the
+    two fit together; a block count (explicit or the manifest's) is the target's alone."""
+    per_block, fixed = (proposer.per_block, proposer.fixed) if proposer is not None else (0, 0)
     if num_kv_blocks is not None:
         source, n = "num_kv_blocks", num_kv_blocks
     elif kv.num_blocks is not None and kv_cache_bytes is None:
@@ -111,7 +118,7 @@ def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int |
         source, budget = (("kv_cache_bytes", kv_cache_bytes) if kv_cache_bytes is not None else
                           ("manifest pool_bytes", kv.pool_bytes) if kv.pool_bytes is not None else
                           ("interpreter default", DEFAULT_CPU_KV_BYTES))
-        n = budget // kv.bytes_per_block
+        n = max(budget - fixed, 0) // (kv.bytes_per_block + per_block)
     else:
         torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses is free for KV
         weights = torch.cuda.memory_allocated(device)
@@ -119,11 +126,15 @@ def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int |
                 if model is not None and prefill_lengths else 0)
         free, total = torch.cuda.mem_get_info(device)
         return plan_kv_cache(bytes_per_block=kv.bytes_per_block, total=total, fraction=memory_fraction,
-                             weights=weights, activation_peak=peak, graph_reserve=graph_reserve, free=free)
+                             weights=weights, activation_peak=peak, graph_reserve=graph_reserve, free=free,
+                             proposer_per_block=per_block, proposer_fixed=fixed)
     if n <= 0:
         raise ArtifactError(f"no memory left for the KV cache ({n} blocks of {kv.bytes_per_block} bytes fit); "
                             "lower the weights' footprint, raise kv_cache.memory_fraction or pass num_kv_blocks")
-    return {"source": source, "kv_blocks": int(n), "kv_bytes": int(n) * kv.bytes_per_block}
+    plan = {"source": source, "kv_blocks": int(n), "kv_bytes": int(n) * kv.bytes_per_block}
+    if source in ("kv_cache_bytes", "manifest pool_bytes", "interpreter default") and (per_block or fixed):
+        plan["proposer_bytes"] = int(n) * per_block + fixed
+    return plan
 
 
 def resolve_num_blocks(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int | None = None,
@@ -136,14 +147,16 @@ def resolve_num_blocks(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks
 def describe_memory_plan(plan: dict[str, Any], block_size: int) -> str:
     """One log line: the pool, and on a profiled load the parts it was cut from."""
     head = f"KV cache: {plan['kv_blocks']} blocks ({plan['kv_blocks'] * block_size:,} tokens, {_gib(plan['kv_bytes'])})"
+    proposer = f" (beside the speculative proposer's {_gib(plan['proposer_bytes'])})" if plan.get("proposer_bytes") else ""
     if plan["source"] != "profiled":
-        return f"{head} from {plan['source']}"
+        return f"{head} from {plan['source']}{proposer}"
     return (f"{head} = {plan['fraction']:g} x {_gib(plan['total'])} - weights {_gib(plan['weights'])} "
-            f"- activation peak {_gib(plan['activation_peak'])} - CUDA-graph reserve {_gib(plan['graph_reserve'])}")
+            f"- activation peak {_gib(plan['activation_peak'])} - CUDA-graph reserve {_gib(plan['graph_reserve'])}"
+            + (f" - speculative proposer {_gib(plan['proposer_bytes'])}" if plan.get("proposer_bytes") else ""))
 
 
 def plan_engine_pool(artifact: Any, sched: Any, graphs: Any, *, num_kv_blocks: int | None = None,
-                     kv_cache_bytes: int | None = None) -> dict[str, Any]:
+                     kv_cache_bytes: int | None = None, proposer: Any = None) -> dict[str, Any]:
     """`plan_memory` for an engine over a loaded artifact with scheduler config `sched`: profiled (on CUDA) with
     the scheduler's largest prefill, reserving the manifest's CUDA-graph estimate when `graphs` are captured."""
     kv, manifest, cfg = artifact.kv_cache_config, artifact.manifest, artifact.model_config
@@ -153,6 +166,6 @@ def plan_engine_pool(artifact: Any, sched: Any, graphs: Any, *, num_kv_blocks: i
         prefill_lengths=profile_lengths(sched.max_batched_tokens, sched.chunked_prefill, cfg.max_model_len,
                                         sched.max_seqs),
         graph_reserve=int((manifest.get("cuda_graphs") or {}).get("estimated_bytes", 0)) if graphs else 0,
-        vocab_size=cfg.vocab_size)
+        vocab_size=cfg.vocab_size, proposer=proposer)
     logger.info(describe_memory_plan(plan, kv.block_size))
     return plan

@@ -90,7 +90,8 @@ class MeshExecutor:
             callback(self.failure)
 
     # ------------------------------------------------------------ lifecycle
-    def allocate(self, sched: SchedulerConfig, *, num_kv_blocks: int | None, kv_cache_bytes: int | None) -> None:
+    def allocate(self, sched: SchedulerConfig, *, num_kv_blocks: int | None, kv_cache_bytes: int | None,
+                 proposer: Any = None) -> None:
         """Sizes the KV pool (rank 0's plan: every rank holds the same blocks) and allocates it on every rank."""
         art = self.artifact
         kv = art.kv_cache_config
@@ -98,7 +99,8 @@ class MeshExecutor:
                                   sched.max_seqs)
         plan = plan_memory(kv, art.device, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
                            memory_fraction=float(art.manifest["kv_cache"].get("memory_fraction", 0.9)),
-                           model=_ProfileModel(self), prefill_lengths=lengths, vocab_size=art.model_config.vocab_size)
+                           model=_ProfileModel(self), prefill_lengths=lengths, vocab_size=art.model_config.vocab_size,
+                           proposer=proposer)
         logger.info(describe_memory_plan(plan, kv.block_size) + f" on each of {self.world_size} ranks")
         self.memory_plan = plan
         self.num_blocks = plan["kv_blocks"]
@@ -494,14 +496,15 @@ class LocalMeshExecutor(MeshExecutor):
 
 
 def create_mesh_executor(artifact: LoadedArtifact, sched: SchedulerConfig, *, num_kv_blocks: int | None = None,
-                         kv_cache_bytes: int | None = None, backend: str | None = None) -> MeshExecutor:
+                         kv_cache_bytes: int | None = None, backend: str | None = None,
+                         proposer: Any = None) -> MeshExecutor:
     backend = backend or os.environ.get("KILN_EXECUTOR", "mp")
     if backend not in ("mp", "local"):
         raise KilnRuntimeError(f"unknown executor backend {backend!r} (known: mp, local)")
     executor = LocalMeshExecutor(artifact) if backend == "local" else ProcessMeshExecutor(artifact)
     try:
         executor.start()
-        executor.allocate(sched, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes)
+        executor.allocate(sched, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes, proposer=proposer)
     except BaseException:
         executor.shutdown()
         raise

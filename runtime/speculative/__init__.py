@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -38,6 +39,24 @@ class Launched:
     starts: list[int] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PoolShare:
+    """Device memory a proposer takes beside the target's KV pool, planned with it (memory_plan.py) so that the
+    two fit the budget together: `per_block` bytes for each block of the target's pool (a pool of its own sized
+    to the target's token slots: a draft model's KV, an EAGLE head's one layer) and `fixed` bytes (its weights,
+    loaded after the plan; the slots it adds per sequence it may run)."""
+    per_block: int = 0
+    fixed: int = 0
+
+
+def draft_path(config: SpeculativeConfig, artifact: LoadedArtifact) -> Path:
+    """`config.draft_model`: a directory, or one inside the target artifact (its manifest's draft_model)."""
+    path = Path(config.draft_model)
+    if not path.is_absolute() and (artifact.path / path).is_dir():
+        path = artifact.path / path
+    return path
+
+
 class Proposer:
     """Drafts tokens for the sequences of a step that was just committed.
 
@@ -47,10 +66,15 @@ class Proposer:
     sequences nor the target's KV (a draft head writes its own KV layers, a draft model its own pool). Drafts
     are point proposals: verification accepts a draft where the target, sampling as the request asks, draws
     that very token, which is exact rejection sampling against a one-point draft distribution, so outputs
-    follow the target's distribution whatever the proposer drafts. `needs_hidden`: the target forward also
+    follow the target's distribution whatever the proposer drafts. `pool_share(config, artifact)`: the memory it
+    will take beside the target's pool, asked before the pool is planned. `needs_hidden`: the target forward also
     returns every token's hidden state (`Launched.draft_input`)."""
 
     needs_hidden: ClassVar[bool] = False
+
+    @classmethod
+    def pool_share(cls, config: SpeculativeConfig, artifact: LoadedArtifact) -> PoolShare:
+        return PoolShare()
 
     def propose(self, batch: ScheduledBatch, launched: Launched, wanting: list[int],
                 limits: list[int]) -> list[list[int]]:
@@ -203,12 +227,20 @@ class SpeculativeDecoder:
                 "spec_mean_acceptance_length": 1 + accepted / self.num_drafts if self.num_drafts else 0.0}
 
 
+def _proposer_class(config: SpeculativeConfig) -> Any:
+    module, name = PROPOSERS.get(config.method, HEAD_PROPOSER).split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def speculator_pool_share(config: SpeculativeConfig | None, artifact: LoadedArtifact) -> PoolShare:
+    """What `make_speculator(config, ...)`'s proposer will take beside the target's KV pool (none: off)."""
+    return PoolShare() if config is None else _proposer_class(config).pool_share(config, artifact)
+
+
 def make_speculator(config: SpeculativeConfig | None, runner: Executor, sampler: Sampler,
                     artifact: LoadedArtifact) -> SpeculativeDecoder | None:
     """The decoder of `config` (None: speculation off), its proposer from `PROPOSERS` (a draft head: mtp.py)."""
     if config is None:
         return None
-    module, name = PROPOSERS.get(config.method, HEAD_PROPOSER).split(":")
-    cls: Any = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    proposer = cls(config, runner, artifact)
+    proposer = _proposer_class(config)(config, runner, artifact)
     return SpeculativeDecoder(config, proposer, runner, sampler, artifact.model_config.max_model_len)

@@ -2,7 +2,7 @@
 greedily, with its own KV pool and block tables."""
 from __future__ import annotations
 
-from pathlib import Path
+import json
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ from ..kv_cache import BlockManager, cdiv
 from ..model_runner import ModelRunner
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
-from . import Launched, Proposer, SeqStates, shadow_sequence
+from . import Launched, PoolShare, Proposer, SeqStates, draft_path, shadow_sequence
 
 
 class DraftModelProposer(Proposer):
@@ -28,12 +28,24 @@ class DraftModelProposer(Proposer):
     rejected drafts need no rollback. A sequence the draft pool has no room for gets no drafts this step.
     """
 
+    @classmethod
+    def pool_share(cls, config: SpeculativeConfig, artifact: Any) -> PoolShare:
+        """Its KV per target token slot, plus k + a block of slots per sequence, and its weights: from its
+        manifest, before it is loaded. Nothing when there is no readable manifest (the load will say why)."""
+        try:
+            manifest = json.loads((draft_path(config, artifact) / "manifest.json").read_text(encoding="utf-8"))
+            per_token, block = int(manifest["kv_cache"]["bytes_per_token"]), int(manifest["kv_cache"]["block_size"])
+            weights = int(manifest["weights"]["total_bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return PoolShare()
+        seqs = artifact.scheduler_config.max_seqs * (config.num_tokens + block)
+        return PoolShare(per_block=artifact.kv_cache_config.block_size * per_token,
+                         fixed=weights + seqs * per_token)
+
     def __init__(self, config: SpeculativeConfig, runner: Any, artifact: Any) -> None:
         from ..artifact import load_artifact
 
-        path = Path(config.draft_model)
-        if not path.is_absolute() and (artifact.path / path).is_dir():
-            path = artifact.path / path  # a draft compiled into the target artifact (its manifest's draft_model)
+        path = draft_path(config, artifact)
         draft = load_artifact(path, artifact.device, load_tokenizer=False)
         if draft.world_size > 1:
             raise ArtifactError(f"speculative draft model {path}: a parallel artifact; a draft runs on one device")

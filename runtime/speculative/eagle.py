@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from ..kv_cache import BlockManager, cdiv
 from ..model_runner import host_to_device
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
-from . import Launched, Proposer, SeqStates, shadow_sequence
+from . import Launched, PoolShare, Proposer, SeqStates, draft_path, shadow_sequence
 
 EAGLE_DIR = "eagle"  # the head's checkpoint inside an artifact (config.json, model.safetensors)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -48,14 +49,51 @@ class EagleShape:
     rope_theta: float
 
 
-def read_checkpoint(path: str | Path) -> tuple[EagleShape, dict[str, torch.Tensor]]:
-    """An EAGLE-1/2 head's shape and weights (names as published, without a `model.` prefix), or ValueError
-    naming what is missing or not supported (EAGLE-3's layout, more than one layer, rope scaling)."""
+def head_shape(path: str | Path) -> EagleShape:
+    """An EAGLE-1/2 head's shape from its config.json, or ValueError naming what is not supported (more than one
+    layer, rope scaling, an activation other than silu)."""
     path = Path(path)
     file = path / "config.json"
     if not file.is_file():
         raise ValueError(f"EAGLE checkpoint {path}: no config.json")
     cfg = json.loads(file.read_text(encoding="utf-8"))
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"EAGLE checkpoint {path}: {cfg.get('num_hidden_layers')} decoder layers; kiln loads "
+                         "one-layer EAGLE-1/2 heads")
+    rope_cfg = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 4 / 5 spelling
+    if rope_cfg.get("rope_type", rope_cfg.get("type", "default")) != "default":
+        raise ValueError(f"EAGLE checkpoint {path}: rope scaling {rope_cfg} is not supported (default rope only)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"EAGLE checkpoint {path}: hidden_act {cfg['hidden_act']!r}; kiln loads silu heads")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return EagleShape(hidden, heads, int(cfg.get("num_key_value_heads") or heads),
+                      int(cfg.get("head_dim") or hidden // heads), int(cfg["intermediate_size"]),
+                      float(cfg.get("rms_norm_eps", 1e-6)),
+                      float(cfg.get("rope_theta") or rope_cfg.get("rope_theta") or 10000.0))
+
+
+def _head_numel(path: Path) -> int:
+    """Elements of the head's own weights (not its copy of the embedding or LM head), from the file's header."""
+    file = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+    if file is None:
+        raise ValueError(f"EAGLE checkpoint {path}: no weights")
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    else:
+        shapes = {k: list(v.shape) for k, v in torch.load(file, map_location="cpu", weights_only=True,
+                                                          mmap=True).items()}
+    own = [shape for k, shape in shapes.items() if not k.removeprefix("model.").startswith(("lm_head", "embed"))]
+    return sum(math.prod(shape) for shape in own)
+
+
+def read_checkpoint(path: str | Path) -> tuple[EagleShape, dict[str, torch.Tensor]]:
+    """An EAGLE-1/2 head's shape and weights (names as published, without a `model.` prefix), or ValueError
+    naming what is missing or not supported (EAGLE-3's layout, more than one layer, rope scaling)."""
+    path = Path(path)
+    shape = head_shape(path)
     weights_file = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
     if weights_file is None:
         raise ValueError(f"EAGLE checkpoint {path}: no weights ({' or '.join(WEIGHT_FILES)})")
@@ -71,18 +109,10 @@ def read_checkpoint(path: str | Path) -> tuple[EagleShape, dict[str, torch.Tenso
         raise ValueError(f"EAGLE checkpoint {path}: an EAGLE-3 head ({', '.join(eagle3[:3])}, ...: a fused "
                          "3-layer feature, its own vocabulary maps and LM head) is not supported yet; kiln loads "
                          "EAGLE-1/2 heads (fc.weight [hidden, 2*hidden], layers.0.*)")
-    if int(cfg.get("num_hidden_layers", 1)) != 1 or any(k.startswith("layers.1.") for k in weights):
-        raise ValueError(f"EAGLE checkpoint {path}: {cfg.get('num_hidden_layers')} decoder layers; kiln loads "
-                         "one-layer EAGLE-1/2 heads")
-    rope_cfg = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 4 / 5 spelling
-    if rope_cfg.get("rope_type", rope_cfg.get("type", "default")) != "default":
-        raise ValueError(f"EAGLE checkpoint {path}: rope scaling {rope_cfg} is not supported (default rope only)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"EAGLE checkpoint {path}: hidden_act {cfg['hidden_act']!r}; kiln loads silu heads")
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    shape = EagleShape(hidden, heads, int(cfg.get("num_key_value_heads") or heads),
-                       int(cfg.get("head_dim") or hidden // heads), int(cfg["intermediate_size"]),
-                       float(cfg.get("rms_norm_eps", 1e-6)), float(cfg.get("rope_theta") or rope_cfg.get("rope_theta") or 10000.0))
+    if any(k.startswith("layers.1.") for k in weights):
+        raise ValueError(f"EAGLE checkpoint {path}: more than one decoder layer; kiln loads one-layer EAGLE-1/2 "
+                         "heads")
+    hidden = shape.hidden
     want = {"fc.weight": (hidden, 2 * hidden), "layers.0.post_attention_layernorm.weight": (hidden,),
             **{f"layers.0.{m}.weight": None for m in _LAYER}}
     missing = [k for k in want if k not in weights]
@@ -236,10 +266,24 @@ class EagleProposer(Proposer):
 
     needs_hidden = True
 
+    @classmethod
+    def pool_share(cls, config: SpeculativeConfig, artifact: Any) -> PoolShare:
+        """One KV layer per target token slot, plus k + a block per sequence, and the head's weights (all but the
+        embedding and LM head, which it reads from the target), in the target's dtype: from its config and its
+        weights' shapes, before it is loaded. Nothing when they cannot be read (the load will say why)."""
+        path = draft_path(config, artifact)
+        try:
+            s, numel = head_shape(path), _head_numel(path)
+        except (ValueError, OSError, RuntimeError):
+            return PoolShare()
+        size = target_tensor(artifact.model, "norm", (s.hidden,)).element_size()
+        per_token = 2 * s.kv_heads * s.head_dim * size
+        bs = artifact.kv_cache_config.block_size
+        seqs = artifact.scheduler_config.max_seqs * (config.num_tokens + bs)
+        return PoolShare(per_block=bs * per_token, fixed=numel * size + seqs * per_token)
+
     def __init__(self, config: SpeculativeConfig, runner: Any, artifact: Any) -> None:
-        path = Path(config.draft_model)
-        if not path.is_absolute() and (artifact.path / path).is_dir():
-            path = artifact.path / path
+        path = draft_path(config, artifact)
         try:
             shape, weights = read_checkpoint(path)
         except ValueError as e:
