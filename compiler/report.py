@@ -169,8 +169,17 @@ def _weight_dtypes(program: Program) -> str:
     return program.dtype + (f" + {', '.join(schemes)} weights with scales" if schemes else "")
 
 
-def _pool_lines(cap: Capacity, target: Target) -> list[str]:
-    """How the runtime will size the KV pool, with the figures (kv_layout.plan_kv_pool)."""
+def _pool_lines(cap: Capacity, target: Target, speculative: str | None = None) -> list[str]:
+    """How the runtime will size the KV pool, with the figures (kv_layout.plan_kv_pool); with a draft model or
+    an EAGLE head (`speculative`), what this prediction leaves out."""
+    lines = _target_pool_lines(cap, target)
+    if speculative in ("draft", "eagle") and cap.kv_pool.source != "num_blocks":
+        lines.append(f"                         (less at load: the {speculative} proposer's own KV pool and weights "
+                     "share this budget — runtime/memory_plan.py — and are not in this prediction)")
+    return lines
+
+
+def _target_pool_lines(cap: Capacity, target: Target) -> list[str]:
     pool = cap.kv_pool
     head = f"  KV pool                {_gib(pool.bytes)} = {pool.blocks:,} blocks of {pool.block_size} tokens"
     if pool.source == "num_blocks":
@@ -207,7 +216,7 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
         f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {_weight_dtypes(program)})",
         *_moe_lines(program, cap.param_bytes),
         f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {kv.formula()} x {kv.elem_bytes} B)",
-        *_pool_lines(cap, target),
+        *_pool_lines(cap, target, RecipeOptions.from_meta(program.meta).speculative.method),
         f"  KV tokens that fit     {cap.kv_tokens:,}",
         f"  TPOT floor, batch 1    {cap.tpot_floor_s * 1e3:.3f} ms  (weights / {target.bandwidth / 1e12:.2f} TB/s);"
         f" {cap.tpot_floor_ctx_s * 1e3:.3f} ms at {cap.context} tokens of context",

@@ -108,3 +108,15 @@ def test_a_full_head_pool_drafts_nothing_for_the_sequences_it_cannot_hold(target
 
     proposer.propose(ScheduledBatch(), Launched(sampled=None, new_tokens=[], draft_input=None, starts=[]), [], [])
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks  # nothing leaked
+
+
+def test_the_compile_report_says_what_its_pool_prediction_leaves_out(target, drafts):
+    import kiln
+
+    recipe = target[1].parent / "recipe.dsl"
+    with_head = recipe.with_name("recipe_eagle.dsl")
+    section = f'  speculative {{ method = eagle; tokens = 2; draft = "hf:{drafts["eagle"]}" }}\n  serve '
+    with_head.write_text(recipe.read_text().replace("  serve ", section, 1))
+    note = "eagle proposer's own KV pool and weights share this budget"
+    assert note in kiln.compile(with_head, None, progress=False).report
+    assert "proposer" not in kiln.compile(recipe, None, progress=False).report
