@@ -273,8 +273,9 @@ def vllm_offline(ckpt: Path, vocab: int, args: argparse.Namespace, log_path: Pat
             spec = {"ckpt": str(ckpt), "dtype": VLLM_DTYPES[args.dtype], "batch": b, "seed": args.seed,
                     "max_model_len": args.max_model_len, "prompts": prompts, "output_len": args.output_len,
                     "out": str(Path(tmp) / "r.json")}
-            env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_gib:g}",
+            env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": vllm_kv_space(args.kv_gib),
                    "VLLM_CPU_OMP_THREADS_BIND": cores_text(args.cores)}
+            log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as f:
                 subprocess.run([args.vllm_python, "-c", VLLM_OFFLINE, json.dumps(spec)], check=True, cwd=tmp,
                                env=env, stdout=f, stderr=subprocess.STDOUT, timeout=CLIENT_TIMEOUT_S,
@@ -389,8 +390,13 @@ def start_server(kind: str, ckpt: Path, art: Path, args: argparse.Namespace, log
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--host",
                "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len",
                str(args.max_model_len), "--dtype", VLLM_DTYPES[args.dtype], "--seed", str(args.seed)]
-        env.update(VLLM_CPU_KVCACHE_SPACE=f"{args.kv_gib:g}", VLLM_CPU_OMP_THREADS_BIND=cores_text(args.cores))
+        env.update(VLLM_CPU_KVCACHE_SPACE=vllm_kv_space(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores_text(args.cores))
     return Server(kind, cmd, env, args.cores, log_path)
+
+
+def vllm_kv_space(gib: float) -> str:
+    """VLLM_CPU_KVCACHE_SPACE: whole GiB (vLLM parses an int), at least 1."""
+    return str(max(1, math.ceil(gib)))
 
 
 def kiln_kv_blocks(art: Path, kv_gib: float) -> int:
@@ -468,8 +474,27 @@ def group_cpu(pgid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def _group_total_cpu(pgid: int) -> float:
-    return sum(cpu for _, cpu in group_cpu(pgid).values())
+def _tree_cpu(root: int) -> float:
+    """CPU seconds (user + system) of process `root` and every live descendant (kiln's engine core runs in a
+    process group of its own, so a group is not enough)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while being read
+            continue
+        parent[int(proc.name)] = int(fields[1])
+        cpu[int(proc.name)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {root}, [root]
+    while frontier:
+        kids = [pid for pid, ppid in parent.items() if ppid in frontier and pid not in tree]
+        tree.update(kids)
+        frontier = kids
+    return sum(cpu.get(pid, 0.0) for pid in tree)
 
 
 def profile_kiln(ckpt_name: str, art: Path, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -606,12 +631,12 @@ def serve_rounds(name: str, ckpt: Path, art: Path, args: argparse.Namespace, log
                     for client in order if rnd < args.cross_check_rounds or len(order) == 1 else clients[:1]:
                         load = os.getloadavg()[0]
                         who = resource.RUSAGE_CHILDREN if client == "vllm" else resource.RUSAGE_SELF
-                        s0, c0 = _group_total_cpu(server.proc.pid), _own_cpu(who)
+                        s0, c0 = _tree_cpu(server.proc.pid), _own_cpu(who)
                         if client == "vllm":
                             r = vllm_client(server.url, ckpt, c, args, logs / f"{name}-vllm-client.log")
                         else:
                             r = kiln_client(server.url, vocab, c, args)
-                        s1, c1 = _group_total_cpu(server.proc.pid), _own_cpu(who)
+                        s1, c1 = _tree_cpu(server.proc.pid), _own_cpu(who)
                         r.update(round=rnd + 1, load_avg_1m=[load, os.getloadavg()[0]],
                                  server_cpu_ms_per_token=(s1 - s0) / max(r["output_tokens"], 1) * 1e3,
                                  client_cpu_ms_per_token=(c1 - c0) / max(r["output_tokens"], 1) * 1e3)
@@ -660,17 +685,21 @@ def summarize(result: dict[str, Any], concurrency: list[int]) -> list[dict[str, 
                 v_off = {str(r["batch"]): r for r in m["vllm_offline"]["rows"]}[c]["out_tok_s"]
                 row["vllm_offline_out_tok_s"] = v_off
                 row["vllm_served_over_offline"] = statistics.median(row["vllm_out_tok_s"]) / v_off
-            # CPU per output token (ms, every core): offline's, each server's, the client's, and the served /
-            # offline a server costing no more than offline would reach with this client on the same cores
-            runs = served["kiln"]["clients"][primary][c]
+            # CPU per output token (ms, every core), read from the runs of kiln's client (in this process, so its
+            # CPU is its own; vLLM's client is a fresh process whose start-up would count): offline's, each server's
+            # process group's, the client's; and the served / offline a server costing no more than offline would
+            # reach beside this client on the same (saturated) cores, offline / (offline + client)
+            runs = served["kiln"]["clients"]["kiln"][c]
             if "cpu_ms_per_token" in offline[c] and runs and "client_cpu_ms_per_token" in runs[0]:
                 off = offline[c]["cpu_ms_per_token"]
                 client = statistics.median(r["client_cpu_ms_per_token"] for r in runs)
                 row["cpu_ms_per_token"] = {
                     "offline": off, "client": client,
                     **{f"{srv}_server": statistics.median(r["server_cpu_ms_per_token"]
-                                                          for r in served[srv]["clients"][primary][c])
-                       for srv in served}}
+                                                          for r in served[srv]["clients"]["kiln"][c])
+                       for srv in served if served[srv]["clients"]["kiln"][c]}}
+                row["kiln_client_served_over_offline"] = statistics.median(r["out_tok_s"] for r in runs) / \
+                    offline[c]["out_tok_s"]
                 row["zero_overhead_ceiling"] = off / (off + client)
             rows.append(row)
     return rows
@@ -705,14 +734,15 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     cpu_rows = [r for r in result["summary"] if "cpu_ms_per_token" in r]
     if cpu_rows:
-        lines += ["", "CPU ms per output token, every core (client: " + cpu_rows[0]["client"] + "'s):", "",
+        lines += ["", "CPU ms per output token, every core, under kiln's client:", "",
                   "| checkpoint | conc | kiln offline | kiln server | client | served/offline | ceiling "
                   "(a server costing offline's, this client) |" + (" vLLM server | vLLM served/offline |" if vllm else ""),
                   "|" + "---|" * (7 + 2 * vllm)]
         for r in cpu_rows:
             cpu = r["cpu_ms_per_token"]
             cells = [r["checkpoint"], str(r["concurrency"]), f"{cpu['offline']:.3f}", f"{cpu['kiln_server']:.3f}",
-                     f"{cpu['client']:.3f}", f"{r['served_over_offline']:.2f}×", f"{r['zero_overhead_ceiling']:.2f}×"]
+                     f"{cpu['client']:.3f}", f"{r['kiln_client_served_over_offline']:.2f}×",
+                     f"{r['zero_overhead_ceiling']:.2f}×"]
             if vllm:
                 cells += [f"{cpu.get('vllm_server', float('nan')):.3f}",
                           f"{r['vllm_served_over_offline']:.2f}×" if "vllm_served_over_offline" in r else "-"]
@@ -781,7 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return _worker_main(args)
     if args.table:
-        print(format_table(json.loads(args.table.read_text())))
+        result = json.loads(args.table.read_text())
+        if result.get("checkpoints"):  # summarized again: a JSON of an earlier version has the measurements
+            result["summary"] = summarize(result, result["workload"]["concurrency"])
+        print(format_table(result))
         return 0
 
     smoke = dict(checkpoints="tiny", concurrency="4", num_prompts=4, input_len=16, output_len=8, rounds=1,
