@@ -185,15 +185,23 @@ class FaultInjector(Transport):
 
 class ZmqTransport(Transport):
     """TCP via pyzmq. The receiving end binds (`ZmqTransport.bind()`; its `endpoint` goes to the sender through
-    the control plane), the sending end connects. `send` gives up after `send_timeout_s` (a dead peer)."""
+    the control plane), the sending end connects. `send` gives up after `send_timeout_s` (a dead peer, or one
+    that refuses this end's CURVE key: the error says which). With `keys` (default: KILN_CURVE_KEYS) a tcp
+    endpoint is CURVE (curve.py): the receiver admits only authorized senders, every frame is encrypted and
+    authenticated on the wire."""
 
-    def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0, keys=None) -> None:
         import zmq
+
+        from . import curve
+        keys = keys or curve.from_env()
         self._zmq = zmq
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PULL if bind else zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self._handshakes = None
         if bind:
+            curve.secure_server(self.sock, endpoint, keys)
             port = self.sock.bind_to_random_port(endpoint) if endpoint.count(":") == 1 else None
             self.endpoint = f"{endpoint}:{port}" if port is not None else endpoint
             if port is None:
@@ -201,22 +209,29 @@ class ZmqTransport(Transport):
         else:
             self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
+            curve.secure_client(self.sock, endpoint, keys)
+            if curve.is_tcp(endpoint):  # until a frame went through: why the receiver refuses, if it does
+                self._handshakes = curve.HandshakeWatch(self.sock, keys)
             self.sock.connect(endpoint)
             self.endpoint = endpoint
         self._lock = threading.Lock()
 
     @classmethod
-    def bind(cls, host: str = "tcp://127.0.0.1") -> ZmqTransport:
-        return cls(host, bind=True)
+    def bind(cls, host: str = "tcp://127.0.0.1", keys=None) -> ZmqTransport:
+        return cls(host, bind=True, keys=keys)
 
     def send(self, frame: bytes) -> None:
         with self._lock:
             try:
                 self.sock.send(frame, copy=False)
             except self._zmq.Again as error:
-                raise TransportClosed(f"no KV receiver at {self.endpoint}") from error
+                why = self._handshakes.failure(self.endpoint, "KV receiver") if self._handshakes else None
+                raise TransportClosed(why or f"no KV receiver at {self.endpoint}") from error
             except self._zmq.ZMQError as error:
                 raise TransportClosed(str(error)) from error
+            if self._handshakes is not None:  # connected: a monitor nobody reads would fill up
+                self._handshakes.close()
+                self._handshakes = None
 
     def recv(self, timeout: float = 0.0) -> list[bytes]:
         out = []
@@ -227,4 +242,6 @@ class ZmqTransport(Transport):
         return out
 
     def close(self) -> None:
+        if self._handshakes is not None:
+            self._handshakes.close()
         self.sock.close(0)
