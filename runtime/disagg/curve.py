@@ -225,25 +225,31 @@ _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_
 
 class HandshakeWatch:
     """Watches a connecting socket's handshakes (a zmq monitor) so that a peer refusing this side's security
-    is reported at once, with its reason, instead of as silence: `failure()` is None while nothing failed."""
+    is reported at once, with its reason, instead of as silence: `failure()` is None while nothing failed. A
+    refusal (ZAP) or a mechanism mismatch is conclusive at once; a handshake that fails without detail (what a
+    CURVE client sees from a server of another key) only when it repeats: a peer gone mid-handshake looks alike."""
 
     def __init__(self, sock: zmq.Socket, keys: CurveKeys | None) -> None:
         self.sock, self.keys = sock, keys
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self.failures = 0  # handshakes failed without detail since the last that succeeded
 
     def failure(self, address: str, peer: str) -> str | None:
         from zmq.utils.monitor import recv_monitor_message
 
-        reason = None
         with contextlib.suppress(zmq.ZMQError):
             while self.monitor.poll(0):
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
                 kind = event["event"]
                 if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    reason = None
-                elif reason is None:
-                    reason = _describe(kind, event["value"], address, peer, self.keys)
-        return reason
+                    self.failures = 0
+                elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    self.failures += 1
+                else:
+                    return _describe(kind, event["value"], address, peer, self.keys)
+        if self.failures >= 3:
+            return _describe(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, address, peer, self.keys)
+        return None
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
