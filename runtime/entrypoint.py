@@ -225,6 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
     efforts = {**(manifest["serve"].get("reasoning_effort") or {}), **(args.reasoning_effort or {})}
     disaggregate = disaggregate_section(manifest, args)
+    if disaggregate is not None and disaggregate.get("transport") == "nixl":
+        curve.warn_nixl(keys, exposed=False)
     return serve(args.artifact, host=host, port=port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,

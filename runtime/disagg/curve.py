@@ -301,3 +301,12 @@ def refuse_exposed(what: list[tuple[str, str]], keys: CurveKeys | None, insecure
                                "give --curve-keys DIR to every core and router, or pass --insecure on a network you "
                                "trust")
     print(f"WARNING: {message} (--insecure: run it only on a network you trust)", file=sys.stderr, flush=True)
+
+
+def warn_nixl(keys: CurveKeys | None, exposed: bool) -> None:
+    """KV over NIXL moves through UCX, outside CURVE: said at startup when the operator asked for security (keys)
+    or the receiver is reachable beyond loopback."""
+    if keys is not None or exposed:
+        print("WARNING: KV over NIXL moves through UCX, which CURVE does not cover: its frames are neither encrypted "
+              "nor authenticated (the digests catch corruption, not forgery); use --kv-transport tcp where the "
+              "network is not trusted", file=sys.stderr, flush=True)

@@ -70,10 +70,8 @@ def serve_core(config, role: str, host: str, port: int, *, kv_transport: str = "
     if role == "decode" and kv_transport == "tcp":
         exposed.append(("the KV receiver", kv_host or host))
     curve.refuse_exposed(exposed, keys, insecure, f"kiln serve --role {role}")
-    if role == "decode" and kv_transport == "nixl" and (keys is not None or not curve.is_loopback(host)):
-        print("WARNING: KV over NIXL moves through UCX, which CURVE does not cover: its frames are neither "
-              "encrypted nor authenticated (the digests catch corruption, not forgery); use --kv-transport tcp "
-              "where the network is not trusted", file=sys.stderr, flush=True)
+    if role == "decode" and kv_transport == "nixl":
+        curve.warn_nixl(keys, not curve.is_loopback(host))
     config = msgspec.structs.replace(config, input_address=f"tcp://{host}:{port}", client_timeout=client_timeout,
                                      plugins=[*config.plugins, *plugins], plugin_options=options)
     def on_signal(signum, _frame) -> None:  # SIGTERM stops the core as Ctrl-C does
