@@ -91,6 +91,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from kiln.runtime.disagg.curve import generate
+
+    written = generate(args.directory, force=args.force)
+    print("\n".join(f"wrote {path}" for path in written))
+    print(f"copy {args.directory} to every machine of the deployment (keep it private: the *_secret files are "
+          f"mode 0600) and give --curve-keys {args.directory} to each `kiln serve --role ...` and `kiln router`",
+          file=sys.stderr)
+    return 0
+
+
 def _add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", required=True, help="UTF-8 text file to score (tokenized with the artifact's tokenizer)")
     p.add_argument("--max-tokens", type=int, default=512, help="window length in tokens (default 512)")
@@ -151,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("a", help="reference artifact (e.g. unquantized)")
     e.add_argument("b", help="artifact to compare (e.g. quantized)")
     _add_eval_args(e)
+
+    p = sub.add_parser("keys", help="CURVE keys that authenticate and encrypt the engine cores' and router's sockets")
+    ksub = p.add_subparsers(dest="keys_command", required=True)
+    k = ksub.add_parser("generate", help="write a key directory: server and client keypairs and the authorized "
+                        "client keys (secret files mode 0600)")
+    k.add_argument("directory", help="the directory to write (created, mode 0700)")
+    k.add_argument("--force", action="store_true", help="replace the keys already there (default: refuse)")
+    k.set_defaults(func=cmd_keys)
 
     from kiln.runtime.disagg.remote import add_router_args
 

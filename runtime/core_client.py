@@ -31,6 +31,7 @@ from .core_protocol import (
     encode,
     launcher_decoder,
 )
+from .disagg import curve
 from .errors import KilnRuntimeError
 
 
@@ -146,10 +147,10 @@ def _describe_exit(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
-def _output_address(sock: zmq.Socket, input_address: str, workdir: str) -> str:
+def _output_address(sock: zmq.Socket, input_address: str, workdir: str, keys: curve.CurveKeys | None) -> str:
     """Binds the client's output socket where its core can reach it: beside `workdir` (ipc) for a core on this
     machine, else (a tcp:// core, another machine's) on a random port of the local address that routes to the
-    core's host."""
+    core's host, a CURVE server there with `keys`."""
     if not input_address.startswith("tcp://"):
         address = f"ipc://{workdir}/output"
         sock.bind(address)
@@ -165,6 +166,7 @@ def _output_address(sock: zmq.Socket, input_address: str, workdir: str) -> str:
     if family == socket.AF_INET6:
         sock.setsockopt(zmq.IPV6, 1)
         local = f"[{local}]"
+    curve.secure_server(sock, input_address, keys)
     port = sock.bind_to_random_port(f"tcp://{local}")
     return f"tcp://{local}:{port}"
 
@@ -173,9 +175,12 @@ class AsyncCoreClient:
     """One client's connection to an engine core, used from one asyncio loop: requests go out on a DEALER
     socket named `name` (the core namespaces this client's request ids with it), the core's messages come in on
     this client's own PULL socket. `last_seen` is when the core was last heard from (any message: its
-    heartbeats come every `heartbeat_interval`); `send_heartbeat()` tells the core this client is alive."""
+    heartbeats come every `heartbeat_interval`); `send_heartbeat()` tells the core this client is alive. Over tcp
+    both sockets are CURVE with `keys` (default: KILN_CURVE_KEYS; disagg/curve.py), and a core that refuses this
+    client's security (or lack of it) fails `connect()` at once with the reason."""
 
-    def __init__(self, input_address: str, *, name: str = "api-0") -> None:
+    def __init__(self, input_address: str, *, name: str = "api-0", keys: curve.CurveKeys | None = None) -> None:
+        keys = keys or curve.from_env()
         self.input_address = input_address
         self.name = name
         self.info: CoreInfo | None = None
@@ -189,7 +194,9 @@ class AsyncCoreClient:
         self._input.setsockopt(zmq.LINGER, 0)
         self._output = self._async_ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self.output_address = _output_address(self._output, input_address, self._workdir)
+        self.output_address = _output_address(self._output, input_address, self._workdir, keys)
+        curve.secure_client(self._input, input_address, keys)
+        self._handshakes = curve.HandshakeWatch(self._input, keys) if curve.is_tcp(input_address) else None
         self._input.connect(input_address)
 
     async def connect(self, timeout: float = 30.0) -> CoreInfo:
@@ -197,16 +204,31 @@ class AsyncCoreClient:
         self.send(Hello(self.output_address))
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                msg = await asyncio.wait_for(self.recv(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            self._check_handshakes()
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise EngineDeadError(f"the engine core at {self.input_address} did not answer within "
-                                      f"{timeout:g} s") from None
+                                      f"{timeout:g} s")
+            try:  # in slices: a refused handshake is never answered, but its monitor says why
+                msg = await asyncio.wait_for(self.recv(), min(left, 0.1))
+            except TimeoutError:
+                continue
             if isinstance(msg, Welcome):
                 if msg.error is not None:
                     raise KilnRuntimeError(msg.error)
                 self.info = msg.info
+                self._stop_watching()  # a monitor nobody reads would block libzmq once its queue is full
                 return msg.info
+
+    def _check_handshakes(self) -> None:
+        failure = self._handshakes.failure(self.input_address, "engine core") if self._handshakes else None
+        if failure is not None:
+            raise KilnRuntimeError(failure)
+
+    def _stop_watching(self) -> None:
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
 
     def send(self, msg: Any) -> None:
         self._input.send(encode(msg), zmq.NOBLOCK)
@@ -222,8 +244,10 @@ class AsyncCoreClient:
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
             self.send(Goodbye())
+        self._stop_watching()
         self._input.close(linger=100)
         self._output.close()
+        curve.stop_authenticator(self._async_ctx)
         self._sync_ctx.term()
         self._async_ctx.term()
         shutil.rmtree(self._workdir, ignore_errors=True)

@@ -51,6 +51,7 @@ from .core_protocol import (
     encode,
 )
 from .core_stats import KV_BLOCK_FIELDS
+from .disagg import curve
 from .errors import KilnRuntimeError, RequestError
 from .executor import ExecutorError
 from .lora import LORA_UTILITIES
@@ -128,8 +129,10 @@ class EngineCoreProc:
         self.engine = engine
         self.config = config
         self.ctx = zmq.Context()
+        self.curve = curve.from_env()  # tcp sockets are CURVE with keys (disagg/curve.py)
         self.input = self.ctx.socket(zmq.ROUTER)
         self.input.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client reconnecting under its name takes it over
+        curve.secure_server(self.input, config.input_address, self.curve)
         self.input.bind(config.input_address)
         self.clients: dict[str, _Client] = {}
         self._clients_lock = threading.Lock()
@@ -297,6 +300,7 @@ class EngineCoreProc:
         output = self.ctx.socket(zmq.PUSH)
         output.setsockopt(zmq.SNDHWM, 0)  # never block the core on a slow client (a dead one times out)
         output.setsockopt(zmq.LINGER, 0)
+        curve.secure_client(output, msg.output_address, self.curve)
         output.connect(msg.output_address)
         client = _Client(name, msg.output_address, output, time.monotonic())
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -392,6 +396,7 @@ class EngineCoreProc:
                     sock = self.ctx.socket(zmq.PUSH)
                     sock.setsockopt(zmq.SNDHWM, 4)
                     sock.setsockopt(zmq.LINGER, 0)
+                    curve.secure_client(sock, address, self.curve)
                     sock.connect(address)
                     sockets[name] = (address, sock)
                 try:

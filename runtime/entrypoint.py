@@ -101,6 +101,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "connect to (default --host)")
     p.add_argument("--kv-port", type=_port, help="with --role decode and tcp: the KV receiver's port (default: a "
                    "free one)")
+    add_security_args(p)
     p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "eagle", "none"],
                    help="speculative decoding: the artifact's MTP draft head, n-gram prompt lookup, a draft model "
                    "or an EAGLE head (--speculative-model), or none (default: the recipe's)")
@@ -123,6 +124,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="thinking budgets of reasoning_effort values, e.g. low=512,medium=2048,high=8192, over the "
                    "recipe's serve.reasoning_effort (default: none=0, minimal=0, low=1024, medium=2048, high=8192)")
     p.set_defaults(func=run_serve)
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    """The control and KV planes' security (runtime/disagg/curve.py), for `kiln serve` and `kiln router`."""
+    p.add_argument("--curve-keys", metavar="DIR",
+                   help="authenticate and encrypt every TCP control and KV socket with the CURVE keys in DIR (`kiln "
+                   "keys generate DIR`; the same DIR on every machine); also KILN_CURVE_KEYS=DIR (default: none)")
+    p.add_argument("--insecure", action="store_true",
+                   help="without --curve-keys, listen on an address other than loopback anyway, unauthenticated "
+                   "(only on a network you trust; default: refused)")
 
 
 def _effort_budgets(text: str) -> dict[str, int]:
@@ -185,6 +196,7 @@ def disaggregate_section(manifest: dict, args: argparse.Namespace) -> dict | Non
 
 def run_serve(args: argparse.Namespace) -> int:
     from .artifact import read_manifest
+    from .disagg import curve
     from .server import serve
 
     status = launched_worker(args.artifact)
@@ -193,6 +205,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     manifest = read_manifest(args.artifact)
     host, port = serve_address(manifest, args.host, args.port)
+    keys = curve.use(args.curve_keys)  # checked before anything starts; the cores inherit KILN_CURVE_KEYS
     if args.replicas < 1:
         from .errors import RequestError
         raise RequestError(f"--data-parallel-size {args.replicas}: give at least 1")
@@ -208,10 +221,12 @@ def run_serve(args: argparse.Namespace) -> int:
                              kv_reserve=args.kv_reserve, num_speculative_tokens=args.num_speculative_tokens,
                              speculative_model=args.speculative_model)
         return serve_core(config, args.role, host, port, kv_transport=resolve_transport(transport),
-                          kv_host=args.kv_host, kv_port=args.kv_port)
+                          kv_host=args.kv_host, kv_port=args.kv_port, keys=keys, insecure=args.insecure)
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
     efforts = {**(manifest["serve"].get("reasoning_effort") or {}), **(args.reasoning_effort or {})}
     disaggregate = disaggregate_section(manifest, args)
+    if disaggregate is not None and disaggregate.get("transport") == "nixl":
+        curve.warn_nixl(keys, exposed=False)
     return serve(args.artifact, host=host, port=port, api_key=args.api_key,
                  served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                  num_kv_blocks=args.num_kv_blocks, log_level=args.log_level, prefix_cache=not args.no_prefix_cache,

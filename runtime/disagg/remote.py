@@ -10,7 +10,9 @@ prefix-cache events are reported by the core); every prefill core serves every d
 engine its own client of it (transfer ids are uuid4, unique across decode cores; each lease lives on the decode
 core that granted it). A remote core is watched by its heartbeats only: one silent for `heartbeat_timeout` is gone;
 a decode core's requests then fail, a prefill core's transfers fall back to prefilling on their decode core.
-The sockets are plain TCP without authentication: run the cores on a trusted network.
+With `--curve-keys DIR` on every core and the router, each of those TCP sockets is CURVE-authenticated and
+encrypted (curve.py); without keys, a core or router whose sockets would listen beyond loopback refuses to start
+(exit 2) unless given `--insecure`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any
 import msgspec
 
 from ..errors import KilnRuntimeError
+from . import curve
 
 ROLES = ("prefill", "decode", "both")
 _LOCAL_ONLY = ("0.0.0.0", "::", "")
@@ -42,10 +45,12 @@ def core_url(text: str) -> str:
 
 # A core serving one role ------------------------------------------------------------------------------------
 def serve_core(config, role: str, host: str, port: int, *, kv_transport: str = "tcp",
-               kv_host: str | None = None, kv_port: int | None = None, client_timeout: float = 30.0) -> int:
+               kv_host: str | None = None, kv_port: int | None = None, client_timeout: float = 30.0,
+               keys: curve.CurveKeys | None = None, insecure: bool = False) -> int:
     """`kiln serve ART --role ROLE --host H --port P`: starts the core (its control endpoint tcp://H:P; a decode
     core's KV receiver on `kv_host` (default H), `kv_port` (default: a free one)) and waits until it exits (1) or
-    this process is told to stop (SIGTERM, SIGINT: 0)."""
+    this process is told to stop (SIGTERM, SIGINT: 0). With `keys` (exported as KILN_CURVE_KEYS to the core) its
+    sockets are CURVE; without, a socket beyond loopback is refused unless `insecure`."""
     from ..core_client import CoreProcess
     from .router import PLUGIN
 
@@ -61,6 +66,12 @@ def serve_core(config, role: str, host: str, port: int, *, kv_transport: str = "
                                    "cores reach this machine's KV receiver at")
         options["disagg"] = {"transport": kv_transport,
                              "kv_bind": f"tcp://{where}" + (f":{kv_port}" if kv_port else "")}
+    exposed = [("the control endpoint", host)]
+    if role == "decode" and kv_transport == "tcp":
+        exposed.append(("the KV receiver", kv_host or host))
+    curve.refuse_exposed(exposed, keys, insecure, f"kiln serve --role {role}")
+    if role == "decode" and kv_transport == "nixl":
+        curve.warn_nixl(keys, not curve.is_loopback(host))
     config = msgspec.structs.replace(config, input_address=f"tcp://{host}:{port}", client_timeout=client_timeout,
                                      plugins=[*config.plugins, *plugins], plugin_options=options)
     def on_signal(signum, _frame) -> None:  # SIGTERM stops the core as Ctrl-C does
@@ -70,6 +81,7 @@ def serve_core(config, role: str, host: str, port: int, *, kv_transport: str = "
     with CoreProcess.start(config) as core:
         info = core.info
         kv = f"; KV over {kv_transport}" if role == "decode" else ""
+        kv += f"; CURVE keys {keys.directory}" if keys is not None else "; no authentication"
         print(f"kiln serve: {role} engine core of {info.artifact} (pid {info.pid}, {info.num_threads} threads; KV "
               f"blocks {info.limits.num_blocks} x {info.limits.block_size} tokens) listening on tcp://{host}:{port}"
               f"{kv}", flush=True)
@@ -196,7 +208,7 @@ def build_router(prefill: list[str], decode: list[str], replicas: list[str], *, 
 
 
 def add_router_args(sub) -> None:
-    from ..entrypoint import _port
+    from ..entrypoint import _port, add_security_args
 
     p = sub.add_parser("router", help="a KV-aware router over engine cores on other machines (kiln serve ART --role "
                        "prefill|decode|both --host H --port P)")
@@ -225,6 +237,7 @@ def add_router_args(sub) -> None:
                    help="seconds each core has to answer the router at its start (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the HTTP server's log level (default info)")
+    add_security_args(p)
     p.set_defaults(func=run_router)
 
 
@@ -233,6 +246,10 @@ def run_router(args: argparse.Namespace) -> int:
     from ..server import run_app
 
     threads.configure_api_server()
+    keys = curve.use(args.curve_keys)  # the router's clients of the cores read KILN_CURVE_KEYS
+    urls = [core_url(u) for u in (*args.prefill, *args.decode, *args.replica)]
+    curve.refuse_exposed([(f"its output socket for the core at {u}", u.removeprefix("tcp://").rpartition(":")[0])
+                          for u in urls], keys, args.insecure, "kiln router")
     engine = build_router(args.prefill, args.decode, args.replica, artifact=args.artifact,
                           remote_prefill=args.remote_prefill, policy=args.router_policy,
                           heartbeat_timeout=args.heartbeat_timeout, probe_timeout=args.connect_timeout)

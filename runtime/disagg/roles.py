@@ -343,7 +343,7 @@ class PrefillRole:
             transport.send(encode(DoneFrame(tid, digests)))
         except TransportClosed as error:
             self.counts["transport_closed"] += 1
-            self._transports.pop(desc.endpoint, None)
+            self._transports.pop(desc.endpoint).close()  # the next transfer connects afresh
             logger.warning("transfer %s: %s", tid, error)
 
     def flush(self, timeout: float = 10.0) -> None:

@@ -6,7 +6,7 @@ off by a closed connection, and the decode side's checks (lease, generation, dig
 fault either harmless or a failed transfer, never KV written where it does not belong.
 
 * `InProcTransport`: a queue, for one process; with a `FaultInjector` (seeded) for tests.
-* `ZmqTransport`: TCP through pyzmq (PUSH -> PULL), already a runtime dependency.
+* `ZmqTransport`: TCP through pyzmq (PUSH -> PULL), already a runtime dependency; CURVE with keys (curve.py).
 * NIXL: nixl_transport.py.
 """
 from __future__ import annotations
@@ -61,7 +61,16 @@ def decode(data: bytes) -> Frame | None:
 
 
 def block_digest(transfer_id: str, index: int, generation: int, payload: bytes) -> bytes:
-    """Binds a block's bytes to the transfer, block index and generation they were sent for."""
+    """Binds a block's bytes to the transfer, block index and generation they were sent for.
+
+    It is an unkeyed hash, an integrity check against accidents (a corrupted, truncated, misrouted or stale frame),
+    not a MAC: anyone who can deliver a frame can compute it. What keeps forged frames out is the channel: over
+    `ZmqTransport` with CURVE keys (curve.py) only a sender holding the deployment's client secret key gets a frame
+    to the receiver at all, and each message is authenticated (Poly1305) and encrypted on the wire, so a frame that
+    reaches the checks came from a prefill core of the deployment, unaltered. Without keys (loopback, or
+    `--insecure`), and over NIXL (UCX: outside CURVE), a peer that reaches the receiver and learns a live transfer's id,
+    blocks and generations (they cross the control plane, in the clear without keys) could write KV that passes
+    these checks."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{transfer_id}\0{index}\0{generation}\0".encode())
     h.update(payload)
@@ -185,15 +194,23 @@ class FaultInjector(Transport):
 
 class ZmqTransport(Transport):
     """TCP via pyzmq. The receiving end binds (`ZmqTransport.bind()`; its `endpoint` goes to the sender through
-    the control plane), the sending end connects. `send` gives up after `send_timeout_s` (a dead peer)."""
+    the control plane), the sending end connects. `send` gives up after `send_timeout_s` (a dead peer, or one
+    that refuses this end's CURVE key: the error says which). With `keys` (default: KILN_CURVE_KEYS) a tcp
+    endpoint is CURVE (curve.py): the receiver admits only authorized senders, every frame is encrypted and
+    authenticated on the wire."""
 
-    def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0, keys=None) -> None:
         import zmq
+
+        from . import curve
+        keys = keys or curve.from_env()
         self._zmq = zmq
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PULL if bind else zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self._handshakes = None
         if bind:
+            curve.secure_server(self.sock, endpoint, keys)
             port = self.sock.bind_to_random_port(endpoint) if endpoint.count(":") == 1 else None
             self.endpoint = f"{endpoint}:{port}" if port is not None else endpoint
             if port is None:
@@ -201,22 +218,47 @@ class ZmqTransport(Transport):
         else:
             self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
             self.sock.setsockopt(zmq.IMMEDIATE, 1)
+            curve.secure_client(self.sock, endpoint, keys)
+            if curve.is_tcp(endpoint):  # until a frame went through: why the receiver refuses, if it does
+                self._handshakes = curve.HandshakeWatch(self.sock, keys)
             self.sock.connect(endpoint)
             self.endpoint = endpoint
         self._lock = threading.Lock()
 
     @classmethod
-    def bind(cls, host: str = "tcp://127.0.0.1") -> ZmqTransport:
-        return cls(host, bind=True)
+    def bind(cls, host: str = "tcp://127.0.0.1", keys=None) -> ZmqTransport:
+        return cls(host, bind=True, keys=keys)
 
     def send(self, frame: bytes) -> None:
         with self._lock:
             try:
-                self.sock.send(frame, copy=False)
+                if self._handshakes is not None:
+                    self._first_send(frame)
+                else:
+                    self.sock.send(frame, copy=False)
             except self._zmq.Again as error:
                 raise TransportClosed(f"no KV receiver at {self.endpoint}") from error
             except self._zmq.ZMQError as error:
                 raise TransportClosed(str(error)) from error
+
+    def _first_send(self, frame: bytes) -> None:
+        """Until the connection is up: a receiver that refuses this end's security fails the send at once, with
+        the reason, rather than after the send timeout."""
+        zmq, watch = self._zmq, self._handshakes
+        deadline = time.monotonic() + self.sock.getsockopt(zmq.SNDTIMEO) / 1000
+        while True:
+            try:
+                self.sock.send(frame, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                why = watch.failure(self.endpoint, "KV receiver")
+                if why is not None:
+                    raise TransportClosed(why) from None
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.005)
+        watch.close()  # connected: a monitor nobody reads would fill up
+        self._handshakes = None
 
     def recv(self, timeout: float = 0.0) -> list[bytes]:
         out = []
@@ -227,4 +269,6 @@ class ZmqTransport(Transport):
         return out
 
     def close(self) -> None:
+        if self._handshakes is not None:
+            self._handshakes.close()
         self.sock.close(0)

@@ -99,13 +99,13 @@ class Cluster:
         assert gone and not any(pid_alive(pid) for pid in pids), "a core outlived its test"
 
 
-def core_utility(url: str, method: str, *args, timeout: float = 10.0):
-    """Runs a utility of the core at `url` (host:port) as a client of its own."""
+def core_utility(url: str, method: str, *args, timeout: float = 10.0, keys=None):
+    """Runs a utility of the core at `url` (host:port) as a client of its own (CURVE with `keys`)."""
     from kiln.runtime.core_client import AsyncCoreClient
     from kiln.runtime.core_protocol import UtilityCall, UtilityResult
 
     async def call():
-        client = AsyncCoreClient("tcp://" + url, name=f"test-{uuid.uuid4().hex[:8]}")
+        client = AsyncCoreClient("tcp://" + url, name=f"test-{uuid.uuid4().hex[:8]}", keys=keys)
         try:
             await client.connect(timeout)
             client.send(UtilityCall(1, method, list(args)))
