@@ -194,22 +194,26 @@ def _health_latencies_while_posting(url: str, path: str, payload: bytes) -> tupl
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_health_answers_within_100ms_while_a_16mb_prompt_is_rejected(served, path):
-    """Best of three tries: a server that blocks its event loop on the body is slow every time, while the
-    scheduler noise of a shared machine (the one thing besides it that can delay /health) only ever adds."""
+def test_health_answers_while_a_16mb_prompt_is_rejected(served, path):
+    """/health keeps answering while the server reads, parses and tokenizes a 16 MB prompt: its slowest answer
+    is under 100 ms, or under a quarter of the time the big request took (a server blocking its event loop on
+    the body answers /health only after it, so about as slowly; a busy machine slows both alike, which a fixed
+    bound alone would fail). Best of three tries: scheduler noise only ever adds."""
     text = "fox " * 4_000_000  # 16 MB, inside the 16 MiB body limit
     body = {"model": "standin", "max_tokens": 1}
     body |= {"prompt": text} if path == COMPLETIONS else {"messages": [{"role": "user", "content": text}]}
     payload = json.dumps(body).encode()
-    worst = []
+    tries = []
     for _ in range(3):
         r, latencies = _health_latencies_while_posting(served, path, payload)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
         assert len(latencies) > 5
-        worst.append(max(latencies))
-        if worst[-1] < 0.1:
+        tries.append((max(latencies), r.elapsed.total_seconds()))
+        if tries[-1][0] < max(0.1, tries[-1][1] / 4):
             break
-    assert min(worst) < 0.1, f"/health took up to {[round(w * 1000) for w in worst]} ms in each try"
+    assert any(worst < max(0.1, took / 4) for worst, took in tries), \
+        f"/health took up to {[round(w * 1000) for w, _ in tries]} ms while the requests took " \
+        f"{[round(t * 1000) for _, t in tries]} ms"
 
 
 # Bodies too large, too slow, or abandoned ---------------------------------------------------------------------
