@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -208,3 +209,18 @@ def test_lora_with_dp_or_ep_is_refused_at_the_parallel_line(mesh, key, tiny_chec
         kiln.compile(recipe, tmp_path / "art", progress=False)
     line = next(i for i, t in enumerate(recipe.read_text().splitlines(), 1) if "parallel" in t)
     assert e.value.loc.line == line
+
+
+def test_gpu_model_passes_each_rank_its_module_rows(compile_hf):
+    """The h200 artifact's Triton lora call gets a rank's rows of each module (the kernel's slices of y), not the
+    global ones: tp = 2 holds 32 of q's 64 rows and 16 of k's and v's 32, 64 of gate's and up's 128; o and down
+    (row-parallel) keep their 64 output rows."""
+    from conftest import parallel_edit
+
+    edits = (parallel_edit("tp = 2"), ("target  = cpu", "target  = h200"),
+             ("  serve     {", "  lora { max_loras = 2; max_rank = 8 }\n  serve     {"))
+    _, art, _ = compile_hf("llama", edits=edits)
+    calls = [line.strip() for line in (art / "model.py").read_text().splitlines() if "K.lora(" in line]
+    rows = dict(re.search(r"batch\.lora, \"([^\"]+)\", layer, rows=(\([^)]*\))", line).groups() for line in calls)
+    assert rows == {"decoder.wqkv": "(32, 16, 16)", "decoder.wo": "(64,)", "decoder.wgate_up": "(64, 64)",
+                    "decoder.w_down": "(64,)"}
