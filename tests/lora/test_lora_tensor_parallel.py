@@ -6,16 +6,24 @@ time reach every rank between steps.
 Two adapters of different ranks (8 over attention + MLP, 4 over q/v/down) and the base model share one batch:
 TP = 2 equals TP = 1 with the same adapters (fp32 prompt logprobs within 1e-4, greedy tokens identical) and
 equals HF peft. The single-process mesh runs the TP = 2 and TP = 4 (KV heads replicated) parity, and the
-refusal when another rank cannot read an adapter; the gloo worker processes run the same parity over run-time
-load / unload (the commands are the same code on both meshes: runtime/distributed/commands.py)."""
+refusal when another rank cannot read an adapter; `kiln serve`'s processes (an engine core with a gloo worker)
+run the same parity over run-time load / unload through the server's endpoints (the rank commands are the
+same code on both meshes: runtime/distributed/commands.py)."""
 from __future__ import annotations
 
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 from kiln.runtime.errors import RequestError
 from lora_testlib import ATTENTION_MLP, peft_greedy, peft_logits
 
 import kiln
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 PROMPTS = [[5, 17, 33, 101, 7, 250, 9, 11, 400, 3, 77, 12], [44, 45, 46, 200, 8], [300, 5, 77, 120, 410, 9, 33]]
 LORAS = ["a", "b", None]
@@ -47,13 +55,14 @@ def compile_tp(compile_hf):
 
 
 def _outputs(llm, prompts=PROMPTS, loras=LORAS):
+    """(greedy tokens, prompt logprobs, text) per prompt."""
     outs = llm.generate(prompts, _params(), lora=loras)
-    return [(o.outputs[0].token_ids, [o.prompt_logprobs[j][t].logprob for j, t in enumerate(p) if j > 0])
-            for o, p in zip(outs, prompts, strict=True)]
+    return [(o.outputs[0].token_ids, [o.prompt_logprobs[j][t].logprob for j, t in enumerate(p) if j > 0],
+             o.outputs[0].text) for o, p in zip(outs, prompts, strict=True)]
 
 
 def _assert_same(got, want) -> None:
-    for (tokens, lp), (ref_tokens, ref_lp) in zip(got, want, strict=True):
+    for (tokens, lp, _), (ref_tokens, ref_lp, _) in zip(got, want, strict=True):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), atol=1e-4, rtol=0)
 
@@ -79,7 +88,7 @@ def test_mesh_with_two_adapters_in_one_batch_equals_tp1_and_peft(mesh, adapters,
     if mesh != "tp = 2":
         return
     ckpt, load = tiny_checkpoint("llama"), tiny_checkpoint_lib.load_hf_model
-    for (_, lp), prompt, name in zip(got, PROMPTS, LORAS, strict=True):
+    for (_, lp, _), prompt, name in zip(got, PROMPTS, LORAS, strict=True):
         ref = peft_logits(ckpt, adapters.get(name), prompt, load).log_softmax(-1)
         want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(lp), want, atol=1e-4, rtol=0)
@@ -108,17 +117,45 @@ def test_a_rank_that_cannot_read_the_adapter_refuses_the_load_everywhere(adapter
         assert list(rank1.adapters) == ["a"] and rank1.adapters["a"].lora_id == llm.engine.lora.lora_id("a")
 
 
-def test_gloo_ranks_load_and_unload_adapters_while_serving(adapters, compile_tp, single_device):
-    """Worker processes (the default executor): adapters loaded after the start, used in one batch, unloaded and
-    loaded again under another name; each step's slots and the loads reach the worker in order."""
+def _complete(url: str, prompt: list[int], model: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": NEW,
+                                                     "temperature": 0, "ignore_eos": True, "echo": True,
+                                                     "logprobs": 0}, timeout=60)
+
+
+def test_server_loads_and_unloads_adapters_on_gloo_ranks_while_serving(adapters, compile_tp, single_device):
+    """`kiln serve`'s processes (the engine core in its own process, rank 1 a gloo worker of it): adapters loaded
+    through POST /v1/load_lora_adapter after the start, used by concurrent requests, unloaded, and loaded again
+    under another name; every completion equals TP = 1's (text, and prompt logprobs within 1e-4)."""
+    from live_server import LiveServer
+
     art = compile_tp("tp = 2")  # no compiled-in adapters
-    with kiln.LLM(str(art), num_kv_blocks=64) as llm:
-        assert llm.engine.runner.worker_pids  # rank 1 is a process of its own
+    server = LiveServer(art, {"num_kv_blocks": 64})
+    try:
+        base = server.server_state.model_name
+
+        def load(name: str, path) -> None:
+            r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+
+        def check(names: list[str | None]) -> None:
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together: they share steps
+                outs = list(pool.map(lambda pn: _complete(server.url, pn[0], pn[1] or base), zip(PROMPTS, names)))
+            for out, (_, ref_lp, ref_text) in zip(outs, single_device, strict=True):
+                assert out.status_code == 200, out.text
+                choice = out.json()["choices"][0]
+                lp = choice["logprobs"]["token_logprobs"][1:len(choice["logprobs"]["token_logprobs"]) - NEW]
+                torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), atol=1e-4, rtol=0)
+                assert choice["text"].endswith(ref_text)
+
         for name, path in adapters.items():
-            llm.engine.load_lora_adapter(name, str(path))
-        _assert_same(_outputs(llm), single_device)
-        llm.engine.unload_lora_adapter("a")
-        with pytest.raises(RequestError, match="no LoRA adapter named 'a'"):
-            llm.generate([PROMPTS[0]], _params(), lora="a")
-        llm.engine.load_lora_adapter("a2", str(adapters["a"]))  # a new id, paged into the slot "a" left
-        _assert_same(_outputs(llm, loras=["a2", "b", None]), single_device)
+            load(name, path)
+        check(LORAS)
+        r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert _complete(server.url, PROMPTS[0], "a").status_code == 404
+        load("a2", adapters["a"])  # a new id, paged into the slot "a" left on both ranks
+        check(["a2", "b", None])
+    finally:
+        server.stop()
