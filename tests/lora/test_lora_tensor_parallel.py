@@ -43,12 +43,14 @@ def adapters(adapter):
 
 @pytest.fixture(scope="module")
 def compile_tp(compile_hf):
-    """`compile_tp(mesh, adapters)`: tiny llama with `parallel { mesh }` and `lora { SECTION; adapters }`."""
-    def build(mesh: str, adapters: dict | None = None):
+    """`compile_tp(mesh, adapters, quantize)`: tiny llama with `parallel { mesh }` (None: one device), `lora {
+    SECTION; adapters }` and `quantize { weights = quantize }` if given."""
+    def build(mesh: str | None, adapters: dict | None = None, quantize: str | None = None):
         entries = SECTION + ("; adapters = { " + ", ".join(f'{k}: "hf:{v}"' for k, v in adapters.items()) + " }"
                              if adapters else "")
-        edit = ("  serve     {", f"  parallel  {{ {mesh} }}\n  lora {{ {entries} }}\n  serve     {{")
-        _, art, _ = compile_hf("llama", edits=(edit,))
+        sections = ((f"  parallel  {{ {mesh} }}\n" if mesh else "") + f"  lora {{ {entries} }}\n"
+                    + (f"  quantize  {{ weights = {quantize} }}\n" if quantize else ""))
+        _, art, _ = compile_hf("llama", edits=(("  serve     {", sections + "  serve     {"),))
         return art
 
     return build
@@ -96,6 +98,17 @@ def test_mesh_with_two_adapters_in_one_batch_equals_tp1_and_peft(mesh, adapters,
             base = peft_logits(ckpt, None, prompt, load).log_softmax(-1)
             assert (ref - base).abs().max() > 0.05, "the adapter must move the logits for the test to mean anything"
     assert got[0][0] == peft_greedy(ckpt, adapters["a"], PROMPTS[0], NEW, load)
+
+
+def test_quantized_base_on_the_mesh_takes_adapters(adapters, compile_tp, monkeypatch):
+    """fp8 per-channel GEMMs on each rank's shard: the branch reads the GEMM's input and adds to its output, so
+    TP = 2 equals TP = 1 over the same quantized weights."""
+    q = "fp8(per_channel=true)"
+    with kiln.LLM(str(compile_tp(None, adapters, q)), num_kv_blocks=64) as llm:
+        want = _outputs(llm)
+    monkeypatch.setenv("KILN_EXECUTOR", "local")
+    with kiln.LLM(str(compile_tp("tp = 2", adapters, q)), num_kv_blocks=64) as llm:
+        _assert_same(_outputs(llm), want)
 
 
 def test_a_rank_that_cannot_read_the_adapter_refuses_the_load_everywhere(adapters, compile_tp, monkeypatch):
