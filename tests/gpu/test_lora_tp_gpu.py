@@ -2,7 +2,7 @@
 for tp = 2, both ranks in this process on cuda:0 (LocalMeshExecutor), each running the Triton segmented lora
 kernel over its slice of the slots (a column-parallel branch's rows of each module), against the single-device
 h200 artifact with the same adapters. bf16 both sides: prompt logprobs within 0.1, greedy tokens identical up to
-the first near-tie (tests/gpu/test_parallel_mesh_gpu.py's rule)."""
+the first near-tie (tests/gpu/test_parallel_mesh_gpu.py's assert_bf16_parity)."""
 from __future__ import annotations
 
 import sys
@@ -16,8 +16,8 @@ from kiln.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))
 from lora_testlib import ATTENTION_MLP, make_adapter  # noqa: E402
+from test_parallel_mesh_gpu import assert_bf16_parity  # noqa: E402
 
-TOL = 0.1
 LORAS = ["a", "b", None]
 
 
@@ -54,12 +54,4 @@ def test_tp2_with_adapters_on_one_gpu_equals_the_single_device(build, monkeypatc
     monkeypatch.setenv("KILN_EXECUTOR", "local")
     with kiln.LLM(str(placed), device="cuda") as llm:
         got = llm.generate(prompts, params, lora=LORAS)
-    for prompt, r, o in zip(prompts, ref, got, strict=True):
-        lp = [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], prompt[1:])]
-        ref_lp = [d[t].logprob for d, t in zip(r.prompt_logprobs[1:], prompt[1:])]
-        torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref_lp), atol=TOL, rtol=0)
-        for step, (a, b) in enumerate(zip(o.outputs[0].token_ids, r.outputs[0].token_ids, strict=True)):
-            top = sorted((x.logprob for x in r.outputs[0].logprobs[step].values()), reverse=True)
-            if len(top) > 1 and top[0] - top[1] < TOL:
-                break
-            assert a == b, f"token {step} differs"
+    assert_bf16_parity(prompts, got, ref, "llama tp = 2 with adapters")
