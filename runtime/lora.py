@@ -13,6 +13,11 @@ rows grouped by adapter, each segment's slot and rank per target), two launches 
 An adapter is loaded once into host memory (`load`), and copied into a slot when a step needs it and it is
 not resident (`prepare`): the least recently used slot no running sequence needs is reused. The scheduler
 keeps the running sequences' adapters within `max_loras` (Scheduler.max_loras), so a step always fits.
+
+On a tensor-parallel mesh (a manifest target's `shard`) each rank's manager holds its slice of every adapter
+(`shard_adapter`: B's output rows of a column-parallel linear, A's input columns of a row-parallel one) in slots
+of the rank's local shapes; rank 0's manager plans (`assign`) and the other ranks page into the slots it chose
+(`batch`), told by the mesh executor (runtime/distributed/executor.py, commands.py).
 """
 from __future__ import annotations
 
