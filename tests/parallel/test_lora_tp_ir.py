@@ -167,9 +167,16 @@ def test_row_parallel_branch_summed_by_the_reduction_is_exact():
 # ---------------------------------------------------------------- the tiny llama compiled for tp = 2 and 4
 
 
-def _manifest(compile_hf, mesh: str) -> dict:
-    from conftest import parallel_edit
+SERVE_LINE = "  serve     {"
 
+
+def parallel_edit(mesh: str) -> tuple[str, str]:
+    """The recipe edit adding `parallel { mesh }` (a `conftest` import would find another directory's conftest
+    when the whole suite runs)."""
+    return SERVE_LINE, f"  parallel  {{ {mesh} }}\n{SERVE_LINE}"
+
+
+def _manifest(compile_hf, mesh: str) -> dict:
     edit = ("  serve     {", "  lora { max_loras = 2; max_rank = 8 }\n  serve     {")
     _, art, _ = compile_hf("llama", edits=(parallel_edit(mesh), edit))
     return json.loads((art / "manifest.json").read_text())
@@ -195,8 +202,6 @@ def test_manifest_gives_each_rank_its_slice(tp, compile_hf):
 
 @pytest.mark.parametrize(("mesh", "key"), [("dp = 2", "parallel.dp"), ("tp = 2; ep = 2", "parallel.ep")])
 def test_lora_with_dp_or_ep_is_refused_at_the_parallel_line(mesh, key, tiny_checkpoint, tmp_path):
-    from conftest import parallel_edit
-
     import kiln
     from kiln.cli import main
 
@@ -215,8 +220,6 @@ def test_gpu_model_passes_each_rank_its_module_rows(compile_hf):
     """The h200 artifact's Triton lora call gets a rank's rows of each module (the kernel's slices of y), not the
     global ones: tp = 2 holds 32 of q's 64 rows and 16 of k's and v's 32, 64 of gate's and up's 128; o and down
     (row-parallel) keep their 64 output rows."""
-    from conftest import parallel_edit
-
     edits = (parallel_edit("tp = 2"), ("target  = cpu", "target  = h200"),
              ("  serve     {", "  lora { max_loras = 2; max_rank = 8 }\n  serve     {"))
     _, art, _ = compile_hf("llama", edits=edits)
