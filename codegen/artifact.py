@@ -28,6 +28,7 @@ from kiln.compiler.placement import (
     collectives,
     local_kv_layout,
     local_shape,
+    lora_shard,
     mesh_of,
     param_placement,
     placement_of,
@@ -308,14 +309,17 @@ def lora_targets(program: Program) -> list[dict[str, Any]]:
     """The linears the lora_injection pass adapted (its `lora` nodes), in graph order: the runtime's adapter
     slots are shaped by them (runtime/lora.py)."""
     out: list[dict[str, Any]] = []
+    mesh = mesh_of(program)
     for block in program.blocks.values():
         graph = program.graphs[block.graph]
         for _, node in graph.items():
             if node.op == "lora":
                 x = graph.node(node.inputs[0]).out
+                shard = lora_shard(graph, node, mesh)  # a tensor-parallel program: each rank's slice
                 out.append({"name": node.attrs["target"], "block": block.name, "num_layers": block.count,
                             "first_layer": block.first_layer, "in_features": int(x.shape[-1]),
-                            "modules": list(node.attrs["modules"]), "rows": list(node.attrs["rows"])})
+                            "modules": list(node.attrs["modules"]), "rows": list(node.attrs["rows"]),
+                            **({"shard": shard} if shard else {})})
     return out
 
 

@@ -92,8 +92,9 @@ EMITTERS.update({
                              "absorb={absorb}{kv_scales})"),
     "triton.linear_fp8": "K.linear_fp8({args}, granularity={granularity}, block={block}, act={act})",
     "triton.linear_w4a16": "K.linear_w4a16({args}, format={format}, group={group}, zero_offset={zero_offset})",
-    # segmented multi-LoRA shrink/expand: the cpu call plus each adapted module's output rows (its slices)
-    "triton.lora": "K.lora({0}, {1}, batch.lora, {target}, layer, rows={rows})",
+    # segmented multi-LoRA shrink/expand: the cpu call plus each adapted module's output rows (its slices; a
+    # rank's share of them under tensor parallelism)
+    "triton.lora": "K.lora({0}, {1}, batch.lora, {target}, layer, rows={lora_rows})",
     "torch.linear": "K.linear({args})",  # cuBLAS
     "torch.logits": "K.logits({0}, {1}, batch.logits_indices)",  # cuBLAS, fp32 out
 })

@@ -19,7 +19,7 @@ import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
 from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
 from kiln.compiler.ops import OPS, REQUIRED
-from kiln.compiler.placement import PlacementTable, local_slice, units_of
+from kiln.compiler.placement import PlacementTable, local_slice, lora_local_rows, units_of
 from kiln.compiler.placement import R as REPLICATED
 from kiln.compiler.targets import get_target
 
@@ -348,6 +348,11 @@ def _gathered_size_field(fn: _Function, vid: str, node: Node) -> str:
     return literal(int(_type_of(fn.graph, vid).shape[node.attrs["dim"]]))
 
 
+def _lora_rows_field(fn: _Function, vid: str, node: Node) -> str:
+    """A lora branch's per-module output rows on this rank (a column-parallel branch holds each module's share)."""
+    return literal(lora_local_rows(fn.graph, node, fn.model.placements.mesh))
+
+
 def _dp_counts_field(fn: _Function, vid: str, node: Node) -> str:
     """The batch's per-rank row counts a data-parallel gather/scatter splits by: tokens, or logits rows."""
     return "batch.dp_num_rows" if node.attrs.get("rows") == "logits" else "batch.dp_num_tokens"
@@ -361,7 +366,8 @@ CONTEXT_FIELDS: dict[str, ContextField] = {
     "gathered_size": _gathered_size_field,  # all_gather: the global (unpadded) size of the gathered dim
     "fused_rope": _fused_rope_field,  # the cos/sin table of an attention with a fused rope, as a keyword
     "kv_scales": _kv_scales_field,  # an fp8 KV cache's per-head scales, as keyword arguments
-    "kv_cache": _kv_cache_field,  # this attention's KV tensor: running index over the layer schedule
+    "kv_cache": _kv_cache_field,
+    "lora_rows": _lora_rows_field,  # a lora branch's per-module output rows on this rank  # this attention's KV tensor: running index over the layer schedule
     "rope_cache": _rope_cache_field,  # the precomputed cos/sin table of this rope's configuration
     "scale": _scale_field,  # attrs.scale, or head_dim ** -0.5
 }

@@ -35,9 +35,10 @@ from kiln.compiler.ir import DTYPE_BYTES, Graph, Node, Program, TensorType, Tupl
 
 AXES = ("world", "ep", "etp")  # all ranks; expert-parallel groups; tensor parallelism inside one expert group
 EXPERT_ORDERS = ("contiguous", "round_robin")
-# ops whose input may be partial (the reductions), by input index
+# ops whose input may be partial, by input index: the reductions, and lora's base output (a row-parallel
+# linear's partial sum, to which each rank adds its summand of the branch: sum_k (x_k A_k) B = (x A) B)
 REDUCING_INPUTS: dict[str, tuple[int, ...]] = {"all_reduce": (0,), "dp_scatter": (0,), "add": (0, 1),
-                                                "all_reduce_add_rms_norm": (0,)}
+                                                "all_reduce_add_rms_norm": (0,), "lora": (1,)}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "gather_logits", "dp_gather", "dp_scatter", "all_reduce_add_rms_norm",
                   "moe_experts_a2a")
 
@@ -290,6 +291,58 @@ def shard_tensor(t: Any, placement: Placement | None, mesh: Mesh, rank: int) -> 
     return t.contiguous()
 
 
+def shard_runs(shard: Shard, mesh: Mesh) -> list[list[tuple[int, int]]]:
+    """For each rank, the global indices of a dim sharded as `shard` (no padding) that the rank holds, in its
+    local order, as [start, stop) runs (a segment's replicated or contiguous units: one run per segment)."""
+    out = []
+    n = mesh.axis_size(shard.axis)
+    for rank in range(mesh.world):
+        c, runs, start = mesh.coord(shard.axis, rank), [], 0
+        for seg in shard.segments:
+            if seg.padded:
+                raise PlacementError(f"a padded segment ({seg}) has rows no global index holds")
+            for u in units_of(seg, n, c, shard.order):
+                a = start + u * seg.size
+                if runs and runs[-1][1] == a:
+                    runs[-1] = (runs[-1][0], a + seg.size)
+                else:
+                    runs.append((a, a + seg.size))
+            start += seg.units * seg.size
+        out.append(runs)
+    return out
+
+
+def lora_shard(graph: Graph, node: Node, mesh: Mesh) -> dict[str, Any] | None:
+    """How a placed `lora` node's adapter weights split over the ranks (the manifest's `lora.targets[].shard`):
+    column-parallel -> {"dim": 0, ...}, each rank's rows of the [N, K] delta (B's rows); row-parallel ->
+    {"dim": 1, ...}, each rank's input columns (A's columns); `ranges`: each rank's [start, stop) runs of that
+    dim. None when the branch is whole on every rank."""
+    p = placement_of(node)
+    if p is None or p.kind in ("R", "T"):
+        return None
+    x = graph.node(node.inputs[0])
+    last = x.out.rank - 1
+    if p.kind == "S":
+        dim, shard = 0, p.shard(last)
+    else:  # P: the input is sharded on its last dim
+        dim, shard = 1, placement_of(x).shard(last)
+    return {"dim": dim, "ranges": [[list(r) for r in runs] for runs in shard_runs(shard, mesh)]}
+
+
+def lora_local_rows(graph: Graph, node: Node, mesh: Mesh) -> tuple[int, ...]:
+    """Each adapted module's output rows on one rank (every rank holds as many): a column-parallel branch's
+    share of each module's rows; the whole rows otherwise."""
+    rows = tuple(int(r) for r in node.attrs["rows"])
+    shard = lora_shard(graph, node, mesh)
+    if shard is None or shard["dim"] != 0:
+        return rows
+    out, start = [], 0
+    for n in rows:
+        out.append(sum(max(0, min(b, start + n) - max(a, start)) for a, b in shard["ranges"][0]))
+        start += n
+    return tuple(out)
+
+
 # ---------------------------------------------------------------- the rules
 
 
@@ -484,6 +537,24 @@ def _quantized_linear(node: Node, ins: list[Placement], t: list[Any]) -> Placeme
         raise PlacementError(f"{node.op}: weight params placed {', '.join(map(str, params))}, but a weight placed "
                              f"{logical} needs {', '.join(map(str, want))}")
     return _linear(node, [ins[0], logical, *ins[1 + n_params:]], [t[0], None, *t[1 + n_params:]])
+
+
+def _lora(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
+    """lora(x, y): y plus x's low-rank branch, placed as its linear's output y. Column-parallel (x whole, y's
+    output rows sharded): each rank's A is whole and its B holds the rank's rows of y. Row-parallel (x sharded on
+    its last dim, y partial): each rank's A holds the rank's input columns and B is whole; the rank adds
+    (x_k A_k) B to its partial sum, and the base's reduction sums the branch too, exactly."""
+    x, y = ins
+    last = _rank(t[0]) - 1
+    if x == y and x.kind in ("R", "T"):
+        return y
+    if x.kind == "R" and y.kind == "S" and len(y.shards) == 1 and y.shards[0].dim == last:
+        return y
+    xs = x.shard(last) if x.kind == "S" else None
+    if y.kind == "P" and xs is not None and len(x.shards) == 1:
+        return P
+    raise PlacementError(f"lora reads its linear's input and output, column-parallel (R, S on the last dim) or "
+                         f"row-parallel (S on the last dim, P), got {x}, {y}")
 
 
 def _view(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
@@ -691,7 +762,7 @@ _RULES = {
     "rope": _rope, "attention": _attention, "mla_attention": _mla_attention, "silu": _elementwise,
     "mul": _elementwise, "add": _elementwise, "bias_add": _bias_add, "deinterleave": _lastwise, "silu_mul": _silu_mul, "concat": _concat,
     "logits": _logits, "moe_topk_softmax": _router, "moe_topk_grouped": _router, "moe_experts": _moe_experts,
-    "moe_experts_a2a": _moe_experts_a2a,
+    "moe_experts_a2a": _moe_experts_a2a, "lora": _lora,
     "all_reduce": _reduction(R), "all_gather": _all_gather, "gather_logits": _all_gather, "dp_gather": _dp_gather,
     "dp_scatter": _reduction(T),
     "block": lambda node, ins, t: ins[0],  # check_placements holds it to the block graph's own placements

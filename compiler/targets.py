@@ -139,18 +139,24 @@ def _lora_supported(options: RecipeOptions, refuse) -> None:
     """What LoRA serving composes with: prefix caching does (block keys include the adapter); speculative
     decoding by n-gram lookup or a draft model does (the verify rows are the sequence's, with its adapter; the
     drafts are proposals, so outputs stay exact); quantized base weights do (the branch reads the GEMM's input
-    and adds to its output). A draft head (mtp) and sharded (TP/DP/EP) weights are refused, at the section that
-    asks."""
+    and adds to its output); tensor parallelism does (each rank holds its slice of the adapter slots: B's output
+    rows of a column-parallel linear, A's input columns of a row-parallel one, whose partial branch the base's
+    all_reduce sums). A draft head (mtp), data-parallel attention and expert parallelism are refused, at the
+    section that asks."""
     method = options.speculative.method
     if method is not None and method not in MODEL_FREE_METHODS:
         refuse(f"LoRA with speculative method = {method} is not supported: the draft head reads the target's "
                "hidden states, which an adapter shifts away from the base model's it was trained on, and has no "
                "adapter of its own; use method = ngram or method = draft (exact with adapters)",
                "speculative.method")
-    for axis in ("tp", "dp", "ep"):
-        if getattr(options.parallel, axis) > 1:
-            refuse(f"LoRA with parallel.{axis} > 1 is not supported yet (adapter slots are not sharded)",
-                   f"parallel.{axis}")
+    par = options.parallel
+    if par.dp > 1:
+        refuse(f"LoRA with parallel.dp = {par.dp} is not supported yet: data-parallel attention runs each rank's own "
+               "sequences through attention but every rank's rows through the MLPs, and the adapter rows of a step "
+               "are planned for one batch (tp composes with LoRA)", "parallel.dp")
+    if par.ep > 1:
+        refuse(f"LoRA with parallel.ep = {par.ep} is not supported yet: experts are not adapted, and expert-parallel "
+               "groups would need adapter rows per group (tp composes with LoRA)", "parallel.ep")
     if options.lora.max_rank > 256:
         refuse(f"lora.max_rank = {options.lora.max_rank}: at most 256", "lora.max_rank")
 

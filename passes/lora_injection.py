@@ -4,7 +4,7 @@ from __future__ import annotations
 from kiln.compiler import Graph, Node, Pass, PassContext, PassError, Program, register_pass
 from kiln.compiler.ir import Attrs, ParamSpec, TensorType
 from kiln.compiler.options import RecipeOptions
-from kiln.compiler.placement import LINEAR_OPS
+from kiln.compiler.placement import LINEAR_OPS, PlacementError, infer_placement, placement_of
 from kiln.dsl.errors import KilnError
 
 WEIGHT_SUFFIX = ".weight"
@@ -42,7 +42,9 @@ def _part_rows(graph: Graph, vid: str, spec: ParamSpec) -> tuple[int, ...] | Non
 
 @register_pass("lora_injection", requires=("shape_inference",),
                after=("quantize_weights", "fuse_qkv", "fuse_gate_up", "fuse_silu_mul", "fuse_add_rms_norm",
-                      "mla_absorption", "fuse_dequant_linear", "fuse_rope_kv_write"),
+                      "mla_absorption", "fuse_dequant_linear", "fuse_rope_kv_write",
+                      # placed programs: a lora node takes its linear's placement (the branch shards with it)
+                      "place_parallel", "fuse_all_reduce_add_rms_norm"),
                before=("kernel_selection", "cuda_graph_plan"))
 class LoRAInjection(Pass):
     """Requires: typed IR, after fusion (a fused q/k/v or gate/up linear is adapted as one, its modules side by
@@ -51,7 +53,10 @@ class LoRAInjection(Pass):
     `<module>.weight` checkpoint tensors, and each quantized GEMM (`linear_fp8`, `linear_w4a16`) over a module's
     quantized tensors, is followed by `lora(x, y) {target=w's name, modules=its modules' paths,
     rows=each module's output rows, max_rank}`, which every reader of y reads instead. The model's meaning with
-    no adapter is unchanged (lora's reference is y); adapters are run-time state the runtime pages into slots."""
+    no adapter is unchanged (lora's reference is y); adapters are run-time state the runtime pages into slots.
+    In a placed program (after place_parallel) each lora node is placed as its linear's output: column-parallel
+    (R, S) -> S, each rank's B its output rows; row-parallel (S, P) -> P, each rank's A its input columns, the
+    branch's partial sum added before the base's all_reduce (compiler/placement.py `_lora`)."""
 
     def __init__(self, max_rank: int | None = None):
         self.max_rank = max_rank
@@ -93,11 +98,26 @@ def _inject(program: Program, graph: Graph, max_rank: int) -> tuple[Graph, int]:
             continue
         g = g or graph.copy()
         attrs = Attrs({"target": spec.name, "modules": modules, "rows": rows, "max_rank": max_rank})
-        lora = g.fresh(f"{vid}_lora")
-        g.add(lora, Node("lora", (node.inputs[0], vid), attrs, node.out, node.loc))
-        g.replace_all_uses(vid, lora)  # every reader of y but the lora node itself
+        lora = Node("lora", (node.inputs[0], vid), attrs, node.out, node.loc)
+        placed = _placed(graph, lora)
+        lora_vid = g.fresh(f"{vid}_lora")
+        g.add(lora_vid, placed)
+        g.replace_all_uses(vid, lora_vid)  # every reader of y but the lora node itself
         n += 1
     return (g or graph), n
+
+
+def _placed(graph: Graph, lora: Node) -> Node:
+    """`lora` with the placement its inputs give it, in a placed program (place_parallel ran): its linear's output
+    placement, column-parallel (B sliced by output rows) or row-parallel (A sliced by input columns, partial)."""
+    x, y = (placement_of(graph.node(i)) for i in lora.inputs)
+    if y is None:
+        return lora
+    try:
+        p = infer_placement(lora, [x, y], [graph.node(i).out for i in lora.inputs])
+    except PlacementError as e:
+        raise PassError(f"lora_injection: {lora.attrs['target']}: {e}") from None
+    return lora.with_(attrs=lora.attrs.replace(placement=str(p)))
 
 
 def _quantized_modules(spec: ParamSpec) -> tuple[tuple[str, ...] | None, tuple[int, ...] | None]:
@@ -122,7 +142,7 @@ def _adapted_weight(program: Program, graph: Graph, node: Node) -> ParamSpec | N
     if w.op != "param":
         return None
     spec = program.params.get(w.attrs["name"])
-    if spec is None or spec.sharding is not None:
+    if spec is None:
         return None
     if node.op != "linear":  # a quantized GEMM: its first param is the packed / e4m3 weight
         return spec if spec.quant is not None and spec.quant.get("role") in ("weight", "qweight") else None

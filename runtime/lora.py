@@ -13,6 +13,11 @@ rows grouped by adapter, each segment's slot and rank per target), two launches 
 An adapter is loaded once into host memory (`load`), and copied into a slot when a step needs it and it is
 not resident (`prepare`): the least recently used slot no running sequence needs is reused. The scheduler
 keeps the running sequences' adapters within `max_loras` (Scheduler.max_loras), so a step always fits.
+
+On a tensor-parallel mesh (a manifest target's `shard`) each rank's manager holds its slice of every adapter
+(`shard_adapter`: B's output rows of a column-parallel linear, A's input columns of a row-parallel one) in slots
+of the rank's local shapes; rank 0's manager plans (`assign`) and the other ranks page into the slots it chose
+(`batch`), told by the mesh executor (runtime/distributed/executor.py, commands.py).
 """
 from __future__ import annotations
 
@@ -48,11 +53,36 @@ class LoRATarget:
     in_features: int
     modules: tuple[str, ...]  # PEFT module paths, e.g. "model.layers.{i}.self_attn.q_proj"
     rows: tuple[int, ...]  # output rows of each module
+    # tensor parallelism (the manifest's `shard`): the dim of the [N, K] delta each rank holds a slice of (0: B's
+    # output rows, a column-parallel linear; 1: A's input columns, a row-parallel one) and each rank's
+    # [start, stop) runs of it; None: every rank holds the whole branch
+    shard_dim: int | None = None
+    shard_ranges: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @classmethod
     def from_manifest(cls, t: Mapping[str, Any]) -> LoRATarget:
+        shard = t.get("shard")
         return cls(t["name"], t["block"], int(t["num_layers"]), int(t["first_layer"]), int(t["in_features"]),
-                   tuple(t["modules"]), tuple(int(r) for r in t["rows"]))
+                   tuple(t["modules"]), tuple(int(r) for r in t["rows"]),
+                   None if shard is None else int(shard["dim"]),
+                   () if shard is None else tuple(tuple((int(a), int(b)) for a, b in runs)
+                                                  for runs in shard["ranges"]))
+
+    def rank_index(self, rank: int) -> torch.Tensor | None:
+        """The global indices of the sharded dim rank `rank` holds, in its local order (None: not sharded)."""
+        if self.shard_dim is None:
+            return None
+        if not 0 <= rank < len(self.shard_ranges):
+            raise LoRAError(f"lora target {self.name}: no shard for rank {rank} ({len(self.shard_ranges)} ranks)")
+        return torch.cat([torch.arange(a, b) for a, b in self.shard_ranges[rank]])
+
+    def local_shape(self, rank: int) -> tuple[int, int]:
+        """(N, K) of the rank's slice of the [N, K] delta."""
+        n, k = sum(self.rows), self.in_features
+        index = self.rank_index(rank)
+        if index is None:
+            return n, k
+        return (len(index), k) if self.shard_dim == 0 else (n, len(index))
 
 
 @dataclass(slots=True)
@@ -231,54 +261,100 @@ def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int,
     return Adapter(name=name, lora_id=lora_id, path=str(path), rank=top_rank, weights=weights, ranks=ranks)
 
 
+def shard_adapter(adapter: Adapter, targets: Sequence[LoRATarget], rank: int) -> Adapter:
+    """`adapter` as tensor-parallel rank `rank` holds it: each sharded target's B cut to the rank's output rows
+    (column-parallel) or A to its input columns (row-parallel); the other factor whole. In place; returned."""
+    for t in targets:
+        index = t.rank_index(rank)
+        if index is None or t.name not in adapter.weights:
+            continue
+        a, b = adapter.weights[t.name]
+        if t.shard_dim == 0:
+            b = b.index_select(1, index).contiguous()
+        else:
+            a = a.index_select(2, index).contiguous()
+        adapter.weights[t.name] = (a, b)
+    return adapter
+
+
 class LoRAManager:
     """The adapters a core serves (by name) and the `max_loras` device slots they are paged into.
 
-    Mutated only by the engine core's thread: `load` / `unload` (between steps) and `prepare` (per step)."""
+    Mutated only by the engine core's thread: `load` / `unload` (between steps) and `prepare` (per step).
+
+    On a tensor-parallel mesh every rank has one, holding its slice of each adapter (`rank`; the slot tensors are
+    the rank's local shapes). Rank 0's plans: it names adapters, gives them ids and chooses each step's slots
+    (`assign`); the other ranks' load and unload by the ids rank 0 gave (`load(..., lora_id=)`) and page into the
+    slots rank 0 chose (`batch`), told by the mesh executor's commands (runtime/distributed/commands.py).
+    `listeners` hear rank 0's loads and unloads (`listener("load", adapter)` may refuse one with LoRAError: the
+    load is undone)."""
 
     def __init__(self, manifest_lora: Mapping[str, Any], device: torch.device, dtype: torch.dtype,
-                 artifact_dir: Path | None = None) -> None:
+                 artifact_dir: Path | None = None, rank: int = 0) -> None:
         self.max_loras = int(manifest_lora["max_loras"])
         self.max_rank = int(manifest_lora["max_rank"])
         self.targets = [LoRATarget.from_manifest(t) for t in manifest_lora["targets"]]
-        self.device, self.dtype = device, dtype
-        s = self.max_loras
+        self.device, self.dtype, self.rank = device, dtype, rank
+        s, m_r = self.max_loras, self.max_rank
+        shapes = {t.name: t.local_shape(rank) for t in self.targets}
         self.slot_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
-            t.name: (torch.zeros(t.num_layers, s, len(t.modules) * self.max_rank, t.in_features, dtype=dtype,
-                                 device=device),
-                     torch.zeros(t.num_layers, s, sum(t.rows), len(t.modules) * self.max_rank, dtype=dtype,
-                                 device=device))
+            t.name: (torch.zeros(t.num_layers, s, len(t.modules) * m_r, shapes[t.name][1], dtype=dtype, device=device),
+                     torch.zeros(t.num_layers, s, shapes[t.name][0], len(t.modules) * m_r, dtype=dtype, device=device))
             for t in self.targets}
         self.adapters: dict[str, Adapter] = {}
         self._by_id: dict[int, Adapter] = {}
         self._next_id = 1
-        self._slot_of: OrderedDict[int, int] = OrderedDict()  # resident lora_id -> slot, least recent first
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # planned lora_id -> slot, least recent first
         self._free_slots = list(range(s))
+        self._resident: list[int | None] = [None] * s  # the adapter whose weights each slot holds
         self.num_loads = 0  # adapters copied into a slot (paging-in events)
+        self.listeners: list = []
         for name, rel in (manifest_lora.get("adapters") or {}).items():
             self.load(name, (artifact_dir / rel) if artifact_dir is not None else Path(rel))
 
     # Adapters -------------------------------------------------------------------------------------------
-    def load(self, name: str, path: str | Path) -> Adapter:
-        """Reads the adapter at `path` and serves it as `name` (LoRAError: nothing changes)."""
+    def load(self, name: str, path: str | Path, lora_id: int | None = None) -> Adapter:
+        """Reads the adapter at `path` (this rank's slice) and serves it as `name`, with id `lora_id` (a rank
+        mirroring rank 0) or the next one (LoRAError: nothing changes)."""
         if name in self.adapters:
             raise LoRAError(f"adapter {name!r} is already loaded (unload it first)")
-        adapter = read_adapter(path, self.targets, self.max_rank, self.dtype, name=name, lora_id=self._next_id)
-        self._next_id += 1
+        lora_id = self._next_id if lora_id is None else lora_id
+        adapter = shard_adapter(read_adapter(path, self.targets, self.max_rank, self.dtype, name=name,
+                                             lora_id=lora_id), self.targets, self.rank)
+        self._next_id = max(self._next_id, lora_id + 1)
         self.adapters[name] = adapter
         self._by_id[adapter.lora_id] = adapter
+        try:
+            for listener in self.listeners:
+                listener("load", adapter)
+        except BaseException:  # refused by another rank (LoRAError), or the mesh failed: not served
+            self._forget(name)
+            raise
         return adapter
 
     def unload(self, name: str) -> Adapter:
         """Stops serving `name` (the engine first makes sure no request uses it); its slot becomes free."""
-        adapter = self.adapters.pop(name, None)
-        if adapter is None:
+        if name not in self.adapters:
             raise LoRAError(f"no adapter named {name!r} is loaded")
+        adapter = self._forget(name)
+        for listener in self.listeners:
+            listener("unload", adapter)
+        return adapter
+
+    def _forget(self, name: str) -> Adapter:
+        adapter = self.adapters.pop(name)
         del self._by_id[adapter.lora_id]
         slot = self._slot_of.pop(adapter.lora_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+        self._resident = [None if r == adapter.lora_id else r for r in self._resident]
         return adapter
+
+    def unload_id(self, lora_id: int) -> None:
+        """A mirroring rank's unload (by rank 0's id; an id it does not hold is already gone)."""
+        adapter = self._by_id.get(lora_id)
+        if adapter is not None:
+            self._forget(adapter.name)
 
     def lora_id(self, name: str) -> int:
         adapter = self.adapters.get(name)
@@ -293,7 +369,9 @@ class LoRAManager:
     def slot_of(self, lora_id: int) -> int | None:
         return self._slot_of.get(lora_id)
 
-    def _acquire(self, lora_id: int, needed: set[int]) -> int:
+    def _plan_slot(self, lora_id: int, needed: set[int]) -> int:
+        """The slot `lora_id` runs in this step: its own if resident, else a free one, else the least recently
+        used slot no adapter of the step needs."""
         slot = self._slot_of.get(lora_id)
         if slot is not None:
             self._slot_of.move_to_end(lora_id)
@@ -304,7 +382,16 @@ class LoRAManager:
             victim = next((i for i in self._slot_of if i not in needed), None)
             assert victim is not None, f"{len(needed)} adapters in one step, {self.max_loras} slots"
             slot = self._slot_of.pop(victim)
-        adapter = self._by_id[lora_id]
+        self._slot_of[lora_id] = slot
+        return slot
+
+    def _page_in(self, lora_id: int, slot: int) -> None:
+        """Copies the adapter's weights into `slot` unless the slot already holds them."""
+        if self._resident[slot] == lora_id:
+            return
+        adapter = self._by_id.get(lora_id)
+        if adapter is None:
+            raise LoRAError(f"adapter id {lora_id} is not loaded on rank {self.rank}")
         for t in self.targets:
             a, b = self.slot_weights[t.name]
             if t.name in adapter.weights:
@@ -314,24 +401,36 @@ class LoRAManager:
             else:  # stale weights of the slot's last adapter must not leak into this one
                 a[:, slot].zero_()
                 b[:, slot].zero_()
-        self._slot_of[lora_id] = slot
+        self._resident[slot] = lora_id
         self.num_loads += 1
-        return slot
 
-    def prepare(self, token_adapters: Sequence[tuple[int | None, int, int]], num_tokens: int) -> LoRABatch | None:
-        """The step's LoRABatch from (lora id or None, first token row, row count) of each sequence; pages in
-        the adapters that are not resident. None when no sequence of the step has an adapter."""
+    @staticmethod
+    def _rows_of(token_adapters: Sequence[tuple[int | None, int, int]]) -> dict[int, list[int]]:
         rows_of: dict[int, list[int]] = {}
         for lora_id, start, n in token_adapters:
             if lora_id is not None:
                 rows_of.setdefault(lora_id, []).extend(range(start, start + n))
+        return rows_of
+
+    def assign(self, token_adapters: Sequence[tuple[int | None, int, int]]) -> dict[int, int]:
+        """Rank 0's plan of a step: the slot of each adapter the step's sequences use ((lora id or None, first
+        token row, row count) of each), chosen by LRU; nothing is copied (`batch` pages them in)."""
+        rows_of = self._rows_of(token_adapters)
+        needed = set(rows_of)
+        return {lora_id: self._plan_slot(lora_id, needed) for lora_id in rows_of}
+
+    def batch(self, slots: Mapping[int, int], token_adapters: Sequence[tuple[int | None, int, int]],
+              num_tokens: int) -> LoRABatch | None:
+        """The step's LoRABatch with each adapter in the slot `slots` gives it (paged in where the slot holds
+        another); None when no sequence of the step has an adapter."""
+        rows_of = self._rows_of(token_adapters)
         if not rows_of:
             return None
-        needed = set(rows_of)
         segments = []
         seg_ranks: dict[str, list[int]] = {t.name: [] for t in self.targets}
         for lora_id, rows in rows_of.items():
-            slot = self._acquire(lora_id, needed)
+            slot = slots[lora_id]
+            self._page_in(lora_id, slot)
             index = None if len(rows) == num_tokens else torch.tensor(rows, dtype=torch.int64, device=self.device)
             adapter = self._by_id[lora_id]
             segments.append((slot, index, frozenset(adapter.weights)))
@@ -339,14 +438,21 @@ class LoRAManager:
                 ranks.append(adapter.ranks.get(name, 0))
         return LoRABatch(self.slot_weights, segments, list(rows_of.values()), seg_ranks)
 
+    def prepare(self, token_adapters: Sequence[tuple[int | None, int, int]], num_tokens: int) -> LoRABatch | None:
+        """The step's LoRABatch from (lora id or None, first token row, row count) of each sequence; pages in
+        the adapters that are not resident. None when no sequence of the step has an adapter."""
+        return self.batch(self.assign(token_adapters), token_adapters, num_tokens)
+
 
 # The engine's side (EngineLoRA below; each refusal a RequestError the API turns into a 4xx) -------------
-def lora_manager(manifest: Mapping[str, Any], artifact_dir: Path, device: torch.device) -> LoRAManager | None:
-    """The manager of an artifact compiled with `lora { }`, its compiled-in adapters loaded; else None."""
+def lora_manager(manifest: Mapping[str, Any], artifact_dir: Path, device: torch.device,
+                 rank: int = 0) -> LoRAManager | None:
+    """The manager of an artifact compiled with `lora { }` (rank `rank`'s slices on a tensor-parallel mesh), its
+    compiled-in adapters loaded; else None."""
     section = manifest.get("lora")
     if not section:
         return None
-    return LoRAManager(section, device, getattr(torch, manifest["dtype"]), artifact_dir)
+    return LoRAManager(section, device, getattr(torch, manifest["dtype"]), artifact_dir, rank)
 
 
 def lora_request_id(manager: LoRAManager | None, name: str | None) -> int | None:

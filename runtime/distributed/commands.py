@@ -6,18 +6,24 @@
              dp_num_tokens(dp_ranks), dp_num_rows(dp_ranks)]
 
 One batch: every rank runs it (tensor-parallel attention). One per rank: rank r runs batch r (data-parallel
-attention), each carrying every rank's token and logits-row counts.
+attention), each carrying every rank's token and logits-row counts. A step with LoRA adapters carries, after
+EXECUTE's two ints, each sequence's adapter id and the slot rank 0 chose for each adapter (`lora_step_ints`);
+LORA loads or unloads an adapter on every rank between steps (`lora_command_ints`).
 """
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from ..lora import LoRAError, LoRAManager, lora_manager
 from ..model_runner import DraftInput, HostBatch, ModelRunner
 from ..scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 class Cmd(enum.IntEnum):
@@ -27,6 +33,46 @@ class Cmd(enum.IntEnum):
     PROPOSE = 3  # ints: draft method index, n, input_ids(n), rows...
     SWAP = 4  # ints: n_out, (device, cpu) * n_out, n_in, (cpu, device) * n_in
     PROFILE = 5  # ints: prefill lengths
+    LORA = 6  # ints: op (LORA_LOAD / LORA_UNLOAD), lora_id, len(name), name (utf-8), len(path), path (utf-8)
+
+
+LORA_LOAD, LORA_UNLOAD = 0, 1
+
+
+def text_ints(text: str) -> list[int]:
+    data = text.encode("utf-8")
+    return [len(data), *data]
+
+
+def _ints_text(ints: list[int], k: int) -> tuple[str, int]:
+    n = ints[k]
+    return bytes(ints[k + 1:k + 1 + n]).decode("utf-8"), k + 1 + n
+
+
+def lora_command_ints(op: int, lora_id: int, name: str = "", path: str = "") -> list[int]:
+    """A LORA command's ints: load (name, path) or unload the adapter rank 0 gave id `lora_id`."""
+    return [op, lora_id, *text_ints(name), *text_ints(path)]
+
+
+def lora_step_ints(lora_ids: list[int | None], slots: dict[int, int]) -> list[int]:
+    """An EXECUTE command's adapter part: each sequence's adapter id (-1: the base model) and the slot rank 0
+    chose for each adapter of the step; empty when no sequence has one."""
+    if not slots:
+        return []
+    out = [len(lora_ids), *(-1 if i is None else i for i in lora_ids), len(slots)]
+    for lora_id, slot in slots.items():
+        out += [lora_id, slot]
+    return out
+
+
+def _lora_step(ints: list[int]) -> tuple[list[int | None], dict[int, int]]:
+    if not ints:
+        return [], {}
+    n = ints[0]
+    ids = [None if i < 0 else i for i in ints[1:1 + n]]
+    m = ints[1 + n]
+    pairs = ints[2 + n:2 + n + 2 * m]
+    return ids, {pairs[2 * j]: pairs[2 * j + 1] for j in range(m)}
 
 
 def _batch_ints(h: HostBatch) -> list[int]:
@@ -89,10 +135,15 @@ class RankState:
     comm: Any
     runner: ModelRunner | None = None
     draft: DraftInput | None = None
+    # the rank's adapter slots (lora.LoRAManager of its slices); rank 0's is the engine's, set by its executor
+    lora: LoRAManager | None = None
 
     def __post_init__(self) -> None:
-        self.artifact.model.comm = self.comm
-        self.methods = sorted((self.artifact.manifest.get("drafts") or {}).values(), key=lambda d: d["method"])
+        art = self.artifact
+        art.model.comm = self.comm
+        self.methods = sorted((art.manifest.get("drafts") or {}).values(), key=lambda d: d["method"])
+        if self.comm.rank > 0 and self.lora is None:
+            self.lora = lora_manager(art.manifest, art.path, art.device, rank=self.comm.rank)
 
     @property
     def model(self) -> Any:
@@ -108,6 +159,8 @@ class RankState:
             host = batches[self.comm.rank] if len(batches) > 1 else batches[0]
             fb = runner.forward_batch(host)
             fb.logit_candidates = ints[1]
+            if len(ints) > 2:  # adapters in the step: paged into the slots rank 0 chose
+                self._attach_lora(fb, host, *_lora_step(ints[2:]))
             if ints[0]:  # keep what the draft head reads next
                 with torch.inference_mode():
                     logits, hidden = art.model.forward(fb, runner.kv_caches, return_hidden=True)
@@ -133,7 +186,41 @@ class RankState:
             return None
         if cmd is Cmd.PROFILE:
             return profile_forward(art, ints)
+        if cmd is Cmd.LORA:
+            return self._lora_command(ints)
         raise AssertionError(f"unknown command {cmd!r}")
+
+    def _attach_lora(self, fb: Any, host: HostBatch, lora_ids: list[int | None], slots: dict[int, int]) -> None:
+        starts = host.query_start_loc
+        token_adapters = [(i, starts[k], starts[k + 1] - starts[k]) for k, i in enumerate(lora_ids)]
+        fb.lora = self.lora.batch(slots, token_adapters, len(host.input_ids))
+        fb.lora_ids = torch.tensor([-1 if i is None else slots[i] for i in lora_ids], dtype=torch.int32,
+                                   device=self.artifact.device)
+
+    def _lora_command(self, ints: list[int]) -> int | None:
+        """Loads (every rank reads its own slice of the adapter's files) or unloads an adapter by rank 0's id.
+        A load ends with every rank agreeing: the number of ranks that could not read it is summed over the
+        mesh and returned; where it is not 0 every rank drops the adapter again (rank 0's manager undoes its
+        own load when its executor sees the count)."""
+        op, lora_id = ints[0], ints[1]
+        name, k = _ints_text(ints, 2)
+        path, _ = _ints_text(ints, k)
+        if op == LORA_UNLOAD:
+            if self.comm.rank > 0:
+                self.lora.unload_id(lora_id)
+            return None
+        failed = 0
+        if self.comm.rank > 0:  # rank 0 read it already (LoRAManager.load, which told its executor)
+            try:
+                self.lora.load(name, path, lora_id=lora_id)
+            except (LoRAError, OSError) as e:
+                logger.warning("rank %d: cannot load LoRA adapter %r: %s", self.comm.rank, name, e)
+                failed = 1
+        flag = torch.tensor([float(failed)], device=self.artifact.device)
+        total = int(self.comm.all_reduce(flag).item())
+        if total and not failed and self.comm.rank > 0:
+            self.lora.unload_id(lora_id)
+        return total
 
 
 def profile_forward(art: Any, lengths: list[int]) -> int:
@@ -155,4 +242,5 @@ def swap_ints(batch: ScheduledBatch) -> list[int]:
     return out
 
 
-__all__ = ["Cmd", "RankState", "decode", "empty_batch", "encode", "swap_ints"]
+__all__ = ["LORA_LOAD", "LORA_UNLOAD", "Cmd", "RankState", "decode", "empty_batch", "encode", "lora_command_ints",
+           "lora_step_ints", "swap_ints"]

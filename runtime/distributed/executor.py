@@ -31,6 +31,7 @@ from ..artifact import LoadedArtifact, load_artifact
 from ..config import SchedulerConfig
 from ..errors import ArtifactError, KilnRuntimeError
 from ..executor import ExecutorError
+from ..lora import Adapter, LoRAError, LoRAManager
 from ..memory_plan import describe_memory_plan, plan_memory, profile_lengths
 from ..model_runner import (
     DraftInput,
@@ -41,7 +42,18 @@ from ..sampler import logit_candidates
 from ..scheduler import ScheduledBatch
 from ..sequence import SequenceStatus
 from .comm import CommError, ProcessGroupComm, ThreadMesh
-from .commands import Cmd, RankState, decode, empty_batch, encode, swap_ints
+from .commands import (
+    LORA_LOAD,
+    LORA_UNLOAD,
+    Cmd,
+    RankState,
+    decode,
+    empty_batch,
+    encode,
+    lora_command_ints,
+    lora_step_ints,
+    swap_ints,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +75,7 @@ class MeshExecutor:
     rank 0 runs its part, `_join` after)."""
 
     graph_runner = None  # decode steps run eagerly: CUDA graphs would have to capture the collectives
+    _lora: LoRAManager | None = None
 
     def __init__(self, artifact: LoadedArtifact) -> None:
         self.artifact = artifact
@@ -145,6 +158,40 @@ class MeshExecutor:
             self._fail(str(e))
             raise ExecutorError(f"the model's ranks cannot run: {e}") from None
 
+    # ------------------------------------------------------------ LoRA adapters
+    @property
+    def lora(self) -> LoRAManager | None:
+        return self._lora
+
+    @lora.setter
+    def lora(self, manager: LoRAManager | None) -> None:
+        """The engine's adapter manager (rank 0's slices): it plans every step's slots, and its loads and unloads
+        reach the other ranks as LORA commands (each rank reads its own slice), between steps."""
+        if manager is not None and self.data_parallel:
+            raise KilnRuntimeError("LoRA adapters with data-parallel attention are not supported")
+        self._lora = manager
+        self.states[0].lora = manager
+        if manager is not None:
+            manager.listeners.append(self._lora_changed)
+
+    def _lora_changed(self, kind: str, adapter: Adapter) -> None:
+        if kind == "unload":
+            self._step(Cmd.LORA, lora_command_ints(LORA_UNLOAD, adapter.lora_id))
+            return
+        failed = self._step(Cmd.LORA, lora_command_ints(LORA_LOAD, adapter.lora_id, adapter.name, adapter.path))
+        if failed:
+            raise LoRAError(f"adapter {adapter.name!r}: {failed} of the {self.world_size - 1} other ranks could not "
+                            f"read {adapter.path} (every rank reads the adapter's files itself; see their logs)")
+
+    def _lora_ints(self, batch: ScheduledBatch, host: HostBatch) -> list[int]:
+        """The step's adapter ids and slots (rank 0's manager plans them) for the EXECUTE command."""
+        if self._lora is None:
+            return []
+        starts = host.query_start_loc
+        ids = [seq.lora_id for seq in batch.seqs]
+        slots = self._lora.assign([(i, starts[k], starts[k + 1] - starts[k]) for k, i in enumerate(ids)])
+        return lora_step_ints(ids, slots)
+
     # ------------------------------------------------------------ the Executor interface
     def swap(self, batch: ScheduledBatch) -> None:
         if not (batch.swap_out or batch.swap_in):
@@ -162,13 +209,15 @@ class MeshExecutor:
         self._check()
         self.swap(batch)
         batches, layout = self._plan(batch, input_patch)
-        return self._step(Cmd.EXECUTE, [0, self._candidates(batch, layout)], batches), layout
+        ints = [0, self._candidates(batch, layout), *self._lora_ints(batch, batches[0])]
+        return self._step(Cmd.EXECUTE, ints, batches), layout
 
     def execute_with_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:
         self._check()
         self.swap(batch)
         batches, layout = self._plan(batch, None)
-        logits = self._step(Cmd.EXECUTE, [1, self._candidates(batch, layout)], batches)
+        logits = self._step(Cmd.EXECUTE, [1, self._candidates(batch, layout), *self._lora_ints(batch, batches[0])],
+                            batches)
         return logits, layout, self.states[0].draft
 
     def propose(self, method: str, draft: DraftInput, input_ids: list[int], rows: list[int]) -> list[int]:

@@ -51,7 +51,7 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ("  lora { max_loras = 2 }; parallel { tp = 2 }", "LoRA with parallel.tp > 1 is not supported"),
+    ("  lora { max_loras = 2 }; parallel { dp = 2 }", "LoRA with parallel.dp = 2 is not supported"),
     ("  disaggregate { decode = 2 }", "disaggregate.decode = 2: more than one decode core behind one router"),
     ("  kv_cache { offload = cpu(1GiB) }; scheduler { prefix_cache = none }",
      "kv_cache.offload keeps the blocks the prefix cache evicts: it needs scheduler.prefix_cache = radix"),
