@@ -288,7 +288,9 @@ def build_tiny_checkpoint(
     archs: llama (GQA 4:2), llama3_rope (Llama-3.1 rope scaling, original context 64 of 256), llama_tied,
     llama_head_dim (head_dim 32 != 64/4), mistral (sliding window 16), qwen2 (q/k/v bias), qwen3 (q/k norm),
     mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert), deepseek_v3 and deepseek_v2 (MLA;
-    3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert).
+    3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert), gemma3 (4 layers,
+    window 8, layer 2 global with linear rope x8; Gemma tokens and chat template) and gemma2 (alternating
+    layers, soft-capped attention and logits).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
     transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
     rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.

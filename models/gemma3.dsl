@@ -5,6 +5,9 @@
 # scaled by query_pre_attn_scalar ** -0.5. Layers where `sliding_layers` is true (5 of every 6 in Google's
 # checkpoints) attend over the last `sliding_window` positions with rope base `rope_local_theta`; the others
 # attend globally with `rope_theta` and its scaling (linear, factor 8, on the 4B and larger).
+# Numerics: 1 + w is added in fp32 at conversion, exact in an fp32 artifact; a bf16 artifact stores it rounded to
+# bf16 (HF forms 1 + w in fp32 at every call): a bf16-rounding difference, not validated against HF in bf16 yet.
+# Every layer keeps a full-length KV cache (sliding layers do not yet free blocks behind their window).
 model gemma3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = heads,
              head_dim: int = hidden // heads, ffn: int, rope_theta: float = 1000000.0,
              rope_local_theta: float = 10000.0, rope_scaling: str = "none", rope_factor: float = 1.0,
