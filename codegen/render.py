@@ -365,8 +365,8 @@ def _fused_rope_field(fn: _Function, vid: str, node: Node) -> str:
 def _attn_softcap_field(fn: _Function, vid: str, node: Node) -> str:
     """`, softcap=<cap>` for an attention that soft-caps its scores (Gemma 2), else nothing."""
     cap = node.attrs.get("softcap")
-    if isinstance(cap, PerLayer):
-        raise CodegenError("attention softcap per layer is not supported", node.loc)
+    if isinstance(cap, PerLayer):  # soft-capped at some layers only: this layer's cap (0: none)
+        return f", softcap={literal(tuple(float(c) for c in cap.values))}[layer]"
     return f", softcap={literal(float(cap))}" if cap else ""
 
 

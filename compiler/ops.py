@@ -349,6 +349,9 @@ def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
         _check(not a.get("kv_dtype"), "attention with a fused rope takes no fp8 KV cache (KV-scale calibration "
                "observes the attention's k, which must already be roped): fuse rope after quantize_kv_cache")
         _infer_rope([q], a["rope"])  # the absorbed rope's own checks (even head_dim, known scaling)
+    for cap in layer_values(a.get("softcap", 0.0)):
+        _check(isinstance(cap, int | float) and not isinstance(cap, bool) and cap >= 0,
+               f"attention softcap must be a number >= 0 (0: none), got {cap!r}")
     _check(k.shape == v.shape, f"attention k {k} and v {v} differ")
     _check(_same(q.shape[2], k.shape[2]), f"attention head_dim differs: q {q}, k {k}")
     hq, hk = q.shape[1], k.shape[1]

@@ -105,3 +105,9 @@ def test_per_layer_mask_of_the_wrong_length_is_located(tmp_path):
     with pytest.raises(SourceError, match="per_layer's mask has 2 entries; block 'decoder' has 3 layers") as e:
         _program(tmp_path, "gemma3", DSL.replace("[true, false, true]", "[true, false]"))
     assert e.value.loc.file.endswith("gemma3.dsl")
+
+
+def test_negative_attention_softcap_is_located(tmp_path):
+    with pytest.raises(SourceError, match="attention softcap must be a number >= 0") as e:
+        _program(tmp_path, "gemma2", DSL + ", attn_softcap=-1.0")
+    assert e.value.loc.file.endswith("gemma2.dsl")
