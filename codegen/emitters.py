@@ -3,7 +3,8 @@
 A template is a `str.format` string over:
   {0}, {1}, ...  the node's inputs (local names or expressions), {args} all of them comma-separated;
   {eps}, ...     the node's attributes as Python literals (op-table defaults filled in);
-  {kv_cache}, {rope_cache}, {fused_rope}, {scale}, {expert_map}, {gathered_size}, {dp_counts}  context fields
+  {kv_cache}, {rope_cache}, {fused_rope}, {scale}, {attn_softcap}, {expert_map}, {gathered_size}, {dp_counts}
+                 context fields
                  codegen derives for the node (see render.CONTEXT_FIELDS).
 Collective kernels take the rank's communicator (`self.comm`, bound by the runtime; parallel artifacts only).
 Adding a kernel is one row here (plus its function in a kernels template), never a branch in the renderer.
@@ -23,6 +24,9 @@ EMITTERS: dict[str, str] = {
     "cpu.add_rms_norm": "K.add_rms_norm({0}, {1}, {2}, eps={eps})",
     "cpu.linear": "K.linear({args})",
     "cpu.silu": "K.silu({0})",
+    "cpu.gelu_tanh": "K.gelu_tanh({0})",
+    "cpu.scale": "K.scale({0}, {factor})",
+    "cpu.softcap": "K.softcap({0}, {cap})",
     "cpu.silu_mul": "K.silu_mul({0})",
     "cpu.add": "K.add({0}, {1})",
     "cpu.bias_add": "K.add({0}, {1})",  # torch broadcasts the bias over the rows
@@ -30,7 +34,7 @@ EMITTERS: dict[str, str] = {
     "cpu.concat": "K.concat({0}, {1})",
     "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                            "sliding_window={sliding_window}{kv_scales}{fused_rope})"),
+                            "sliding_window={sliding_window}{kv_scales}{fused_rope}{attn_softcap})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
     "cpu.deinterleave": "K.deinterleave({0})",
     "cpu.dequant_fp8": "K.dequant_fp8({0}, {1}, granularity={granularity}, block={block}, dtype={dtype})",
@@ -85,7 +89,7 @@ EMITTERS.update({
     "triton.silu_mul": "K.silu_mul({0})",
     "triton.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "triton.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                               "sliding_window={sliding_window}{kv_scales}{fused_rope})"),
+                               "sliding_window={sliding_window}{kv_scales}{fused_rope}{attn_softcap})"),
     "triton.moe_experts": "K.moe_experts({args}{expert_map})",
     "triton.all_reduce_add_rms_norm": "K.all_reduce_add_rms_norm({0}, {1}, {2}, self.comm, eps={eps})",
     "triton.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "

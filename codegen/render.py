@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from kiln.compiler.ir import Attrs, Graph, Node, Program, TensorType, TupleType
+from kiln.compiler.ir import Attrs, Graph, Node, PerLayer, Program, TensorType, TupleType, at_layer
 from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
 from kiln.compiler.ops import OPS, REQUIRED
 from kiln.compiler.placement import PlacementTable, local_slice, lora_local_rows, units_of
@@ -145,15 +145,27 @@ def _has_rope(node: Node) -> bool:
     return node.op == "rope" or (node.op == "attention" and node.attrs.get("rope") is not None)
 
 
-def rope_key(graph: Graph, vid: str, node: Node) -> tuple:
-    """Ropes sharing this key share one precomputed cos/sin table; an attention with a fused rope keys on the
-    rope attributes it carries, so it shares the table the rope node would have used."""
-    head_dim = _type_of(graph, node.inputs[0]).shape[-1]
+def _rope_attrs(node: Node) -> dict[str, Any]:
+    """The rope attributes of a rope node, or those an attention with a fused rope carries (defaults filled)."""
     if node.op == "rope":
-        attrs = _attrs_with_defaults(node)
-    else:
-        attrs = {**{k: v for k, v in OPS["rope"].attrs.items() if v is not REQUIRED}, **node.attrs["rope"]}
-    return (head_dim, *((k, attrs[k]) for k in OPS["rope"].attrs))  # op-table order: theta first
+        return _attrs_with_defaults(node)
+    return {**{k: v for k, v in OPS["rope"].attrs.items() if v is not REQUIRED}, **node.attrs["rope"]}
+
+
+def rope_layers(node: Node) -> int | None:
+    """The layer count of a rope whose configuration differs by layer (a PerLayer attribute), else None."""
+    counts = {len(v.values) for v in _rope_attrs(node).values() if isinstance(v, PerLayer)}
+    assert len(counts) <= 1, f"per-layer rope attributes of different lengths: {counts}"
+    return counts.pop() if counts else None
+
+
+def rope_key(graph: Graph, vid: str, node: Node, layer: int | None = None) -> tuple:
+    """Ropes sharing this key share one precomputed cos/sin table; an attention with a fused rope keys on the
+    rope attributes it carries, so it shares the table the rope node would have used. A rope configured per
+    layer has one key per layer (`layer`)."""
+    head_dim = _type_of(graph, node.inputs[0]).shape[-1]
+    attrs = _rope_attrs(node)
+    return (head_dim, *((k, at_layer(attrs[k], layer)) for k in OPS["rope"].attrs))  # op-table order: theta first
 
 
 def literal(v: Any) -> str:
@@ -193,6 +205,9 @@ class _Model:
     attr_of_param: dict[str, str] = field(default_factory=dict)  # ParamSpec name -> self.<attr>
     method_of_graph: dict[str, str] = field(default_factory=dict)
     rope_caches: dict[tuple, str] = field(default_factory=dict)  # rope_key -> self.<attr>
+    # ropes configured per layer: (graph, value id) -> each layer's rope_key; each distinct key list -> self.<list>
+    layer_ropes: dict[tuple[str, str], tuple[tuple, ...]] = field(default_factory=dict)
+    rope_lists: dict[tuple[tuple, ...], str] = field(default_factory=dict)
     init_lines: list[str] = field(default_factory=list)
     packed: list[str] = field(init=False)  # params held packed for the tvm GEMM (packed_params)
     # parallel programs: placements, and the expert map of each moe_experts whose experts are split over ranks
@@ -213,11 +228,23 @@ class _Model:
             self.attr_of_param[spec.name] = identifier(spec.name, taken)
         self._expert_maps(graphs, taken)
         self.packed = packed_params(program)
-        ropes = [rope_key(program.graphs[g], vid, n) for g in graphs
-                 for vid, n in program.graphs[g].items() if _has_rope(n)]
+        ropes = []
+        for g in graphs:
+            for vid, n in program.graphs[g].items():
+                if not _has_rope(n):
+                    continue
+                layers = rope_layers(n)
+                if layers is None:
+                    ropes.append(rope_key(program.graphs[g], vid, n))
+                    continue
+                keys = tuple(rope_key(program.graphs[g], vid, n, i) for i in range(layers))
+                self.layer_ropes[g, vid] = keys
+                ropes.extend(keys)
         distinct = list(dict.fromkeys(ropes))
         for k, key in enumerate(distinct):
             self.rope_caches[key] = identifier("rope_cache" if len(distinct) == 1 else f"rope_cache_{k}", taken)
+        for keys in dict.fromkeys(self.layer_ropes.values()):
+            self.rope_lists[keys] = identifier("rope_cache_by_layer", taken)
         self._init_lines()
 
     def _expert_maps(self, graphs: list[str], taken: set[str]) -> None:
@@ -266,6 +293,8 @@ class _Model:
             head_dim, *items = key
             extra = "".join(f", {k}={literal(v)}" for k, v in items if k == "theta" or v != defaults[k])
             lines.append(f"self.{attr} = K.rope_cache({head_dim}, MAX_MODEL_LEN{extra}).to(self.device)")
+        for keys, attr in self.rope_lists.items():
+            lines.append(f"self.{attr} = [{', '.join(f'self.{self.rope_caches[k]}' for k in keys)}]  # by layer")
 
     def packed_weights(self) -> list[str]:
         """PACKED_WEIGHTS of model.py as Python expressions: a name, or a block param's names over its layers."""
@@ -301,6 +330,9 @@ def _kv_cache_field(fn: _Function, vid: str, node: Node) -> str:
 
 
 def _rope_cache_field(fn: _Function, vid: str, node: Node) -> str:
+    keys = fn.model.layer_ropes.get((fn.graph.name, vid))
+    if keys is not None:  # a rope configured per layer (Gemma 3's local and global layers): this layer's table
+        return f"self.{fn.model.rope_lists[keys]}[layer]"
     return f"self.{fn.model.rope_caches[rope_key(fn.graph, vid, node)]}"
 
 
@@ -328,6 +360,14 @@ def _kv_scales_field(fn: _Function, vid: str, node: Node) -> str:
 def _fused_rope_field(fn: _Function, vid: str, node: Node) -> str:
     """`, rope_cache=self.<table>` for an attention that ropes its own q/k (fuse_rope_kv_write), else nothing."""
     return f", rope_cache={_rope_cache_field(fn, vid, node)}" if _has_rope(node) else ""
+
+
+def _attn_softcap_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, softcap=<cap>` for an attention that soft-caps its scores (Gemma 2), else nothing."""
+    cap = node.attrs.get("softcap")
+    if isinstance(cap, PerLayer):  # soft-capped at some layers only: this layer's cap (0: none)
+        return f", softcap={literal(tuple(float(c) for c in cap.values))}[layer]"
+    return f", softcap={literal(float(cap))}" if cap else ""
 
 
 def _expert_map_field(fn: _Function, vid: str, node: Node) -> str:
@@ -360,6 +400,7 @@ def _dp_counts_field(fn: _Function, vid: str, node: Node) -> str:
 
 # Fields a kernel template may name besides inputs and attributes, and how codegen derives each.
 CONTEXT_FIELDS: dict[str, ContextField] = {
+    "attn_softcap": _attn_softcap_field,  # an attention's score soft-cap (Gemma 2), as a keyword
     "dp_counts": _dp_counts_field,  # data-parallel attention: the ranks' row counts of this step
     "expert_map": _expert_map_field,  # experts split over ranks: this rank's global -> local expert map
     "expert_owners": _expert_owners_field,  # moe_experts_a2a: every rank's experts (EXPERTS of model.py)
@@ -473,6 +514,10 @@ class _Function:
                 continue
             if name in CONTEXT_FIELDS:
                 fields[name] = CONTEXT_FIELDS[name](self, vid, node)
+            elif name in attrs and isinstance(attrs[name], PerLayer):
+                if not self.layered:
+                    raise CodegenError(f"%{vid} = {node.op}: per-layer attribute '{name}' outside a block", node.loc)
+                fields[name] = f"{literal(attrs[name].values)}[layer]"  # the value at this layer
             elif name in attrs:
                 fields[name] = literal(attrs[name])
             else:

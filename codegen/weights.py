@@ -272,6 +272,8 @@ def _load(entry: _Entry, ckpt: Checkpoint) -> torch.Tensor:
              else float_source(ckpt, src, spec)
              for src, names in zip(entry.spec.sources_for(entry.layer), _source_tensors(entry), strict=True)]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=entry.spec.concat_dim)
+    if spec.offset:  # `from "..." + c`: Gemma's norms scale by 1 + w; added in fp32, then cast to the param dtype
+        t = (t.float() + spec.offset).to(t.dtype)
     return t.contiguous()
 
 

@@ -12,7 +12,17 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.compiler.ir import Attrs, BlockSpec, Graph, Node, ParamSpec, Program, TensorType, TupleType
+from kiln.compiler.ir import (
+    Attrs,
+    BlockSpec,
+    Graph,
+    Node,
+    ParamSpec,
+    PerLayer,
+    Program,
+    TensorType,
+    TupleType,
+)
 from kiln.compiler.ops import OPS, ShapeError
 from kiln.dsl import apply_binop, eval_config, eval_expr
 from kiln.dsl import ast as A
@@ -43,6 +53,7 @@ class _Lowering:
         self.block_decls = {b.name: b for b in model.blocks}
         self.graphs: dict[str, Graph] = {}
         self.lowering_block: str | None = None
+        self.block_count = 0  # layers of the block being lowered (per_layer's masks have one entry per layer)
 
     # ------------------------------------------------------------ params and blocks
     def declare_params(self, decls: tuple[A.ParamDecl, ...], block: str | None) -> None:
@@ -58,7 +69,8 @@ class _Lowering:
             name = f"{block}.{p.name}" if block else p.name
             source = (_fill_config(p.source.value, self.config),) if p.source is not None else ()
             fallback = (_fill_config(p.fallback.value, self.config),) if p.fallback is not None else ()
-            self.params[name] = ParamSpec(name, shape, self.dtype, source, block=block, loc=p.loc, fallback=fallback)
+            self.params[name] = ParamSpec(name, shape, self.dtype, source, block=block, loc=p.loc, fallback=fallback,
+                                          offset=p.offset)
             scope[p.name] = name
 
     # ------------------------------------------------------------ graphs
@@ -187,6 +199,8 @@ class _Lowering:
                 raise SourceError(f"block '{e.func}' takes a tensor", e.args[0].loc)
             self.lower_block(e.func, g.node(h).out, e.loc)
             return self.emit(g, "block", (h,), {"block": e.func}, e.loc, hint or e.func)
+        if e.func == "per_layer":
+            return self.per_layer(g, env, scope, e)
         op = OPS.get(e.func)
         if op is None or e.func in ("input", "param", "block", "getitem"):
             known = sorted(k for k in OPS if k not in ("input", "param", "block", "getitem"))
@@ -219,6 +233,26 @@ class _Lowering:
             raise SourceError(f"op '{e.func}' takes {want} tensor arguments, got {len(tensors)}", e.loc)
         return self.emit(g, e.func, tuple(tensors), attrs, e.loc, hint)
 
+    def per_layer(self, g: Graph, env: dict[str, Any], scope: str, e: A.Call) -> Any:
+        """`per_layer(mask, a, b)`: an attribute value that is `a` at the block's layers where the config list
+        `mask` is true and `b` at the others (Gemma's sliding-window and global attention layers). The same value
+        at every layer is that plain value."""
+        if self.lowering_block is None:
+            raise SourceError("per_layer(...) is an attribute value inside a block's forward", e.loc)
+        if len(e.args) != 3 or e.kwargs:
+            raise SourceError("per_layer takes three arguments: per_layer(mask, a, b)", e.loc)
+        mask, a, b = (self.expr(g, env, scope, x) for x in e.args)
+        if any(isinstance(v, _Tensor) for v in (mask, a, b)):
+            raise SourceError("per_layer picks between config values, not tensors", e.loc)
+        count = self.block_count
+        if not (isinstance(mask, list | tuple) and all(isinstance(m, bool) for m in mask)):
+            raise SourceError(f"per_layer's mask must be a list of bools, one per layer, got {mask!r}", e.args[0].loc)
+        if len(mask) != count:
+            raise SourceError(f"per_layer's mask has {len(mask)} entries; block '{self.lowering_block}' has {count} "
+                              "layers", e.args[0].loc)
+        values = tuple(a if m else b for m in mask)
+        return values[0] if len(set(values)) == 1 else PerLayer(values)
+
     def emit(self, g: Graph, op: str, inputs: tuple[str, ...], attrs: dict[str, Any], loc, hint) -> _Tensor:
         a = Attrs(attrs)
         try:
@@ -243,7 +277,7 @@ class _Lowering:
             raise SourceError(f"block '{name}' forward must take one argument", decl.forward.loc)
         self.declare_params(decl.params, name)
         first_layer = sum(b.count for b in self.blocks.values())  # blocks are lowered in call order
-        self.lowering_block = name
+        self.lowering_block, self.block_count = name, count
         self.graphs[name] = self.lower_forward(name, decl.forward, [arg_type], name)
         self.lowering_block = None
         if len(self.graphs[name].outputs) != 1:

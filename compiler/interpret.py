@@ -9,16 +9,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from kiln.compiler.ir import Graph, Program
+from kiln.compiler.ir import Graph, Program, at_layer
 from kiln.compiler.ops import OPS, REQUIRED, RefContext
 
 
-def reference_attrs(op: str, attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """The attributes an op's reference takes: declared ones, defaults filled, annotations dropped."""
+def reference_attrs(op: str, attrs: Mapping[str, Any], layer: int | None = None) -> dict[str, Any]:
+    """The attributes an op's reference takes at block layer `layer`: declared ones, per-layer values
+    resolved, defaults filled, annotations dropped."""
     out = {}
     for key, default in OPS[op].attrs.items():
         if key in attrs:
-            out[key] = list(attrs[key]) if isinstance(attrs[key], tuple) else attrs[key]
+            value = at_layer(attrs[key], layer)
+            out[key] = list(value) if isinstance(value, tuple) else value
         elif default is not REQUIRED:
             out[key] = default
     return out
@@ -49,7 +51,7 @@ def run_graph(program: Program, graph: Graph, args: Mapping[str, torch.Tensor], 
             assert ref is not None, f"op {node.op!r} has no reference implementation"
             if observe is not None:
                 observe(graph, vid, node, layer, tuple(env[i] for i in node.inputs))
-            env[vid] = ref(ctx, *(env[i] for i in node.inputs), **reference_attrs(node.op, node.attrs))
+            env[vid] = ref(ctx, *(env[i] for i in node.inputs), **reference_attrs(node.op, node.attrs, layer))
     return [env[o] for o in graph.outputs]
 
 

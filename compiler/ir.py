@@ -43,6 +43,33 @@ class TupleType:
 ValueType = TensorType | TupleType
 
 
+@dataclass(frozen=True, slots=True)
+class PerLayer:
+    """An attribute value that differs by layer of a block: `values[i]` at the block's layer i (the DSL's
+    `per_layer(mask, a, b)`). One block graph serves every layer; codegen indexes `values` by the layer, the
+    interpreter resolves it per layer (`at_layer`). Gemma's sliding/global attention layers are one block."""
+
+    values: tuple
+
+    def __str__(self) -> str:
+        return f"per_layer{list(self.values)}"
+
+
+def at_layer(value: Any, layer: int | None) -> Any:
+    """`value` at block layer `layer`: a PerLayer's entry, inside an Attrs too (an absorbed rope's attributes)."""
+    if isinstance(value, PerLayer):
+        assert layer is not None, f"{value} read outside a block layer"
+        return value.values[layer]
+    if isinstance(value, Attrs):
+        return Attrs({k: at_layer(value[k], layer) for k in value})
+    return value
+
+
+def layer_values(value: Any) -> tuple:
+    """Every value `value` takes over the layers: a PerLayer's distinct entries, else the value itself."""
+    return tuple(dict.fromkeys(value.values)) if isinstance(value, PerLayer) else (value,)
+
+
 class Attrs(Mapping[str, Any]):
     """An immutable, hashable, ordered-by-key mapping of node attributes."""
 
@@ -239,6 +266,7 @@ class ParamSpec:
     sharding: Attrs | None = None
     loc: Loc | None = field(default=None, compare=False)
     fallback: tuple[str, ...] = ()  # sources read instead when the checkpoint lacks `source` (`from "a" else "b"`)
+    offset: float = 0.0  # added to the checkpoint tensor at conversion (`from "a" + 1.0`: Gemma's 1 + w norms)
 
     @property
     def local_name(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kiln.compiler.ir import DTYPE_BYTES, Attrs, Dim, TensorType, TupleType, ValueType
+from kiln.compiler.ir import DTYPE_BYTES, Attrs, Dim, TensorType, TupleType, ValueType, layer_values
 
 
 class ShapeError(Exception):
@@ -326,8 +326,8 @@ def _infer_rope(ins: list[TensorType], a: Attrs) -> TensorType:
     (x,) = ins
     _check(x.rank == 3 and isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0,
            f"rope expects [T, heads, head_dim] with an even head_dim, got {x}")
-    scaling = a.get("scaling", ROPE_ATTRS["scaling"])
-    _check(scaling in ROPE_SCALINGS, f"unknown rope scaling {scaling!r} (known: {', '.join(ROPE_SCALINGS)})")
+    for scaling in layer_values(a.get("scaling", ROPE_ATTRS["scaling"])):  # per layer (Gemma 3's local/global)
+        _check(scaling in ROPE_SCALINGS, f"unknown rope scaling {scaling!r} (known: {', '.join(ROPE_SCALINGS)})")
     return x
 
 
@@ -349,6 +349,9 @@ def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
         _check(not a.get("kv_dtype"), "attention with a fused rope takes no fp8 KV cache (KV-scale calibration "
                "observes the attention's k, which must already be roped): fuse rope after quantize_kv_cache")
         _infer_rope([q], a["rope"])  # the absorbed rope's own checks (even head_dim, known scaling)
+    for cap in layer_values(a.get("softcap", 0.0)):
+        _check(isinstance(cap, int | float) and not isinstance(cap, bool) and cap >= 0,
+               f"attention softcap must be a number >= 0 (0: none), got {cap!r}")
     _check(k.shape == v.shape, f"attention k {k} and v {v} differ")
     _check(_same(q.shape[2], k.shape[2]), f"attention head_dim differs: q {q}, k {k}")
     hq, hk = q.shape[1], k.shape[1]
@@ -358,7 +361,8 @@ def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
 
 
 def _ref_attention(ctx: RefContext, q, k, v, k_scale=None, v_scale=None, sliding_window: int = 0,
-                   scale: float | None = None, kv_dtype: str | None = None, rope: Attrs | None = None):
+                   scale: float | None = None, kv_dtype: str | None = None, rope: Attrs | None = None,
+                   softcap: float = 0.0):
     if rope is not None:  # the rope it absorbed (fuse_rope_kv_write), with the rope op's own attributes
         rope_attrs = {**{k_: d for k_, d in OPS["rope"].attrs.items() if d is not REQUIRED}, **rope}
         q, k = _ref_rope(ctx, q, **rope_attrs), _ref_rope(ctx, k, **rope_attrs)
@@ -371,6 +375,8 @@ def _ref_attention(ctx: RefContext, q, k, v, k_scale=None, v_scale=None, sliding
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scale = d ** -0.5 if scale is None else scale
     s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap:  # Gemma 2: scores capped to (-softcap, softcap) before the mask and softmax
+        s = torch.tanh(s / softcap) * softcap
     pos = ctx.positions.long()
     mask = pos[None, :] <= pos[:, None]
     if sliding_window:
@@ -387,8 +393,9 @@ def _attention_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
 
 
 register_op(OpDef("attention", 3, 5, infer=_infer_attention, reference=_ref_attention, cost=_attention_cost,
-                  attrs={"sliding_window": 0, "scale": None, "kv_dtype": None, "rope": None},
-                  doc="Causal attention over this step's tokens and the sequence's cached K/V (GQA). With "
+                  attrs={"sliding_window": 0, "scale": None, "kv_dtype": None, "rope": None, "softcap": 0.0},
+                  doc="Causal attention over this step's tokens and the sequence's cached K/V (GQA). "
+                      "softcap > 0 caps the scaled scores to softcap·tanh(s / softcap) (Gemma 2). With "
                       "kv_dtype='fp8e4m3' the cache stores K/V in e4m3 with per-KV-head scales (inputs 4, 5). "
                       "With rope={rope attributes} (fuse_rope_kv_write) q and k arrive un-roped and are rotated "
                       "as rope(x, **rope) would, before k is cached: one kernel ropes q/k and writes K/V."))
@@ -399,6 +406,37 @@ def _infer_unary(ins: list[TensorType], a: Attrs) -> TensorType:
 
 
 register_op(OpDef("silu", 1, 1, infer=_infer_unary, reference=lambda ctx, x: F.silu(x), cost=_elementwise_cost(4)))
+register_op(OpDef("gelu_tanh", 1, 1, infer=_infer_unary, cost=_elementwise_cost(8),
+                  reference=lambda ctx, x: F.gelu(x, approximate="tanh"),
+                  doc="GELU with the tanh approximation (HF `gelu_pytorch_tanh`: Gemma's MLP activation)."))
+
+
+def _infer_scaled(ins: list[TensorType], a: Attrs) -> TensorType:
+    _check(isinstance(a.get("factor"), int | float) and not isinstance(a.get("factor"), bool),
+           f"scale factor must be a number, got {a.get('factor')!r}")
+    return ins[0]
+
+
+def _ref_scale(ctx: RefContext, x: torch.Tensor, factor: float) -> torch.Tensor:
+    # the factor in x's dtype first, as HF Gemma's embedding scale (`embed_scale.to(weight.dtype)`)
+    return x * torch.tensor(factor, dtype=x.dtype)
+
+
+register_op(OpDef("scale", 1, 1, infer=_infer_scaled, reference=_ref_scale, cost=_elementwise_cost(1),
+                  attrs={"factor": REQUIRED},
+                  doc="x * factor, the factor rounded to x's dtype first (Gemma's embeddings times sqrt(hidden))."))
+
+
+def _infer_softcap(ins: list[TensorType], a: Attrs) -> TensorType:
+    cap = a.get("cap")
+    _check(isinstance(cap, int | float) and not isinstance(cap, bool) and cap > 0,
+           f"softcap cap must be a positive number, got {cap!r}")
+    return ins[0]
+
+
+register_op(OpDef("softcap", 1, 1, infer=_infer_softcap, cost=_elementwise_cost(3), attrs={"cap": REQUIRED},
+                  reference=lambda ctx, x, cap: torch.tanh(x / cap) * cap,
+                  doc="cap * tanh(x / cap): Gemma 2's final-logit soft-capping."))
 
 
 def _infer_silu_mul(ins: list[TensorType], a: Attrs) -> TensorType:

@@ -23,6 +23,7 @@ from kiln.compiler.ir import (
     Graph,
     Node,
     ParamSpec,
+    PerLayer,
     Program,
     TensorType,
     TupleType,
@@ -37,12 +38,25 @@ class IRParseError(Exception):
 # ---------------------------------------------------------------- printing
 
 
+def _json(v: Any) -> Any:
+    """A JSON-able form of an attribute value: a PerLayer is {"per_layer": [...]}, parsed back by _parse_attrs."""
+    if isinstance(v, PerLayer):
+        return {"per_layer": [_json(x) for x in v.values]}
+    if isinstance(v, Attrs):
+        return {k: _json(v[k]) for k in v}
+    if isinstance(v, tuple):
+        return [_json(x) for x in v]
+    return v
+
+
+def _per_layer_hook(d: dict[str, Any]) -> Any:
+    return PerLayer(tuple(d["per_layer"])) if set(d) == {"per_layer"} else d
+
+
 def _value(v: Any) -> str:
     if isinstance(v, tuple):
         return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, Attrs):
-        return json.dumps({k: v[k] for k in v}, sort_keys=True)
-    return json.dumps(v)
+    return json.dumps(_json(v), sort_keys=True)
 
 
 def format_type(t: ValueType) -> str:
@@ -73,7 +87,7 @@ def print_program(program: Program) -> str:
              f"  config {json.dumps(dict(program.config), sort_keys=True)}"]
     for p in program.params.values():
         extra = {"block": p.block, "concat_dim": p.concat_dim or None, "quant": p.quant, "sharding": p.sharding,
-                 "fallback": list(p.fallback) or None}
+                 "fallback": list(p.fallback) or None, "offset": p.offset or None}
         attrs = ", ".join(f"{k}={_value(v)}" for k, v in extra.items() if v is not None)
         attrs = f" {{{attrs}}}" if attrs else ""
         lines.append(f"  param {p.name}: {TensorType(p.shape, p.dtype)} from {json.dumps(list(p.source))}{attrs}")
@@ -108,7 +122,7 @@ def _parse_tensor_type(text: str) -> TensorType:
 
 
 def _parse_attrs(text: str) -> dict[str, Any]:
-    dec = json.JSONDecoder()
+    dec = json.JSONDecoder(object_hook=_per_layer_hook)
     attrs: dict[str, Any] = {}
     i = 0
     while i < len(text):
@@ -225,7 +239,7 @@ def parse_program(text: str) -> Program:
                 concat_dim=extra.get("concat_dim", 0),
                 quant=Attrs(extra["quant"]) if "quant" in extra else None,
                 sharding=Attrs(extra["sharding"]) if "sharding" in extra else None,
-                fallback=tuple(extra.get("fallback", ())))
+                fallback=tuple(extra.get("fallback", ())), offset=float(extra.get("offset", 0.0)))
         elif line.startswith("block "):
             bm = re.fullmatch(r"block\s+(\w+)\s*=\s*(\w+)\s+x\s+(\d+)\s*(\{.*\})?", line)
             if not bm:

@@ -149,6 +149,7 @@ class ParamDecl:
     cond: Expr | None  # the param exists only when this config expression is true
     loc: Loc
     fallback: Str | None = None  # `from "a" else "b"`: read b when the checkpoint has no a
+    offset: float = 0.0  # `from "a" + 1.0`: added to the checkpoint tensor at weight conversion
 
 
 @dataclass(frozen=True, slots=True)

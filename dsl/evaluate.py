@@ -8,7 +8,8 @@ from kiln.dsl import ast
 from kiln.dsl.errors import SourceError
 
 Value = int | float | bool | str
-_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,)}
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "bool": (bool,), "str": (str,),
+                                     "list": (tuple, list)}
 # the only calls a constant expression may make; everything else is an op of a forward body
 BUILTINS = {
     "min": lambda *a: min(a),

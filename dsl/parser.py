@@ -12,7 +12,7 @@ from kiln.dsl.errors import Loc, SourceError, register_source
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
-CONFIG_TYPES = ("int", "float", "bool", "str")
+CONFIG_TYPES = ("int", "float", "bool", "str", "list")
 
 _SIZE_UNITS = {
     "B": 1,
@@ -240,7 +240,7 @@ class _ToAst(Transformer):
     def config_param(self, meta, c):
         name, type_, default = c
         if type_ not in CONFIG_TYPES:
-            raise SourceError(f"unknown config type '{type_}' — expected int, float, bool or str", self._tok(type_))
+            raise SourceError(f"unknown config type '{type_}' — expected int, float, bool, str or list", self._tok(type_))
         return ast.ConfigParam(str(name), str(type_), default, self._tok(name))
 
     def model_body(self, meta, c):
@@ -249,10 +249,11 @@ class _ToAst(Transformer):
     block_body = forward_body = recipe_body = section_body = model_body
 
     def param(self, meta, c):
-        name, shape, source, fallback, cond = c
+        name, shape, source, fallback, offset, cond = c
         src = ast.Str(_unquote(source), self._tok(source)) if source is not None else None
         alt = ast.Str(_unquote(fallback), self._tok(fallback)) if fallback is not None else None
-        return ast.ParamDecl(str(name), shape, src, cond, self._tok(name), alt)
+        off = float(str(offset).replace("_", "")) if offset is not None else 0.0
+        return ast.ParamDecl(str(name), shape, src, cond, self._tok(name), alt, off)
 
     def shape(self, meta, c):
         return tuple(i for i in c if _is_node(i))

@@ -29,6 +29,25 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Gemma's chat format (its checkpoints' template, written out here): turns between <start_of_turn> and
+# <end_of_turn>, the assistant named "model", a system message folded into the first user turn, BOS from the
+# template itself (chat prompts are encoded without special tokens, as transformers' apply_chat_template does).
+GEMMA_SPECIAL_TOKENS = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 TINY = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -82,6 +101,18 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # 4 experts, top-2; expert width 32 (Qwen3-MoE: moe_intermediate_size; its dense width is unused)
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "phi3": ("Phi3Config", {"sliding_window": None}),  # fused qkv_proj / gate_up_proj in the checkpoint
+    # 4 layers, window 8: layers 0, 1, 3 slide (rope base 10k), layer 2 is global (base 1M, linear x8 as the 4B+);
+    # query_pre_attn_scalar 24 != head_dim 16; q/k norms; sandwich norms; GELU-tanh; tied embeddings
+    "gemma3": ("Gemma3TextConfig", {
+        "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+        "tie_word_embeddings": True}),
+    # alternating sliding (window 8) and global layers; attention scores soft-capped at 50, final logits at 30
+    "gemma2": ("Gemma2Config", {
+        "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "use_sliding_window": False, "num_experts": 4,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
 }
@@ -170,33 +201,36 @@ def corpus_lines() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int):
-    """Train a byte-level BPE (GPT-2 / Llama-3 style) on CORPUS; specials at ids 0..4, <s> prepended."""
+def build_tokenizer(vocab_size: int, gemma: bool = False):
+    """Train a byte-level BPE (GPT-2 / Llama-3 style) on CORPUS; specials at ids 0..4, <s> prepended.
+    `gemma`: Gemma's special tokens (<bos>, <eos>, <pad>, <start_of_turn>, <end_of_turn>) and chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials = GEMMA_SPECIAL_TOKENS if gemma else SPECIAL_TOKENS
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus_lines(), trainer)
+    bos, eos, pad, *turns = specials
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, BOS_ID)]
     )
-    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert [tokenizer.token_to_id(t) for t in specials] == list(range(len(specials)))
     assert tokenizer.get_vocab_size() <= vocab_size
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        chat_template=CHAT_TEMPLATE,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        additional_special_tokens=turns,
+        chat_template=GEMMA_CHAT_TEMPLATE if gemma else CHAT_TEMPLATE,
     )
 
 
@@ -213,9 +247,11 @@ def make_config(arch: str, **overrides):
 @torch.no_grad()
 def _randomize_non_matmul_weights(model: torch.nn.Module, std: float) -> None:
     """HF initialises norms to 1 and biases to 0; make them non-trivial so a dropped one shows in the logits."""
+    # Gemma's norms scale by 1 + w (HF initialises w to 0): random around 0 there, the same effective scale
+    norm_base = 0.0 if "gemma" in type(model).__name__.lower() else 1.0
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # input/post-attention/final norms, Qwen3 q_norm/k_norm
-            param.copy_(1.0 + 0.5 * torch.randn_like(param))
+            param.copy_(norm_base + 0.5 * torch.randn_like(param))
         elif name.endswith(".bias"):
             param.normal_(0.0, std)
     for name, buf in model.named_buffers():
@@ -252,7 +288,9 @@ def build_tiny_checkpoint(
     archs: llama (GQA 4:2), llama3_rope (Llama-3.1 rope scaling, original context 64 of 256), llama_tied,
     llama_head_dim (head_dim 32 != 64/4), mistral (sliding window 16), qwen2 (q/k/v bias), qwen3 (q/k norm),
     mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert), deepseek_v3 and deepseek_v2 (MLA;
-    3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert).
+    3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert), gemma3 (4 layers,
+    window 8, layer 2 global with linear rope x8; Gemma tokens and chat template) and gemma2 (alternating
+    layers, soft-capped attention and logits).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
     transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
     rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.
@@ -275,7 +313,7 @@ def build_tiny_checkpoint(
     else:
         model.save_pretrained(out)
 
-    tokenizer = build_tokenizer(config.vocab_size)
+    tokenizer = build_tokenizer(config.vocab_size, gemma=arch.startswith("gemma"))
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json (the classic layout)
     tokenizer.save_pretrained(out, save_jinja_files=False)
     _edit_json(out / "tokenizer_config.json", _portable_tokenizer_config)
@@ -304,8 +342,9 @@ def _legacy_rope_keys(config: dict) -> dict:
 def _check_special_ids(out: pathlib.Path) -> None:
     config = json.loads((out / "config.json").read_text())
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    assert vocab["<s>"] == config["bos_token_id"] and vocab["</s>"] == config["eos_token_id"], (
-        f"tokenizer specials {vocab['<s>']}/{vocab['</s>']} disagree with config.json"
+    bos, eos = ("<bos>", "<eos>") if "<bos>" in vocab else ("<s>", "</s>")
+    assert vocab[bos] == config["bos_token_id"] and vocab[eos] == config["eos_token_id"], (
+        f"tokenizer specials {vocab[bos]}/{vocab[eos]} disagree with config.json"
     )
 
 

@@ -22,8 +22,10 @@ _INT_KEYS = frozenset({
     "intermediate_size", "head_dim", "max_position_embeddings", "original_max_position_embeddings", "sliding_window",
     "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
     "first_k_dense_replace", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_nextn_predict_layers"})
-_FLOAT_KEYS = frozenset({"rope_theta", "rms_norm_eps", "routed_scaling_factor"})
+    "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_nextn_predict_layers",
+    "sliding_window_pattern"})
+_FLOAT_KEYS = frozenset({"rope_theta", "rms_norm_eps", "routed_scaling_factor", "rope_local_base_freq",
+                         "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"})
 _BOOL_KEYS = frozenset({"tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob",
                         "rope_interleave"})
 
@@ -330,6 +332,110 @@ def _deepseek_moe(cfg: dict[str, Any], *, v2: bool) -> dict[str, Any]:
     return moe
 
 
+# transformers' Gemma3TextConfig / Gemma2Config defaults: Google's configs (a Gemma3ForConditionalGeneration's
+# text_config above all) leave out the keys whose value is the default
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+               "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+               "tie_word_embeddings": True},
+    "gemma2": {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 8192,
+               "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "sliding_window_pattern": 2, "rope_theta": 10000.0, "tie_word_embeddings": True,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+}
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma_common(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The args Gemma 2 and 3 share (models/gemma2.dsl, gemma3.dsl): sizes, norms, the query scale, which layers
+    slide (`layer_types`, else every `sliding_window_pattern`-th layer is global) and the window."""
+    d = _GEMMA_DEFAULTS[family]
+    get = lambda key: cfg[key] if cfg.get(key) is not None else d[key]  # noqa: E731
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedCheckpoint(f"{family} with hidden_activation = {act!r} is not supported (kiln's Gemma MLP "
+                                    "is gelu_pytorch_tanh)")
+    if cfg.get("attention_bias"):
+        raise UnsupportedCheckpoint(f"{family} with attention_bias = true is not supported (Google's have none)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedCheckpoint(f"{family} with use_bidirectional_attention = true (an encoder, e.g. "
+                                    "EmbeddingGemma) is not supported: kiln serves causal decoders")
+    layers = get("num_hidden_layers")
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = get("sliding_window_pattern")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise _config_error(cfg, "layer_types", f"must list {layers} entries of {' or '.join(_LAYER_TYPES)}")
+    heads = get("num_attention_heads")
+    args: dict[str, Any] = {
+        "vocab": get("vocab_size"), "hidden": get("hidden_size"), "layers": layers, "heads": heads,
+        "kv_heads": get("num_key_value_heads"), "head_dim": get("head_dim"), "ffn": get("intermediate_size"),
+        "norm_eps": float(get("rms_norm_eps")), "tie_embeddings": bool(get("tie_word_embeddings")),
+        "max_position": int(get("max_position_embeddings")),
+        "sliding_window": int(get("sliding_window")),
+        "sliding_layers": tuple(t == "sliding_attention" for t in types),  # a DSL list evaluates to a tuple
+        "query_pre_attn_scalar": float(get("query_pre_attn_scalar")),
+    }
+    final = cfg.get("final_logit_softcapping", d.get("final_logit_softcapping"))  # null: none
+    if final:
+        args["final_softcap"] = float(final)
+    return args
+
+
+def _gemma3_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's two ropes, resolved as Gemma3TextConfig.convert_rope_params_to_dict: `rope_parameters` keyed by
+    layer type (transformers 5), or the legacy keys (rope_theta + rope_scaling for the global layers,
+    rope_local_base_freq for the sliding ones)."""
+    rp = cfg.get("rope_parameters") or {}
+    if rp and not set(rp) & set(_LAYER_TYPES):  # a flat dict: the global layers' (as a legacy rope_scaling)
+        rp = {"full_attention": rp}
+    full = dict(rp.get("full_attention") or {})
+    full.update(cfg.get("rope_scaling") or {})
+    local = dict(rp.get("sliding_attention") or {})
+    d = _GEMMA_DEFAULTS["gemma3"]
+    args: dict[str, Any] = {
+        "rope_theta": float(full.get("rope_theta") or cfg.get("rope_theta") or d["rope_theta"]),
+        "rope_local_theta": float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
+                                  or d["rope_local_base_freq"]),
+    }
+    if _rope_kind(local) != "default":
+        raise UnsupportedCheckpoint(f"Gemma 3 sliding-layer rope scaling {_rope_kind(local)!r} is not supported "
+                                    "(Google's sliding layers use plain rope)")
+    kind = _rope_kind(full)
+    if kind == "linear":
+        args.update(rope_scaling="linear", rope_factor=float(full["factor"]))
+    elif kind != "default":
+        raise UnsupportedCheckpoint(f"Gemma 3 global-layer rope scaling {kind!r} is not supported yet "
+                                    "(supported: linear, as the 4B-27B checkpoints)")
+    return args
+
+
+def _gemma3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Gemma 3 text (models/gemma3.dsl). HF's Gemma3Attention never applies attn_logit_softcapping, so neither
+    does kiln."""
+    args = _gemma_common(cfg, "gemma3")
+    args.update(_gemma3_rope(cfg))
+    return "gemma3", args
+
+
+def _gemma2(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Gemma 2 (models/gemma2.dsl): one rope, attention scores and final logits soft-capped."""
+    args = _gemma_common(cfg, "gemma2")
+    rope = _rope(cfg, _GEMMA_DEFAULTS["gemma2"]["rope_theta"])
+    if set(rope) != {"rope_theta"}:
+        raise UnsupportedCheckpoint(f"Gemma 2 with rope scaling {rope.get('rope_scaling')!r} is not supported "
+                                    "(Google's Gemma 2 checkpoints use plain rope)")
+    args.update(rope)
+    cap = cfg.get("attn_logit_softcapping", _GEMMA_DEFAULTS["gemma2"]["attn_logit_softcapping"])
+    if cap:
+        args["attn_softcap"] = float(cap)
+    return "gemma2", args
+
+
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -340,6 +446,9 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]]
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "Phi3ForCausalLM": _phi3,
+    "Gemma3ForCausalLM": _gemma3,
+    "Gemma3ForConditionalGeneration": _gemma3,  # its text_config and language-model tensors (_map_checkpoint)
+    "Gemma2ForCausalLM": _gemma2,
 }
 
 
@@ -351,6 +460,8 @@ def _literal(v: Any) -> str:
         return r if any(c in r for c in ".e") else r + ".0"
     if isinstance(v, str):
         return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_literal(x) for x in v) + "]"
     return str(v)
 
 
@@ -477,15 +588,43 @@ def _map_checkpoint(ckpt: Path, mtp: bool) -> tuple[_Config, str, str, dict[str,
     if arch is None:
         raise UnsupportedCheckpoint(f"unsupported architecture {', '.join(archs) or '(none given)'} in {cfg_path}; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
+    if arch == "Gemma3ForConditionalGeneration":
+        cfg = _gemma3_text_config(cfg, ckpt)
     try:
         model, args = ARCHITECTURES[arch](cfg)
     except (TypeError, ValueError, KeyError, AttributeError) as e:  # a nested value (rope_scaling, ...) of a wrong type
         raise UnsupportedCheckpoint(f"{cfg_path}: a value the {arch} mapping reads has the wrong type or form "
                                     f"({type(e).__name__}: {e})") from None
+    if arch == "Gemma3ForConditionalGeneration":
+        args["prefix"] = _gemma3_text_prefix(ckpt)
     # many converted checkpoints keep num_nextn_predict_layers but drop the MTP layer's weights
     if "nextn" in args and not (mtp and f"model.layers.{args['layers']}.eh_proj.weight" in _tensor_names(ckpt)):
         del args["nextn"]
     return cfg, arch, model, args
+
+
+def _gemma3_text_config(cfg: _Config, ckpt: Path) -> _Config:
+    """The language model's config of a Gemma3ForConditionalGeneration (its `text_config`): kiln serves the text
+    tower; the vision tower and image tokens are not read."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise _config_error(cfg, "text_config", "must be an object (the language model's config)")
+    for key in ("tie_word_embeddings",):  # set at the top level by some conversions
+        if key in cfg and key not in text:
+            text = {**text, key: cfg[key]}
+    return _Config(text, cfg.path, cfg.text)
+
+
+def _gemma3_text_prefix(ckpt: Path) -> str:
+    """Where a Gemma3ForConditionalGeneration checkpoint keeps its language model's tensors: transformers < 4.52
+    wrote `language_model.model.*`, later versions `model.language_model.*`."""
+    names = _tensor_names(ckpt)
+    for prefix in ("model.language_model.", "language_model.model."):
+        if f"{prefix}embed_tokens.weight" in names:
+            return prefix
+    raise UnsupportedCheckpoint(f"{ckpt}: a Gemma3ForConditionalGeneration checkpoint without its language model's "
+                                "embeddings (model.language_model.embed_tokens.weight or "
+                                "language_model.model.embed_tokens.weight)")
 
 
 def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str | Path | None = None,

@@ -70,8 +70,9 @@ def _vocab_parallel(node: Node, ins: tuple) -> bool:
 
 
 def _tvm_attention(node: Node, ins: tuple) -> bool:
-    """tvm.paged_attention: fp32 or bf16 K/V in the activation dtype (an fp8 cache stays on torch)."""
-    return not node.attrs.get("kv_dtype") and _dtype_in("f32", "bf16")(node, ins)
+    """tvm.paged_attention: fp32 or bf16 K/V in the activation dtype (an fp8 cache stays on torch), scores not
+    soft-capped (Gemma 2's attention runs the torch kernel, which caps them)."""
+    return not node.attrs.get("kv_dtype") and not node.attrs.get("softcap") and _dtype_in("f32", "bf16")(node, ins)
 
 
 # The cpu target's torch kernels (kernels/cpu.py); the GPU tables below derive from it.
@@ -83,6 +84,9 @@ _CPU_TORCH: dict[str, Entry] = {
     "rope": "cpu.rope",
     "attention": "cpu.paged_attention",
     "silu": "cpu.silu",
+    "gelu_tanh": "cpu.gelu_tanh",
+    "scale": "cpu.scale",
+    "softcap": "cpu.softcap",
     "silu_mul": "cpu.silu_mul",
     "add": "cpu.add",
     "bias_add": "cpu.bias_add",

@@ -30,8 +30,8 @@ def test_cycle():
 
 
 def test_unknown_op():
-    with pytest.raises(VerifyError, match="unknown op 'gelu_tanh'"):
-        verify_program(parse_program(OK.replace("silu(%y)", "gelu_tanh(%y)")))
+    with pytest.raises(VerifyError, match="unknown op 'relu_squared'"):
+        verify_program(parse_program(OK.replace("silu(%y)", "relu_squared(%y)")))
 
 
 def test_wrong_arity():

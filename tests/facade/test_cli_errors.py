@@ -48,7 +48,7 @@ def test_unknown_op_is_located(tmp_path, capsys):
           param embed: [vocab, hidden] from "e"
           forward(tokens) {
             h = embedding(tokens, embed)
-            return logits(gelu_tanh(h), embed)
+            return logits(relu_squared(h), embed)
           }
         }
         """, "m.dsl")
@@ -62,9 +62,9 @@ def test_unknown_op_is_located(tmp_path, capsys):
     assert main(["compile", str(p)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"{model}:5:"), err
-    assert "unknown op 'gelu_tanh'" in err
+    assert "unknown op 'relu_squared'" in err
     caret_line = err.splitlines()[2]
-    assert caret_line.index("^") == err.splitlines()[1].index("gelu_tanh")
+    assert caret_line.index("^") == err.splitlines()[1].index("relu_squared")
 
 
 def test_unknown_model_parameter(tmp_path, capsys):
