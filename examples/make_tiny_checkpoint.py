@@ -101,6 +101,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # 4 experts, top-2; expert width 32 (Qwen3-MoE: moe_intermediate_size; its dense width is unused)
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "phi3": ("Phi3Config", {"sliding_window": None}),  # fused qkv_proj / gate_up_proj in the checkpoint
+    # Llama with its four scalars away from 1 (IBM's 3.x checkpoints: 12, 0.22, 0.0078125, 8); tied embeddings
+    "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.2, "logits_scaling": 4.0, "tie_word_embeddings": True}),
     # 4 layers, window 8: layers 0, 1, 3 slide (rope base 10k), layer 2 is global (base 1M, linear x8 as the 4B+);
     # query_pre_attn_scalar 24 != head_dim 16; q/k norms; sandwich norms; GELU-tanh; tied embeddings
     "gemma3": ("Gemma3TextConfig", {
@@ -289,8 +292,9 @@ def build_tiny_checkpoint(
     llama_head_dim (head_dim 32 != 64/4), mistral (sliding window 16), qwen2 (q/k/v bias), qwen3 (q/k norm),
     mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert), deepseek_v3 and deepseek_v2 (MLA;
     3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert), gemma3 (4 layers,
-    window 8, layer 2 global with linear rope x8; Gemma tokens and chat template) and gemma2 (alternating
-    layers, soft-capped attention and logits).
+    window 8, layer 2 global with linear rope x8; Gemma tokens and chat template), gemma2 (alternating
+    layers, soft-capped attention and logits) and granite (Llama with embedding, residual and attention
+    multipliers and a logits divisor).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
     transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
     rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.

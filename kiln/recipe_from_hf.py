@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -181,6 +182,24 @@ def _llama(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if cfg.get("mlp_bias"):
         args["mlp_bias"] = True
     return "llama", args
+
+
+def _granite(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """IBM Granite 3.x (models/granite.dsl): Llama's tensors and four scalars (the embedding, residual and attention
+    multipliers, the logits' divisor), each as its config gives it."""
+    args = _common(cfg, 10000.0)
+    args["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", True))  # GraniteConfig's default
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            args[key] = True
+    for key, default in (("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
+                         ("attention_multiplier", 1.0), ("logits_scaling", 1.0)):
+        value = cfg.get(key, default)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or \
+                (key == "logits_scaling" and value == 0):
+            raise _config_error(cfg, key, f"must be a finite number{' other than 0' if key == 'logits_scaling' else ''}")
+        args[key] = float(value)
+    return "granite", args
 
 
 def _phi3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -446,6 +465,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]]
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "Phi3ForCausalLM": _phi3,
+    "GraniteForCausalLM": _granite,
     "Gemma3ForCausalLM": _gemma3,
     "Gemma3ForConditionalGeneration": _gemma3,  # its text_config and language-model tensors (_map_checkpoint)
     "Gemma2ForCausalLM": _gemma2,
