@@ -760,6 +760,7 @@ _RULES = {
     "all_reduce_add_rms_norm": _all_reduce_add_rms_norm, "linear": _linear,
     "linear_fp8": _quantized_linear, "linear_w4a16": _quantized_linear, "view": _view, "slice": _slice,
     "rope": _rope, "attention": _attention, "mla_attention": _mla_attention, "silu": _elementwise,
+    "gelu_tanh": _elementwise, "softcap": _elementwise, "scale": _elementwise,  # value by value: keep theirs
     "mul": _elementwise, "add": _elementwise, "bias_add": _bias_add, "deinterleave": _lastwise, "silu_mul": _silu_mul, "concat": _concat,
     "logits": _logits, "moe_topk_softmax": _router, "moe_topk_grouped": _router, "moe_experts": _moe_experts,
     "moe_experts_a2a": _moe_experts_a2a, "lora": _lora,

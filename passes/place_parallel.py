@@ -29,6 +29,9 @@ from kiln.compiler.placement import (
 from kiln.dsl.errors import SourceError
 
 
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # act(gate) * up: the MLP's width sharded through it
+
+
 class PlacementPlanError(PassError):
     """A model shape the mesh cannot split (heads, KV heads, FFN width, experts)."""
 
@@ -373,15 +376,15 @@ class _Planner:
             return [_Seg(Segment(heads, dim), role == "KV heads", role)]
         if user.op == "silu_mul" and width % 2 == 0:
             return [_Seg(Segment(width // 2, 1), False, "FFN width")] * 2
-        if user.op in ("silu", "mul") and self._swiglu(users[0]):
+        if user.op in (*GATED_ACTIVATIONS, "mul") and self._swiglu(users[0]):
             return [_Seg(Segment(width, 1), False, "FFN width")]
         return None
 
     def _swiglu(self, vid: str) -> bool:
-        """`vid` (a silu, or the mul) belongs to a silu(gate) * up whose product feeds a projection."""
+        """`vid` (an activation, or the mul) belongs to a act(gate) * up whose product feeds a projection."""
         g = self.graph
         node = g.node(vid)
-        if node.op == "silu":
+        if node.op in GATED_ACTIVATIONS:
             users = g.users(vid)
             return len(users) == 1 and g.node(users[0]).op == "mul" and self._swiglu(users[0])
         users = g.users(vid)

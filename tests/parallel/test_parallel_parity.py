@@ -23,6 +23,9 @@ CASES = [
     ("qwen2", "tp = 2", {}),  # q/k/v bias: column-parallel biases
     ("qwen3", "tp = 2", {"tie_word_embeddings": True}),
     ("phi3", "tp = 2", {}),  # q/k/v and gate/up fused in the checkpoint: one param cut per segment of its slices  # q/k norm per head; the tied embedding is the LM head
+    ("gemma3", "tp = 2", {}),  # sandwich norms, GELU-tanh, per-layer windows and ropes, scaled embeddings
+    ("gemma2", "tp = 2", {}),  # soft-capped scores (per head: sharded with the heads) and logits (vocab-sharded)
+    ("granite", "tp = 2", {}),  # scaled embeddings, residual branches (partial sums) and logits
     ("mixtral", "tp = 2", {}),  # experts tensor-parallel inside (ep = 1)
     ("mixtral", "tp = 2; ep = 2", {}),  # two whole experts per rank
     ("qwen3_moe", "tp = 2; ep = 2; expert_placement = round_robin", {}),
