@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -176,18 +175,17 @@ def test_chat_template_in_tokenizer_config(tiny_checkpoint):
     assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_script_entry_point(tmp_path):
+def test_script_entry_point(tmp_path, monkeypatch, capsys):
+    """The script run as `python examples/make_tiny_checkpoint.py OUT --arch qwen3 --shards 2` (its `__main__` block
+    and argument parsing, run in this interpreter: a fresh one would spend its time importing torch)."""
+    import runpy
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_checkpoint.py"
     out = tmp_path / "ckpt"
-    result = subprocess.run(
-        [sys.executable, str(script), str(out), "--arch", "qwen3", "--shards", "2"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert result.stdout.strip().endswith(str(out))
+    monkeypatch.setattr(sys, "argv", [str(script), str(out), "--arch", "qwen3", "--shards", "2"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert capsys.readouterr().out.strip().endswith(str(out))
     assert len(list(out.glob("model-*-of-00002.safetensors"))) == 2
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
 
