@@ -28,7 +28,6 @@ from kiln.compiler.placement import (
 )
 from kiln.dsl.errors import SourceError
 
-
 GATED_ACTIVATIONS = ("silu", "gelu_tanh")  # act(gate) * up: the MLP's width sharded through it
 
 

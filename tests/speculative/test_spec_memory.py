@@ -6,10 +6,9 @@ hold and the outputs stay exactly greedy."""
 from __future__ import annotations
 
 import pytest
+from kiln.runtime.kv_cache import BlockManager
 from spec_testlib import assert_all_blocks_free, greedy, run, tokens
 from test_spec_eagle import save_eagle_head
-
-from kiln.runtime.kv_cache import BlockManager
 
 
 @pytest.fixture(scope="module")
