@@ -110,6 +110,7 @@ def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int |
     `proposer`'s memory (a speculative.PoolShare: its own pool, sized per target block, and its weights), so the
     two fit together; a block count (explicit or the manifest's) is the target's alone."""
     per_block, fixed = (proposer.per_block, proposer.fixed) if proposer is not None else (0, 0)
+    shared = False  # the proposer takes part of the budget (a block count is the target's alone)
     if num_kv_blocks is not None:
         source, n = "num_kv_blocks", num_kv_blocks
     elif kv.num_blocks is not None and kv_cache_bytes is None:
@@ -119,6 +120,7 @@ def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int |
                           ("manifest pool_bytes", kv.pool_bytes) if kv.pool_bytes is not None else
                           ("interpreter default", DEFAULT_CPU_KV_BYTES))
         n = max(budget - fixed, 0) // (kv.bytes_per_block + per_block)
+        shared = bool(per_block or fixed)
     else:
         torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses is free for KV
         weights = torch.cuda.memory_allocated(device)
@@ -132,7 +134,7 @@ def plan_memory(kv: KVCacheConfig, device: torch.device, *, num_kv_blocks: int |
         raise ArtifactError(f"no memory left for the KV cache ({n} blocks of {kv.bytes_per_block} bytes fit); "
                             "lower the weights' footprint, raise kv_cache.memory_fraction or pass num_kv_blocks")
     plan = {"source": source, "kv_blocks": int(n), "kv_bytes": int(n) * kv.bytes_per_block}
-    if source in ("kv_cache_bytes", "manifest pool_bytes", "interpreter default") and (per_block or fixed):
+    if shared:
         plan["proposer_bytes"] = int(n) * per_block + fixed
     return plan
 

@@ -41,12 +41,14 @@ def greedy(max_tokens: int = 24, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def run(art, params, prompt_list=None, **engine_kw):
+def run(art, params, prompt_list=None, before=None, **engine_kw):
     """Every request through LLMEngine.step() to the end; returns ({request id: CompletionOutput}, steps,
-    engine)."""
+    engine). `before(engine)` runs once the engine is built, before any request is added."""
     from kiln.runtime.engine import LLMEngine
 
     engine = LLMEngine(art, **{"num_kv_blocks": 64, **engine_kw})
+    if before is not None:
+        before(engine)
     prompt_list = prompts() if prompt_list is None else prompt_list
     for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
         engine.add_request(str(i), prompt, p)

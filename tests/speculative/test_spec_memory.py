@@ -78,26 +78,21 @@ def test_a_full_head_pool_drafts_nothing_for_the_sequences_it_cannot_hold(target
     params = [greedy(m) for m in (24, 7, 24, 13)]
     plain, _, _ = run(target[1], params, speculative=None)
 
-    from kiln.runtime.engine import LLMEngine
     from spec_testlib import prompts
 
-    engine = LLMEngine(target[1], num_kv_blocks=64, speculative="eagle", num_speculative_tokens=2,
-                       speculative_model=str(drafts["eagle"]))
-    proposer = engine.speculator.proposer
-    bs = proposer.block_manager.block_size
     longest = max(len(p) for p in prompts()) + 24 + 2
-    pool = proposer.block_manager = BlockManager(-(-longest // bs) + 1, bs)  # room for one sequence at a time
     allocated = []
-    allocate = pool.allocate_slots
-    pool.allocate_slots = lambda *a, **kw: allocated.append(allocate(*a, **kw)) or allocated[-1]
-    for i, (prompt, p) in enumerate(zip(prompts(), params, strict=True)):
-        engine.add_request(str(i), prompt, p)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    got = [done[str(i)] for i in range(len(params))]
+
+    def shrink_head_pool(engine):  # room for one sequence at a time
+        proposer = engine.speculator.proposer
+        bs = proposer.block_manager.block_size
+        pool = proposer.block_manager = BlockManager(-(-longest // bs) + 1, bs)
+        allocate = pool.allocate_slots
+        pool.allocate_slots = lambda *a, **kw: allocated.append(allocate(*a, **kw)) or allocated[-1]
+
+    got, _, engine = run(target[1], params, before=shrink_head_pool, speculative="eagle", num_speculative_tokens=2,
+                         speculative_model=str(drafts["eagle"]))
+    proposer = engine.speculator.proposer
     assert tokens(got) == tokens(plain)
     assert True in allocated and False in allocated  # some sequences got room for their drafts, some did not
     assert engine.stats()["spec_num_draft_tokens"] > 0
