@@ -1,6 +1,7 @@
 """CPU seconds per output token, offline `LLM.generate` against `kiln serve` (API server + engine core +
-client), everything pinned to one core with one intra-op thread: a figure that a busy machine disturbs far less
-than tokens per second do (the run's wall-clock throughput is printed too).
+client), everything pinned to one core with one intra-op thread (`--client-core C`: the client on another): a
+figure that a busy machine disturbs far less than tokens per second do (the run's wall-clock throughput is printed
+too).
 
     python benchmarks/serve_cpu_cost.py ARTIFACT --batch 64 --prompts 96 --mode offline
     python benchmarks/serve_cpu_cost.py ARTIFACT --batch 64 --prompts 96 --mode served
@@ -42,6 +43,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--mode", choices=["offline", "served"], required=True)
     ap.add_argument("--core", type=int, default=0, help="the CPU everything runs on (default 0)")
+    ap.add_argument("--client-core", type=int, help="served: run the client on this CPU instead (the server, API "
+                    "server and engine core, stays on --core)")
     ap.add_argument("--serve-args", default="", help="more `kiln serve` options, e.g. '--stream-interval 4'")
     args = ap.parse_args()
     os.sched_setaffinity(0, {args.core})
@@ -72,6 +75,8 @@ def main() -> int:
                              "--num-threads", "1", "--log-level", "warning", "--num-kv-blocks", "4096",
                              *args.serve_args.split()],
                             stdout=subprocess.PIPE, text=True)
+    if args.client_core is not None:  # the server inherited --core; the client moves off it
+        os.sched_setaffinity(0, {args.client_core})
     try:
         core = int(re.search(r"engine core pid (\d+)", proc.stdout.readline()).group(1))
         url = f"http://127.0.0.1:{port}"
