@@ -33,10 +33,14 @@ For each checkpoint (`--checkpoints`, default `random,embedded`):
 Threads: both servers get the same cores (`--cores`, default all): vLLM `VLLM_CPU_OMP_THREADS_BIND=<cores>`, kiln
 `OMP_NUM_THREADS=len(cores)` (torch's intra-op pool); both process trees are pinned to the cores with
 sched_setaffinity. KV space: `--kv-gib` for both (vLLM `VLLM_CPU_KVCACHE_SPACE`, kiln `--num-kv-blocks`).
-The clients run on the same cores unless `--client-cores` gives them others: `--cores 0 --client-cores 1` on a
-2-core box is the system under test (server, or offline engine) on core 0 with one thread and the load
-generators on core 1 — how a served/offline ratio measures what serving costs the engine, not what the
-client's own parsing takes from the cores it shares with the server.
+`--compute-cores` (within `--cores`) are the cores the engines compute on: kiln's engine core (`kiln serve
+--core-cpus`, its API server then on the rest of `--cores`), vLLM's OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`;
+its API server and engine-core processes float within `--cores`), and the offline and streaming workers.
+The clients run on the same cores unless `--client-cores` gives them others. On a 2-core box,
+`--cores 0-1 --compute-cores 0 --client-cores 1` is each engine computing on core 0 with one thread, offline
+and served alike, and the front-ends and the load generators on core 1 (vLLM's CPU default reserves a core for
+its front-end the same way): a served/offline ratio that measures what serving costs the engine's cores, not
+what the client's own parsing takes from them.
 
 Prints the ratio table and writes one small JSON per run: OUT_DIR/cpu_peer-<UTC time>.json (default OUT_DIR:
 benchmarks/results/<UTC date>-cpu/). Checkpoints, artifacts and server logs go under `--work-dir`
@@ -273,12 +277,12 @@ def vllm_offline(ckpt: Path, vocab: int, args: argparse.Namespace, log_path: Pat
                     "max_model_len": args.max_model_len, "prompts": prompts, "output_len": args.output_len,
                     "out": str(Path(tmp) / "r.json")}
             env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": vllm_kv_space(args.kv_gib),
-                   "VLLM_CPU_OMP_THREADS_BIND": cores_text(args.cores)}
+                   "VLLM_CPU_OMP_THREADS_BIND": cores_text(args.compute_cores)}
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as f:
                 subprocess.run([args.vllm_python, "-c", VLLM_OFFLINE, json.dumps(spec)], check=True, cwd=tmp,
                                env=env, stdout=f, stderr=subprocess.STDOUT, timeout=CLIENT_TIMEOUT_S,
-                               preexec_fn=lambda: os.sched_setaffinity(0, args.cores))
+                               preexec_fn=lambda: os.sched_setaffinity(0, args.compute_cores))
             rows.append(json.loads((Path(tmp) / "r.json").read_text()))
         log(f"vLLM offline LLM.generate at batch {b}: {rows[-1]['out_tok_s']:.1f} out tok/s")
     return {"rows": rows}
@@ -385,11 +389,13 @@ def start_server(kind: str, ckpt: Path, art: Path, args: argparse.Namespace, log
                "--served-model-name", SERVED_NAME, "--log-level", "warning",
                "--num-kv-blocks", str(kiln_kv_blocks(art, args.kv_gib)), *args.kiln_serve_args.split()]
         env["OMP_NUM_THREADS"] = str(args.kiln_threads)
+        if args.compute_cores != args.cores:  # the engine core computes on these, the API server on the rest
+            cmd += ["--core-cpus", cores_text(args.compute_cores)]
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--host",
                "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len",
                str(args.max_model_len), "--dtype", VLLM_DTYPES[args.dtype], "--seed", str(args.seed)]
-        env.update(VLLM_CPU_KVCACHE_SPACE=vllm_kv_space(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores_text(args.cores))
+        env.update(VLLM_CPU_KVCACHE_SPACE=vllm_kv_space(args.kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores_text(args.compute_cores))
     return Server(kind, cmd, env, args.cores, log_path)
 
 
@@ -781,6 +787,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: every round)")
     ap.add_argument("--offline-b1-prompts", type=int, default=8, help="prompts of the offline batch-1 run")
     ap.add_argument("--cores", type=parse_cores, help="cores both servers run on, e.g. 0-1 (default: all allowed)")
+    ap.add_argument("--compute-cores", type=parse_cores, help="cores the engines compute on, within --cores: kiln "
+                    "`--core-cpus` (its API server on the rest of --cores), vLLM VLLM_CPU_OMP_THREADS_BIND, and "
+                    "the offline and streaming workers (default: --cores)")
     ap.add_argument("--client-cores", type=parse_cores, help="cores the clients (kiln's, in this process, and "
                     "vLLM's) run on, e.g. 1 (default: not pinned, they share the servers' cores)")
     ap.add_argument("--kiln-threads", type=int, help="kiln's OMP_NUM_THREADS (default: the number of cores)")
@@ -809,7 +818,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.cores = args.cores or sorted(os.sched_getaffinity(0))
-    args.kiln_threads = args.kiln_threads or len(args.cores)
+    args.compute_cores = args.compute_cores or args.cores
+    args.kiln_threads = args.kiln_threads or len(args.compute_cores)
     if args.worker:
         return _worker_main(args)
     if args.table:
@@ -837,8 +847,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown checkpoint(s) {unknown} (known: embedded, {', '.join(MODELS)})")
 
     if args.client_cores:  # this process runs kiln's client and starts vLLM's; servers and workers pin themselves
-        if set(args.client_cores) & set(args.cores):
-            ap.error(f"--client-cores {args.client_cores} overlap --cores {args.cores}")
+        if set(args.client_cores) & set(args.compute_cores):
+            ap.error(f"--client-cores {args.client_cores} overlap the compute cores {args.compute_cores}")
         os.sched_setaffinity(0, args.client_cores)
 
     now = datetime.now(UTC)
@@ -849,8 +859,10 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"lscpu_model": lscpu_model(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
         "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "concurrency", "rounds",
                                                     "seed", "kv_gib", "dtype")},
-        "threads": {"cores": args.cores, "client_cores": args.client_cores, "kiln": {"OMP_NUM_THREADS": args.kiln_threads, "affinity": args.cores},
-                    "vllm": {"VLLM_CPU_OMP_THREADS_BIND": cores_text(args.cores), "affinity": args.cores}
+        "threads": {"cores": args.cores, "compute_cores": args.compute_cores, "client_cores": args.client_cores,
+                    "kiln": {"OMP_NUM_THREADS": args.kiln_threads, "affinity": args.cores,
+                             "core_cpus": args.compute_cores if args.compute_cores != args.cores else None},
+                    "vllm": {"VLLM_CPU_OMP_THREADS_BIND": cores_text(args.compute_cores), "affinity": args.cores}
                     if args.vllm_python else None},
         "vllm_python": args.vllm_python, "kiln_serve_args": args.kiln_serve_args,
         "kiln_only": args.kiln_only, "checkpoints": {},
@@ -871,10 +883,10 @@ def main(argv: list[str] | None = None) -> int:
                              "kiln_num_kv_blocks": kiln_kv_blocks(art, args.kv_gib), "served": {}}
         result["checkpoints"][name] = m
         log(f"{name}: streaming limit")
-        m["stream"] = run_worker("stream", args.cores, args.kiln_threads, ckpt=ckpt, min_time=args.stream_seconds,
+        m["stream"] = run_worker("stream", args.compute_cores, args.kiln_threads, ckpt=ckpt, min_time=args.stream_seconds,
                                  dtype=args.dtype)
         log(f"{name}: offline LLM.generate at batch {args.concurrency}")
-        m["offline"] = run_worker("offline", args.cores, args.kiln_threads, art=art, batches=args.concurrency,
+        m["offline"] = run_worker("offline", args.compute_cores, args.kiln_threads, art=art, batches=args.concurrency,
                                   num_prompts=args.num_prompts, b1_prompts=args.offline_b1_prompts,
                                   input_len=args.input_len, output_len=args.output_len,
                                   num_kv_blocks=m["kiln_num_kv_blocks"], seed=args.seed)

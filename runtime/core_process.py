@@ -154,7 +154,8 @@ class EngineCoreProc:
             served_name=(manifest.get("serve") or {}).get("served_name"),
             tokenizer_dir=str(art.path / tok["dir"]) if tok is not None else None,
             kv_bytes=int(engine.runner.memory_plan["kv_bytes"]), async_scheduling=engine.async_scheduling,
-            speculative=engine.speculative.method if engine.speculative else None, num_threads=num_threads)
+            speculative=engine.speculative.method if engine.speculative else None, num_threads=num_threads,
+            cpus=threads.allowed_cpus())
 
     def register_utility(self, name: str, fn: Callable[..., Any]) -> None:
         """`fn(engine, *args)`, run between two steps for a client's `UtilityCall(name, args)`; its result must
@@ -443,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(config.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="kiln core %(levelname)s: %(message)s")
+    try:
+        if config.cpus:
+            threads.pin(config.cpus)
+    except (OSError, ValueError) as e:  # a CPU the machine does not have, or one outside our cgroup's cpuset
+        _report(args.ready_fd, StartupFailed(f"the engine core cannot run on CPUs "
+                                             f"{threads.format_cpu_list(config.cpus)}: {e}", user_error=True))
+        return 2
     num_threads = threads.configure_core(config.num_threads)
     try:
         from .engine import EngineCore

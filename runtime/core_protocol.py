@@ -35,7 +35,8 @@ class RequestLimits(msgspec.Struct, frozen=True):
 
 class CoreConfig(msgspec.Struct, kw_only=True):
     """How a launcher starts a core (core_process.main). `engine` holds EngineCore keyword arguments;
-    `num_threads` the core's intra-op threads (threads.py: None = every core this process may run on);
+    `num_threads` the core's intra-op threads (threads.py: None = every core this process may run on); `cpus`
+    the CPUs the core pins itself to before it loads anything (None: the mask it inherits);
     `max_waiting` the sequences queued or preempted before an add is refused as overloaded; `stream_interval`
     how many new tokens of a completion the core holds back before it sends them (its first token and its end
     are sent at once; 1: every step's, see core_process.StreamCoalescer); `plugins`
@@ -47,6 +48,7 @@ class CoreConfig(msgspec.Struct, kw_only=True):
     device: str = "cpu"
     engine: dict[str, Any] = {}
     num_threads: int | None = None
+    cpus: list[int] | None = None
     max_waiting: int = 1024
     stream_interval: int = 1
     input_address: str = ""
@@ -76,6 +78,7 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     async_scheduling: bool
     speculative: str | None
     num_threads: int
+    cpus: list[int] | None = None  # the CPUs the core runs on (its affinity mask)
 
 
 class CoreStats(msgspec.Struct, array_like=True):

@@ -34,6 +34,15 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K
           "GIB": 2**30, "TIB": 2**40}
 
 
+def _cpu_list(text: str) -> list[int]:
+    from .threads import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _size(text: str) -> int:
     """A byte size: 16GiB, 512MiB, 2GB, 1048576; 0 or none: off."""
     if text.strip().lower() == "none":
@@ -66,6 +75,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "as `kiln compile --report` states it)")
     p.add_argument("--num-threads", type=int, help="the engine core's intra-op threads (default: every CPU the "
                    "process may run on; the API server itself uses one)")
+    p.add_argument("--core-cpus", type=_cpu_list, metavar="LIST",
+                   help="the CPUs the engine core computes on, e.g. 1-15 (one intra-op thread per CPU unless "
+                   "--num-threads); the API server then runs on the other CPUs it may use, so that HTTP, "
+                   "detokenization and streaming never preempt the core's threads. With --data-parallel-size or "
+                   "--disaggregate each core gets a disjoint slice of LIST (default: the core computes on every CPU "
+                   "and the API server shares them)")
     p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
                    help="send a stream's tokens every N (its first token and its end at once); fewer, larger SSE "
                         "events: less CPU per token in the API server and the client, coarser inter-token timing "
@@ -216,7 +231,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         transport = args.kv_transport or (manifest.get("disaggregate") or {}).get("transport", "tcp")
         config = core_config(args.artifact, max_waiting=args.max_waiting, num_threads=args.num_threads,
-                             stream_interval=args.stream_interval, num_kv_blocks=args.num_kv_blocks, prefix_cache=not args.no_prefix_cache,
+                             cpus=args.core_cpus, stream_interval=args.stream_interval, num_kv_blocks=args.num_kv_blocks, prefix_cache=not args.no_prefix_cache,
                              speculative=args.speculative, async_scheduling=args.async_scheduling,
                              kv_reserve=args.kv_reserve, num_speculative_tokens=args.num_speculative_tokens,
                              speculative_model=args.speculative_model)
@@ -235,7 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
                  reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
                  replicas=args.replicas, router_policy=args.router_policy,
                  num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
-                 kv_offload=args.kv_offload, stream_interval=args.stream_interval)
+                 kv_offload=args.kv_offload, stream_interval=args.stream_interval, core_cpus=args.core_cpus)
 
 
 def _token_ids(text: str) -> list[int]:

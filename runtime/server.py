@@ -1087,7 +1087,8 @@ def startup_line(info: CoreInfo, model_name: str, url: str) -> str:
     limits = info.limits
     kv_bytes, kv_blocks, block_size = info.kv_bytes, limits.num_blocks, limits.block_size
     return (f"kiln serve: model {model_name!r} ({info.arch or '?'}, {info.artifact}) on target {info.target} "
-            f"({info.device}, engine core pid {info.pid}, {info.num_threads} threads); KV pool {kv_bytes} bytes "
+            f"({info.device}, engine core pid {info.pid}, {info.num_threads} threads"
+            + (f" on CPUs {threads.format_cpu_list(info.cpus)}" if info.cpus else "") + f"); KV pool {kv_bytes} bytes "
             f"({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks x {block_size} tokens = {kv_blocks * block_size} "
             f"tokens; max_model_len {limits.max_model_len}; listening on {url}")
 
@@ -1108,9 +1109,15 @@ def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = Tru
 
 
 def core_config(artifact: str | Path, *, max_waiting: int = 1024, num_threads: int | None = None,
-                stream_interval: int = 1, **options: Any) -> CoreConfig:
-    """The engine core's configuration for `kiln serve`'s options (engine_options)."""
-    return CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads,
+                stream_interval: int = 1, cpus: list[int] | None = None, **options: Any) -> CoreConfig:
+    """The engine core's configuration for `kiln serve`'s options (engine_options). `cpus` (`--core-cpus`) are
+    checked here: every one must be a CPU this process may run on (RequestError, a user's error, if not)."""
+    if cpus is not None:
+        try:
+            threads.check_cpus(cpus)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+    return CoreConfig(artifact=str(artifact), max_waiting=max_waiting, num_threads=num_threads, cpus=cpus,
                       stream_interval=stream_interval, engine=engine_options(**options))
 
 
@@ -1121,7 +1128,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           num_threads: int | None = None, tool_parser: str | None = None, reasoning_parser: str | None = None,
           reasoning_efforts: dict[str, int] | None = None, disaggregate: dict | None = None, replicas: int = 1,
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
-          speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1) -> int:
+          speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1,
+          core_cpus: list[int] | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -1135,13 +1143,15 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     replicas (cores, each with its own ranks for a parallel artifact, or pairs) behind a KV-aware router
     (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements). `kv_offload`: bytes of the CPU
     offload tier (None: the recipe's; 0: none; runtime/kv_offload.py). `stream_interval`: a stream's tokens are
-    sent every that many (its first and last at once; core_process.StreamCoalescer)."""
+    sent every that many (its first and last at once; core_process.StreamCoalescer). `core_cpus`
+    (`--core-cpus`): the CPUs the engine core computes on (several cores: disjoint slices of them); this process,
+    the API server, then runs on the CPUs it may use that they were not given (threads.py)."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     effort_budgets(reasoning_efforts)  # so does a bad effort table
     threads.configure_api_server()
     config = core_config(artifact, max_waiting=max_waiting, num_threads=num_threads, stream_interval=stream_interval,
-                         num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
+                         cpus=core_cpus, num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
                          kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
                          speculative_model=speculative_model, kv_offload_bytes=kv_offload)
     with contextlib.ExitStack() as stack:
@@ -1154,6 +1164,9 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
             from .disagg.service import start_disaggregated
             engine = start_disaggregated(stack, config, disaggregate)
         more = []
+        api_cpus = threads.place_api_server(core_cpus)  # after the cores started: they inherited the full mask
+        if api_cpus:
+            more.append(f"kiln serve: the API server runs on CPUs {threads.format_cpu_list(api_cpus)}")
         if replicas > 1:
             pids = ", ".join(str(r.engine.info.pid) for r in engine.replicas)
             more.append(f"kiln serve: {replicas} replicas behind a KV-aware router (engine core pids {pids}; the "

@@ -117,6 +117,13 @@ def configure_threads() -> None:
 
         os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())
     os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(TVM_SPIN_COUNT))
+    # TVM binds its worker k to the machine's CPU k and widens the calling thread's affinity to every CPU of the
+    # machine, whatever the process's own mask: a process confined to some CPUs (taskset, `--core-cpus`, one of
+    # several replicas) would have its threads moved off them, and two such processes would share CPUs 1..n-1
+    # while the others idle. Within a mask the threads are left to the OS, as torch's OpenMP threads are.
+    if "TVM_BIND_THREADS" not in os.environ and hasattr(os, "sched_getaffinity") and \
+            len(os.sched_getaffinity(0)) < (os.cpu_count() or 0):
+        os.environ["TVM_BIND_THREADS"] = "0"
 
 
 def _load_module(library: Path, digest: str) -> Any:

@@ -234,7 +234,8 @@ class HandshakeWatch:
         self.monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         self.failures = 0  # handshakes failed without detail since the last that succeeded
 
-    def failure(self, address: str, peer: str) -> str | None:
+    def failure(self, address: str, peer: str, final: bool = False) -> str | None:
+        """`final`: the caller gives up now (its timeout), so one failed handshake is reason enough."""
         from zmq.utils.monitor import recv_monitor_message
 
         with contextlib.suppress(zmq.ZMQError):
@@ -247,7 +248,7 @@ class HandshakeWatch:
                     self.failures += 1
                 else:
                     return _describe(kind, event["value"], address, peer, self.keys)
-        if self.failures >= 3:
+        if self.failures >= (1 if final else 3):
             return _describe(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0, address, peer, self.keys)
         return None
 
@@ -271,6 +272,13 @@ def _describe(kind: int, value: int, address: str, peer: str, keys: CurveKeys | 
     if mine:  # a CURVE handshake that failed without a reason: the server is not the one server.key names
         return (f"the CURVE handshake with the {peer} at {address} failed: its server key is not the one in {mine}/"
                 "server.key (another key directory?)")
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        # A CURVE server closes a plain client's connection once it sees the mechanism; the client reports the
+        # mismatch only when it read the server's greeting first, and otherwise sees handshakes fail without a
+        # reason, again and again (a race that load makes likely).
+        return (f"the handshake with the {peer} at {address} failed repeatedly without a reason: the {peer} most "
+                "likely requires CURVE keys (it runs with --curve-keys): give this process the same key directory "
+                "(--curve-keys DIR or KILN_CURVE_KEYS)")
     return f"the handshake with the {peer} at {address} failed (zmq event {kind:#x}, {value:#x})"
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from .. import threads
 from ..async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput, RequestGroup, RequestObserver
 from ..core_protocol import CoreStats
 from ..errors import KilnRuntimeError
@@ -434,8 +435,9 @@ def start_replicas(stack: contextlib.ExitStack, config, num_replicas: int, disag
                    heartbeat_timeout: float = 10.0, **router_kw: Any) -> ReplicaRouter:
     """`kiln serve --data-parallel-size N` (or `--replicas N`): starts N replicas under `stack` (each a core with
     `config` plus the kv-events plugin — for a parallel artifact the rank 0 of its own mesh, on CUDA on its own
-    GPUs — or with `disaggregate` a prefill + decode pair; the CPUs this process may use split between the cores
-    unless `config.num_threads` is set) and returns the router over them (started by the server's lifespan)."""
+    GPUs — or with `disaggregate` a prefill + decode pair; each replica pinned to a disjoint slice of `config.cpus`,
+    else of the CPUs this process may use, its threads that slice's share unless `config.num_threads` is set) and
+    returns the router over them (started by the server's lifespan)."""
     from ..artifact import read_manifest
     from ..core_client import CoreProcess
 
@@ -447,12 +449,14 @@ def start_replicas(stack: contextlib.ExitStack, config, num_replicas: int, disag
     manifest = read_manifest(config.artifact)
     ranks = int((manifest.get("parallel") or {}).get("world_size", 1))
     cores_per_replica = 1 if disaggregate is None else 1 + int(disaggregate.get("prefill", 1))
-    threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // (num_replicas * cores_per_replica))
+    cpus = config.cpus or threads.allowed_cpus()
+    slices = threads.split_cpus(cpus, num_replicas)  # each replica its own CPUs (None: fewer CPUs than replicas)
+    num_threads = config.num_threads or max(1, len(cpus) // (num_replicas * cores_per_replica))
     engines: list[AsyncLLMEngine] = []
     # One after the other, from this thread: a core dies with the thread that started it (PR_SET_PDEATHSIG).
     for k in range(num_replicas):
-        cfg = msgspec.structs.replace(config, num_threads=threads, input_address="",
-                                      plugins=[*config.plugins, PLUGIN])
+        cfg = msgspec.structs.replace(config, num_threads=num_threads, input_address="",
+                                      cpus=slices[k] if slices else config.cpus, plugins=[*config.plugins, PLUGIN])
         if disaggregate is None:
             core = CoreProcess.start(cfg, env=replica_env(k, ranks, manifest["device"]))
             engines.append(AsyncLLMEngine.from_process(stack.enter_context(core),

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from .. import threads
 from ..async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput
 from ..core_protocol import AddResult, decode_params, encode_params
 from ..errors import KilnRuntimeError, RequestError
@@ -398,10 +399,9 @@ def resolve_transport(kind: str) -> str:
 
 def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout: float = 10.0) -> DisaggAsyncEngine:
     """`kiln serve --disaggregate`: starts a decode core and `disaggregate["prefill"]` (1) prefill cores (each
-    `config` plus its role's plugin; the CPUs this process may use split between them unless `config.num_threads`
-    is set) under `stack`, and returns the router's engine over them (started by the server's lifespan)."""
-    import os
-
+    `config` plus its role's plugin, each pinned to a disjoint slice of `config.cpus`, else of the CPUs this process
+    may use, its threads that slice's share unless `config.num_threads` is set) under `stack`, and returns the
+    router's engine over them (started by the server's lifespan)."""
     from ..artifact import open_tokenizer
     from ..core_client import CoreProcess
 
@@ -410,15 +410,18 @@ def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout:
     if num_prefill > 1 and transport != "tcp":  # a NIXL receiver's staging ring has one sender's credits
         raise KilnRuntimeError(f"disaggregate.prefill = {num_prefill} needs transport = tcp (NIXL pairs one prefill "
                                "core with a decode core here)")
-    threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // (num_prefill + 1))
+    cpus = config.cpus or threads.allowed_cpus()
+    slices = threads.split_cpus(cpus, num_prefill + 1)  # decode first, then each prefill core: disjoint CPUs
+    num_threads = config.num_threads or max(1, len(cpus) // (num_prefill + 1))
 
-    def role_config(role: str):
-        return msgspec.structs.replace(config, num_threads=threads, input_address="",
+    def role_config(role: str, k: int):
+        return msgspec.structs.replace(config, num_threads=num_threads, input_address="",
+                                       cpus=slices[k] if slices else config.cpus,
                                        plugins=[*config.plugins, f"kiln.runtime.disagg.service:{role}_plugin"])
     # One after the other, from this thread: a core dies with the *thread* that started it (PR_SET_PDEATHSIG
     # follows the creating thread), so starting them from a pool's threads would kill them when those exit.
-    decode = stack.enter_context(CoreProcess.start(role_config("decode")))
-    prefills = [stack.enter_context(CoreProcess.start(role_config("prefill"))) for _ in range(num_prefill)]
+    decode = stack.enter_context(CoreProcess.start(role_config("decode", 0)))
+    prefills = [stack.enter_context(CoreProcess.start(role_config("prefill", 1 + k))) for k in range(num_prefill)]
     info = decode.info
     tokenizer = open_tokenizer(info.tokenizer_dir, info.limits.vocab_size) if info.tokenizer_dir else None
     engines = [AsyncLLMEngine(core.info, None, process=core, client_name="router-p",

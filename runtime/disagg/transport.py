@@ -255,6 +255,9 @@ class ZmqTransport(Transport):
                 if why is not None:
                     raise TransportClosed(why) from None
                 if time.monotonic() >= deadline:
+                    why = watch.failure(self.endpoint, "KV receiver", final=True)
+                    if why is not None:  # it answered, refusing: say why rather than "no KV receiver"
+                        raise TransportClosed(why) from None
                     raise
                 time.sleep(0.005)
         watch.close()  # connected: a monitor nobody reads would fill up

@@ -73,6 +73,10 @@ def single(artifact_dir):
 
 def test_shared_prefix_goes_to_the_replica_holding_it(artifact_dir, single):
     with replicas(artifact_dir) as (server, router):
+        if len(os.sched_getaffinity(0)) >= 2:  # each replica computes on CPUs of its own (threads.split_cpus)
+            placed = [set(os.sched_getaffinity(core.pid)) for core in server.cores]
+            assert [set(core.info.cpus) for core in server.cores] == placed
+            assert all(placed) and not placed[0] & placed[1], placed
         sharing, unrelated = workload()
         first = completion(server.url, sharing[0])
         assert first["status"] == 200 and first["body"]["choices"][0]["text"] == single[(tuple(sharing[0]), 8)]

@@ -1,24 +1,46 @@
 """`kiln serve` as a user runs it: a subprocess on a loopback port, stopped with SIGINT."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
-from live_server import free_port, interrupt, wait_serving
+from kiln.runtime.threads import format_cpu_list
+from live_server import child_pids, free_port, interrupt, wait_serving
+
+
+def thread_masks(pid: int) -> set[str]:
+    """The Cpus_allowed_list values of the threads of process `pid`."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended while read
+            status = (task / "status").read_text()
+            out.add(next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                         if line.startswith("Cpus_allowed_list")))
+    return out
 
 
 def test_kiln_serve_subprocess(standin_dir):
     port = free_port()
+    cpus = sorted(os.sched_getaffinity(0))
+    placed = len(cpus) >= 2  # --core-cpus: the core on the last CPU, the API server on the others
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "serve", str(standin_dir), "--port", str(port), "--api-key", "k",
-         "--served-model-name", "tiny", "--max-waiting", "8", "--num-kv-blocks", "64", "--log-level", "warning"],
+         "--served-model-name", "tiny", "--max-waiting", "8", "--num-kv-blocks", "64", "--log-level", "warning",
+         *(["--core-cpus", str(cpus[-1])] if placed else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_serving(proc, url)
+        if placed:
+            (core,) = child_pids(proc.pid)
+            assert thread_masks(core) == {str(cpus[-1])}
+            assert thread_masks(proc.pid) == {format_cpu_list(cpus[:-1])}
         headers = {"Authorization": "Bearer k"}
         assert httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"] == "tiny"
         r = httpx.post(url + "/v1/completions", headers=headers,
@@ -34,6 +56,10 @@ def test_kiln_serve_subprocess(standin_dir):
     kv = json.loads((standin_dir / "manifest.json").read_text())["kv_cache"]
     pool_bytes = 64 * kv["num_layers"] * 2 * kv["block_size"] * kv["kv_heads"] * kv["head_dim"] * 4
     lines = [line for line in proc.stdout.read().decode().splitlines() if line.startswith("kiln serve:")]
+    if placed:
+        assert f"1 threads on CPUs {cpus[-1]})" in lines[0]
+        assert lines[1:] == [f"kiln serve: the API server runs on CPUs {format_cpu_list(cpus[:-1])}"], lines
+        lines = lines[:1]
     assert len(lines) == 1, lines
     assert "'tiny'" in lines[0] and "target cpu" in lines[0]
     assert f"KV pool {pool_bytes} bytes" in lines[0] and f"= {64 * kv['block_size']} tokens" in lines[0]

@@ -116,8 +116,10 @@ def test_echo_across_prefix_cache_hit_and_chunked_prefill(live_server, make_serv
     uncached = post(plain, body)["choices"][0]["logprobs"]
     assert cached["tokens"] == uncached["tokens"]
     assert cached["token_logprobs"][0] is None and uncached["token_logprobs"][0] is None
+    # the same fp32 computation summed in another order (chunks of 4, cached blocks): kiln's fp32 logprob
+    # tolerance (1e-4, as against HF); 1e-5 failed by 1.3e-5 on a logprob of -10.7 with AVX-512 GEMMs
     torch.testing.assert_close(torch.tensor(cached["token_logprobs"][1:]),
-                               torch.tensor(uncached["token_logprobs"][1:]), atol=1e-5, rtol=0)
+                               torch.tensor(uncached["token_logprobs"][1:]), atol=1e-4, rtol=0)
     assert [set(t) for t in cached["top_logprobs"][1:]] == [set(t) for t in uncached["top_logprobs"][1:]]
     live_server.wait_idle()
     plain.wait_idle()
