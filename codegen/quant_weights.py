@@ -310,6 +310,15 @@ def calibration_tokens(program: Program, checkpoint_dir: str | Path | None) -> l
     return [torch.randint(0, vocab, (CALIBRATION_TOKENS,), generator=g)]
 
 
+def host_stable_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A calibrated f32 scale rounded up to the next bf16-representable value (at most 0.8 % larger: e4m3 keeps 3
+    mantissa bits, so the quantization is as good; the largest magnitude still fits). Calibration runs the fp32
+    reference forward, whose sums end in different last bits on different CPUs (AVX2 vs AVX-512 GEMMs): rounded,
+    the same recipe writes the same bytes on both, as the artifact digests check."""
+    bits = scale.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)  # positive floats: up to a multiple of 2^16 in the bits
+
+
 @torch.no_grad()
 def calibrate_kv_scales(program: Program, weights: Mapping[str, torch.Tensor],
                         tokens: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -340,7 +349,7 @@ def calibrate_kv_scales(program: Program, weights: Mapping[str, torch.Tensor],
     plain = _without_kv_quantization(program)
     for ids in tokens:
         interpret(plain, weights, ids, observe=observe)
-    return {name: (a / FP8_MAX).clamp(min=1e-8).contiguous() for name, a in amax.items()}
+    return {name: host_stable_scale((a / FP8_MAX).clamp(min=1e-8)) for name, a in amax.items()}
 
 
 # ---------------------------------------------------------------- static activation scale calibration
@@ -394,7 +403,7 @@ def calibrate_input_scales(program: Program, weights: Mapping[str, torch.Tensor]
     plain = _weight_only(_without_kv_quantization(program))  # KV scales, if calibrated too, come after
     for ids in tokens:
         interpret(plain, weights, ids, observe=observe)
-    return {name: (a / FP8_MAX).clamp(min=1e-12).contiguous() for name, a in amax.items()}
+    return {name: host_stable_scale((a / FP8_MAX).clamp(min=1e-12)) for name, a in amax.items()}
 
 
 __all__ = ["CALIBRATION_TEXT", "QuantizedWeights", "calibrate_input_scales", "calibrate_kv_scales",
