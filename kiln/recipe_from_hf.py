@@ -151,7 +151,7 @@ def _rope(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
         raise UnsupportedCheckpoint(_DYNAMIC_NTK)
     elif kind != "default":
         raise UnsupportedCheckpoint(f"rope scaling type {kind!r} is not supported yet "
-                                    "(supported: llama3, linear, yarn)")
+                                    "(supported: llama3, linear, yarn; longrope for Phi-3 checkpoints)")
     return out
 
 
