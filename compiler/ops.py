@@ -363,6 +363,9 @@ def _infer_rope(ins: list[TensorType], a: Attrs) -> TensorType:
         _check(isinstance(rotary_dim, int) and not isinstance(rotary_dim, bool) and 0 <= rotary_dim <= head_dim
                and rotary_dim % 2 == 0,
                f"rope rotary_dim must be an even number of dims <= head_dim {head_dim} (0: all), got {rotary_dim!r}")
+    if "longrope" in scalings:  # its attention factor divides by ln(original_max_position)
+        for original in layer_values(a.get("original_max_position", ROPE_ATTRS["original_max_position"])):
+            _check(original > 1, f"longrope needs original_max_position > 1, got {original!r}")
     for key in ("short_factor", "long_factor"):
         for factors in layer_values(a.get(key, ())):
             if "longrope" not in scalings:
