@@ -202,6 +202,7 @@ def identifier(name: str, taken: set[str]) -> str:
 @dataclass
 class _Model:
     program: Program
+    max_model_len: int = 0  # MAX_MODEL_LEN of model.py: positions its rotary tables hold
     attr_of_param: dict[str, str] = field(default_factory=dict)  # ParamSpec name -> self.<attr>
     method_of_graph: dict[str, str] = field(default_factory=dict)
     rope_caches: dict[tuple, str] = field(default_factory=dict)  # rope_key -> self.<attr>
@@ -291,6 +292,12 @@ class _Model:
         defaults = OPS["rope"].attrs
         for key, attr in self.rope_caches.items():
             head_dim, *items = key
+            rope = dict(items)
+            if rope["scaling"] == "longrope":  # which factor set the table takes (rope_cache picks it the same way)
+                orig = rope["original_max_position"]
+                lines.append(f"# LongRoPE: MAX_MODEL_LEN {self.max_model_len} "
+                             + (f"> original_max_position {orig}: long_factor" if self.max_model_len > orig else
+                                f"<= original_max_position {orig}: short_factor") + " for every sequence (docs/rope.md)")
             extra = "".join(f", {k}={literal(v)}" for k, v in items if k == "theta" or v != defaults[k])
             lines.append(f"self.{attr} = K.rope_cache({head_dim}, MAX_MODEL_LEN{extra}).to(self.device)")
         for keys, attr in self.rope_lists.items():
@@ -605,7 +612,7 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
     cannot emit (no kernel, unknown kernel id, missing type).
     """
     kernels_used(program)  # validates every node's kernel before anything is written
-    model = _Model(program)
+    model = _Model(program, int(max_model_len))
     forward = _Function(model, program.entry, layered=False)
     forward_lines = forward.emit()
     forwards = list(_forwards(model, forward.next_kv))

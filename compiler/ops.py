@@ -265,27 +265,46 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_attention_factor(scaling: str, factor: float, mscale: float = 0.0, mscale_all_dim: float = 0.0,
-                          attention_factor: float = 0.0) -> float:
-    """The factor on cos/sin: 1 except for yarn, where a given `attention_factor` wins, else DeepSeek's
-    mscale/mscale_all_dim ratio when both are set, else yarn_get_mscale(factor). 0 means "not given", as
-    transformers treats a missing (or falsy) key."""
-    if scaling != "yarn":
+                          attention_factor: float = 0.0, original_max_position: int = 0) -> float:
+    """The factor on cos/sin: 1 except for yarn and longrope, where a given `attention_factor` wins. Else yarn
+    takes DeepSeek's mscale/mscale_all_dim ratio when both are set, else yarn_get_mscale(factor); longrope takes
+    sqrt(1 + ln(factor) / ln(original_max_position)) when factor > 1 (transformers' `_compute_longrope_parameters`,
+    factor being the checkpoint's max_position_embeddings / original_max_position_embeddings), else 1.
+    0 means "not given", as transformers treats a missing (or falsy) key."""
+    if scaling not in ("yarn", "longrope"):
         return 1.0
     if attention_factor:
         return float(attention_factor)
+    if scaling == "longrope":
+        return math.sqrt(1 + math.log(factor) / math.log(original_max_position)) if factor > 1 else 1.0
     if mscale and mscale_all_dim:
         return float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
     return yarn_get_mscale(factor)
 
 
-ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+def longrope_factors(short_factor: Sequence[float], long_factor: Sequence[float], original_max_position: int,
+                     seq_len: int) -> Sequence[float]:
+    """LongRoPE's per-frequency divisors for a sequence of `seq_len` positions: `long_factor` beyond the original
+    context, else `short_factor` (transformers' `_compute_longrope_parameters` with `dynamic_rope_update`'s
+    seq_len = max(position_ids) + 1). The IR reference applies it to its one dense sequence; a generated model
+    applies it once, to the longest sequence it serves (its MAX_MODEL_LEN): see docs/rope.md."""
+    return long_factor if seq_len > original_max_position else short_factor
+
+
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: str, factor: float, low_freq_factor: float,
                   high_freq_factor: float, original_max_position: int, beta_fast: float = 32.0,
-                  beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
-    """Inverse frequencies of RoPE, including Llama-3.1 frequency-dependent scaling ("llama3") and YaRN."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+                  beta_slow: float = 1.0, truncate: bool = True,
+                  longrope_factors: Sequence[float] = ()) -> torch.Tensor:
+    """Inverse frequencies of RoPE over `head_dim` rotated dims (the rotary dim when partial), including Llama-3.1
+    frequency-dependent scaling ("llama3"), YaRN, and LongRoPE (each frequency divided by its entry of
+    `longrope_factors`, the short or the long set: see `longrope_factors`)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling == "longrope":  # transformers' op order, so fp32 tables are bit-identical
+        return 1.0 / (torch.tensor(longrope_factors, dtype=torch.float32) * theta ** exponents)
+    inv = 1.0 / (theta ** exponents)
     if scaling == "llama3":
         low_wavelen = original_max_position / low_freq_factor
         high_wavelen = original_max_position / high_freq_factor
@@ -304,36 +323,71 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: str, factor: float, low_
     return inv
 
 
-# yarn's mscale, mscale_all_dim and attention_factor: 0 = not given (see rope_attention_factor)
+# yarn's mscale, mscale_all_dim and attention_factor: 0 = not given (see rope_attention_factor).
+# rotary_dim: how many leading dims of each head rotate (partial rotary, Phi-4-mini: 3/4 of the head), 0 = all.
+# short_factor / long_factor: LongRoPE's per-frequency divisors (rotary_dim / 2 each), scaling="longrope" only.
 ROPE_ATTRS = {"theta": 10000.0, "scaling": "none", "factor": 1.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
-              "mscale": 0.0, "mscale_all_dim": 0.0, "attention_factor": 0.0, "truncate": True}
+              "mscale": 0.0, "mscale_all_dim": 0.0, "attention_factor": 0.0, "truncate": True,
+              "rotary_dim": 0, "short_factor": (), "long_factor": ()}
 
 
 def _ref_rope(ctx: RefContext, x: torch.Tensor, **a: Any) -> torch.Tensor:
     d = x.shape[-1]
-    inv = rope_inv_freq(d, a["theta"], a["scaling"], a["factor"], a["low_freq_factor"], a["high_freq_factor"],
-                        a["original_max_position"], a["beta_fast"], a["beta_slow"], a["truncate"])
-    ang = ctx.positions.float()[:, None] * inv[None, :]  # [T, D/2]
+    r = a["rotary_dim"] or d
+    ext: Sequence[float] = ()
+    if a["scaling"] == "longrope":
+        seq_len = int(ctx.positions.max()) + 1 if ctx.positions.numel() else 0
+        ext = longrope_factors(a["short_factor"], a["long_factor"], a["original_max_position"], seq_len)
+    inv = rope_inv_freq(r, a["theta"], a["scaling"], a["factor"], a["low_freq_factor"], a["high_freq_factor"],
+                        a["original_max_position"], a["beta_fast"], a["beta_slow"], a["truncate"], ext)
+    ang = ctx.positions.float()[:, None] * inv[None, :]  # [T, r/2]
     emb = torch.cat([ang, ang], dim=-1)
-    mag = rope_attention_factor(a["scaling"], a["factor"], a["mscale"], a["mscale_all_dim"], a["attention_factor"])
+    mag = rope_attention_factor(a["scaling"], a["factor"], a["mscale"], a["mscale_all_dim"], a["attention_factor"],
+                                a["original_max_position"])
     cos, sin = (emb.cos() * mag)[:, None, :].to(x.dtype), (emb.sin() * mag)[:, None, :].to(x.dtype)
-    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
-    return x * cos + rot * sin
+    xr = x[..., :r]  # partial rotary: HF's rotate_half over the first r dims, the rest passes through
+    rot = torch.cat([-xr[..., r // 2:], xr[..., : r // 2]], dim=-1)
+    return torch.cat([xr * cos + rot * sin, x[..., r:]], dim=-1)
 
 
 def _infer_rope(ins: list[TensorType], a: Attrs) -> TensorType:
     (x,) = ins
     _check(x.rank == 3 and isinstance(x.shape[-1], int) and x.shape[-1] % 2 == 0,
            f"rope expects [T, heads, head_dim] with an even head_dim, got {x}")
-    for scaling in layer_values(a.get("scaling", ROPE_ATTRS["scaling"])):  # per layer (Gemma 3's local/global)
+    head_dim = x.shape[-1]
+    scalings = layer_values(a.get("scaling", ROPE_ATTRS["scaling"]))  # per layer (Gemma 3's local/global)
+    for scaling in scalings:
         _check(scaling in ROPE_SCALINGS, f"unknown rope scaling {scaling!r} (known: {', '.join(ROPE_SCALINGS)})")
+    for rotary_dim in layer_values(a.get("rotary_dim", 0)):
+        _check(isinstance(rotary_dim, int) and not isinstance(rotary_dim, bool) and 0 <= rotary_dim <= head_dim
+               and rotary_dim % 2 == 0,
+               f"rope rotary_dim must be an even number of dims <= head_dim {head_dim} (0: all), got {rotary_dim!r}")
+    if "longrope" in scalings:  # its attention factor divides by ln(original_max_position)
+        for original in layer_values(a.get("original_max_position", ROPE_ATTRS["original_max_position"])):
+            _check(original > 1, f"longrope needs original_max_position > 1, got {original!r}")
+    for key in ("short_factor", "long_factor"):
+        for factors in layer_values(a.get(key, ())):
+            if "longrope" not in scalings:
+                _check(not factors, f"rope {key} is LongRoPE's; scaling is {' / '.join(map(repr, scalings))}")
+                continue
+            for rotary_dim in layer_values(a.get("rotary_dim", 0)):
+                pairs = (rotary_dim or head_dim) // 2
+                _check(isinstance(factors, tuple) and len(factors) == pairs,
+                       f"longrope {key} needs one factor per rotated dim pair ({pairs}), got "
+                       f"{len(factors) if isinstance(factors, tuple) else factors!r}")
+            _check(all(isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f) and f > 0
+                       for f in factors), f"longrope {key} must be positive finite numbers, got {list(factors)}")
     return x
 
 
 register_op(OpDef("rope", 1, 1, infer=_infer_rope, reference=_ref_rope, cost=_elementwise_cost(6),
                   attrs=dict(ROPE_ATTRS), per_tensor=True,
-                  doc="Rotary position embedding (rotate-half convention) at the step's positions."))
+                  doc="Rotary position embedding (rotate-half convention) at the step's positions, over the first "
+                      "rotary_dim dims of each head (0: all; the rest pass through). scaling='longrope' divides "
+                      "each frequency by short_factor, or by long_factor for a sequence longer than "
+                      "original_max_position (the reference's one sequence; a generated model decides once, from "
+                      "its MAX_MODEL_LEN: docs/rope.md)."))
 
 
 def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:

@@ -78,9 +78,17 @@ CONFIG_RANGES: dict[str, Range] = {
     "rope_mscale": Range(0, lo_inclusive=True),
     "rope_mscale_all_dim": Range(0, lo_inclusive=True),
     "rope_attention_factor": Range(0, lo_inclusive=True, why="0 means: derived from the factor"),
+    "rope_rotary_dim": Range(0, lo_inclusive=True, why="0 means: every dim of a head rotates"),
     "mscale": Range(0),
     "sliding_window": Range(0, lo_inclusive=True, why="0 means: no window"),
     "routed_scaling": Range(0),
+}
+
+
+# list-valued model config parameters: the range of every entry
+CONFIG_ITEM_RANGES: dict[str, Range] = {
+    "rope_short_factor": Range(0, why="LongRoPE divides each rotary frequency by its factor"),
+    "rope_long_factor": Range(0, why="LongRoPE divides each rotary frequency by its factor"),
 }
 
 
@@ -89,6 +97,9 @@ def check_config_values(model: A.ModelDecl, call: A.Call, config: Mapping[str, A
     given = dict(call.kwargs)
     defaults = {p.name: p for p in model.config}
     for name, value in config.items():
+        if name in CONFIG_ITEM_RANGES and isinstance(value, tuple):
+            _check_items(name, value, CONFIG_ITEM_RANGES[name], given, defaults, call)
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             continue
         rng = CONFIG_RANGES.get(name)
@@ -100,6 +111,16 @@ def check_config_values(model: A.ModelDecl, call: A.Call, config: Mapping[str, A
             raise SourceError(f"'{name}' = {value}: a model config value must be a finite number", loc, notes)
         why = f" ({rng.why})" if rng.why else ""
         raise SourceError(f"'{name}' must be {rng.describe()}, got {fmt_number(value)}{why}", loc, notes)
+
+
+def _check_items(name: str, items: tuple, rng: Range, given: Mapping[str, A.Expr],
+                 defaults: Mapping[str, A.ConfigParam], call: A.Call) -> None:
+    for i, v in enumerate(items):
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and rng.contains(v):
+            continue
+        loc, notes = _where(name, given, defaults, call)
+        why = f" ({rng.why})" if rng.why else ""
+        raise SourceError(f"'{name}'[{i}] must be a finite number {rng.describe()}, got {v!r}{why}", loc, notes)
 
 
 def _where(name: str, given: Mapping[str, A.Expr], defaults: Mapping[str, A.ConfigParam],

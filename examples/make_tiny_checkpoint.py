@@ -74,6 +74,14 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+# Phi-4-mini's rope in miniature: 3/4 of each 16-dim head rotates (6 frequencies), LongRoPE over an original
+# context of 32 of 128 (attention factor sqrt(1 + ln 4 / ln 32)); short and long factors both away from 1
+PHI4_MINI = {
+    "partial_rotary_factor": 0.75, "max_position_embeddings": 128, "original_max_position_embeddings": 32,
+    "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                     "long_factor": [1.2, 1.9, 3.1, 5.0, 8.0, 12.5]},
+}
+
 # 3 layers: layer 0 dense (width 64), layers 1-2 mixture-of-experts: 4 routed experts of width 32 in 2 groups,
 # top-2 from the best group, plus 1 shared expert; routed weights scaled (2.5 V3, 1.5 V2)
 DEEPSEEK_MLA = {
@@ -101,6 +109,7 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # 4 experts, top-2; expert width 32 (Qwen3-MoE: moe_intermediate_size; its dense width is unused)
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "phi3": ("Phi3Config", {"sliding_window": None}),  # fused qkv_proj / gate_up_proj in the checkpoint
+    "phi4_mini": ("Phi3Config", {"sliding_window": None, **PHI4_MINI}),
     # Llama with its four scalars away from 1 (IBM's 3.x checkpoints: 12, 0.22, 0.0078125, 8); tied embeddings
     "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                   "attention_multiplier": 0.2, "logits_scaling": 4.0, "tie_word_embeddings": True}),
@@ -293,8 +302,9 @@ def build_tiny_checkpoint(
     mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert), deepseek_v3 and deepseek_v2 (MLA;
     3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert), gemma3 (4 layers,
     window 8, layer 2 global with linear rope x8; Gemma tokens and chat template), gemma2 (alternating
-    layers, soft-capped attention and logits) and granite (Llama with embedding, residual and attention
-    multipliers and a logits divisor).
+    layers, soft-capped attention and logits), granite (Llama with embedding, residual and attention
+    multipliers and a logits divisor) and phi4_mini (Phi-3 with partial rotary 0.75 and LongRoPE, original
+    context 32 of 128).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
     transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
     rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.

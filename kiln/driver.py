@@ -261,6 +261,8 @@ def checkpoint_disagreements(loaded: Any, checkpoint: Path) -> list[SourceWarnin
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):  # a DSL list evaluates to a tuple
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, int | float) or not isinstance(b, int | float):
         return a == b
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)

@@ -151,13 +151,14 @@ def _rope(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
         raise UnsupportedCheckpoint(_DYNAMIC_NTK)
     elif kind != "default":
         raise UnsupportedCheckpoint(f"rope scaling type {kind!r} is not supported yet "
-                                    "(supported: llama3, linear, yarn)")
+                                    "(supported: llama3, linear, yarn; longrope for Phi-3 checkpoints)")
     return out
 
 
-def _common(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
+def _common(cfg: dict[str, Any], default_theta: float,
+            rope: Callable[[dict[str, Any], float], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The args every dense family shares; `default_theta` is the transformers config class's `default_theta`
-    (used when config.json gives no rope_theta)."""
+    (used when config.json gives no rope_theta); `rope` maps the rope settings (default: `_rope`)."""
     heads = cfg["num_attention_heads"]
     args: dict[str, Any] = {
         "vocab": cfg["vocab_size"], "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
@@ -166,7 +167,7 @@ def _common(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
     }
     if cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
         args["head_dim"] = cfg["head_dim"]
-    args.update(_rope(cfg, default_theta))
+    args.update((rope or _rope)(cfg, default_theta))
     args["norm_eps"] = float(cfg.get("rms_norm_eps", 1e-6))
     args["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
     args["max_position"] = int(cfg.get("max_position_embeddings", 4096))
@@ -202,20 +203,60 @@ def _granite(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "granite", args
 
 
-def _phi3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Phi-3 / Phi-4 (models/phi3.dsl): fused qkv_proj and gate_up_proj tensors, unscaled full rotary."""
+def _phi3_rope(cfg: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """Phi-3's rope as transformers resolves it (Phi3Config.convert_rope_params_to_dict, standardize_rope_params,
+    `_compute_longrope_parameters`): `su` and `yarn` are old names of longrope; the top-level
+    original_max_position_embeddings (Phi3Config's default 4096) wins over one inside the rope settings; a missing
+    factor is max_position_embeddings / original_max_position_embeddings (it sets the attention factor);
+    partial_rotary_factor rotates the first int(head_dim * factor) dims of each head."""
     rp = _rope_parameters(cfg)
+    out: dict[str, Any] = {"rope_theta": float(rp.get("rope_theta", default_theta))}
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rotary = 1.0 if rotary is None else rotary
+    key = "partial_rotary_factor"
+    if isinstance(rotary, bool) or not isinstance(rotary, int | float) or not 0 < rotary <= 1:
+        raise _config_error(cfg, key, f"must be a number in (0, 1], got {rotary!r}")
+    rotary_dim = int(head_dim * rotary)
+    if rotary_dim % 2 or rotary_dim == 0:
+        raise _config_error(cfg, key, f"= {rotary} rotates {rotary_dim} of the {head_dim} dims of a head; kiln's "
+                                      "rope rotates an even, non-zero number of dims (pairs)")
+    if rotary_dim != head_dim:
+        out["rope_rotary_dim"] = rotary_dim
     kind = _rope_kind(rp)
-    if kind != "default":
-        raise UnsupportedCheckpoint(f"Phi-3 rope scaling {kind!r} is not supported yet (Phi-3-*-128k and "
-                                    "Phi-3.5 use longrope; the 4k/8k variants and Phi-4 are unscaled)")
-    rotary = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-    if rotary != 1.0:
-        raise UnsupportedCheckpoint(f"Phi-3 with partial_rotary_factor = {rotary} is not supported yet "
-                                    "(kiln's Phi-3 rotates every dim of a head)")
+    if kind == "default":
+        return out
+    if kind not in ("longrope", "su", "yarn"):
+        raise UnsupportedCheckpoint(f"Phi-3 rope scaling {kind!r} is not supported: transformers' Phi-3 knows only "
+                                    "longrope (also spelled su or yarn)")
+    original = cfg.get("original_max_position_embeddings") or 4096
+    factor = rp.get("factor")
+    if factor is None:
+        factor = cfg.get("max_position_embeddings", original) / original
+    out.update(rope_scaling="longrope", rope_factor=float(factor), rope_original_max_position=int(original))
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is not None:
+        if isinstance(attention_factor, bool) or not isinstance(attention_factor, int | float) \
+                or not 0 < attention_factor < math.inf:
+            raise _config_error(cfg, "attention_factor", f"must be a positive number, got {attention_factor!r}")
+        out["rope_attention_factor"] = float(attention_factor)
+    for name in ("short_factor", "long_factor"):
+        factors = rp.get(name)
+        if not (isinstance(factors, list) and len(factors) == rotary_dim // 2 and all(
+                isinstance(f, int | float) and not isinstance(f, bool) and 0 < f < math.inf for f in factors)):
+            got = f"{len(factors)} entries" if isinstance(factors, list) else repr(factors)
+            raise _config_error(cfg, name, f"must list one positive factor per rotated dim pair "
+                                           f"({rotary_dim // 2}), got {got}")
+        out[f"rope_{name}"] = tuple(float(f) for f in factors)  # a DSL list evaluates to a tuple
+    return out
+
+
+def _phi3(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Phi-3 / Phi-3.5 / Phi-4-mini (models/phi3.dsl): fused qkv_proj and gate_up_proj tensors, plain or LongRoPE
+    rope, full or partial rotary."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedCheckpoint(f"Phi-3 with hidden_act = {cfg['hidden_act']!r} (kiln's is silu)")
-    args = _common(cfg, 10000.0)
+    args = _common(cfg, 10000.0, rope=_phi3_rope)
     if cfg.get("sliding_window"):
         args["sliding_window"] = int(cfg["sliding_window"])
     return "phi3", args
@@ -667,6 +708,7 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
     scheme = _weight_quantization(cfg)
     quantize = f"  quantize  {{ weights = {scheme} }}\n" if scheme else ""
     arg_text = ",\n      ".join(f"{k}={_literal(v)}" for k, v in args.items())
+    note = _longrope_note(args)
     return (
         f"# Generated by `kiln recipe from-hf` from config.json ({arch}).\n"
         f"recipe {rname} {{\n"
@@ -678,6 +720,18 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
         f"  kv_cache  {{ block_size = 16; memory_fraction = 0.9 }}\n"
         f"  scheduler {{ max_seqs = 256; max_batched_tokens = 8192; chunked_prefill = 512; policy = fcfs;"
         f" prefix_cache = radix }}\n"
+        f"{note}"
         f"  serve     {{ port = 8000; served_name = {json.dumps(served)} }}\n"
         f"}}\n"
     )
+
+
+def _longrope_note(args: dict[str, Any]) -> str:
+    """A recipe comment saying which LongRoPE factors the artifact will use (docs/rope.md), or nothing."""
+    if args.get("rope_scaling") != "longrope":
+        return ""
+    orig, served = args["rope_original_max_position"], args["max_position"]
+    if served <= orig:
+        return f"  # LongRoPE: {served} positions <= original {orig}: the short factors, as transformers\n"
+    return (f"  # LongRoPE: {served} positions > original {orig}: the long factors for every request (as transformers\n"
+            f"  # computes a sequence longer than {orig}); serve {{ max_model_len = {orig} }} takes the short ones\n")

@@ -1,9 +1,14 @@
-# Phi-3 / Phi-4 (HF Phi3ForCausalLM tensor names): q/k/v stored as one `qkv_proj` and gate/up as one
-# `gate_up_proj` in the checkpoint; otherwise a Llama decoder (RMSNorm, SwiGLU, GQA, optional sliding window).
+# Phi-3 / Phi-3.5 / Phi-4-mini (HF Phi3ForCausalLM tensor names): q/k/v stored as one `qkv_proj` and gate/up as
+# one `gate_up_proj` in the checkpoint; otherwise a Llama decoder (RMSNorm, SwiGLU, GQA, optional sliding window).
+# Phi-3-*-128k, Phi-3.5 and Phi-4-mini scale their rope with LongRoPE (rope_scaling = "longrope": one divisor per
+# rotated frequency, the short set or the long one, chosen by the longest context the artifact serves: docs/rope.md);
+# Phi-4-mini rotates only the first rope_rotary_dim dims of each head (partial_rotary_factor 0.75; 0 = all).
 model phi3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = heads,
            head_dim: int = hidden // heads, ffn: int, rope_theta: float = 10000.0,
            norm_eps: float = 1e-5, tie_embeddings: bool = false, max_position: int = 4096,
-           sliding_window: int = 0) {
+           rope_scaling: str = "none", rope_factor: float = 1.0, rope_original_max_position: int = 4096,
+           rope_attention_factor: float = 0.0, rope_short_factor: list = [], rope_long_factor: list = [],
+           rope_rotary_dim: int = 0, sliding_window: int = 0) {
   param embed: [vocab, hidden]                  from "model.embed_tokens.weight"
 
   block decoder[layers] {                       # {i} is the layer index
@@ -20,7 +25,9 @@ model phi3(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int = hea
       q = slice(qkv, start=0, stop=heads * head_dim) |> view(heads, head_dim)
       k = slice(qkv, start=heads * head_dim, stop=(heads + kv_heads) * head_dim) |> view(kv_heads, head_dim)
       v = slice(qkv, start=(heads + kv_heads) * head_dim, stop=(heads + 2 * kv_heads) * head_dim) |> view(kv_heads, head_dim)
-      q, k = rope(q, k, theta=rope_theta)
+      q, k = rope(q, k, theta=rope_theta, scaling=rope_scaling, factor=rope_factor,
+                  original_max_position=rope_original_max_position, attention_factor=rope_attention_factor,
+                  short_factor=rope_short_factor, long_factor=rope_long_factor, rotary_dim=rope_rotary_dim)
       a = attention(q, k, v, sliding_window=sliding_window)
       h = h + linear(a, wo)
       x = rms_norm(h, mlp_norm, eps=norm_eps)

@@ -175,7 +175,9 @@ def test_rope_llama3_matches_transformers(K):
 
 
 def test_rope_cache_rejects_unknown_scaling(K):
-    with pytest.raises(ValueError, match="longrope"):
+    with pytest.raises(ValueError, match="unknown rope scaling 'dynamic'"):
+        K.rope_cache(16, 8, 10000.0, scaling="dynamic")
+    with pytest.raises(ValueError, match=r"longrope needs one factor per rotated dim pair \(8\), got 0"):
         K.rope_cache(16, 8, 10000.0, scaling="longrope")
 
 

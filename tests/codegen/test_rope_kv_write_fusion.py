@@ -33,10 +33,19 @@ def R(K):
     return K._ref
 
 
+# a table per rope shape: Llama-3.1 over whole heads; Phi-4-mini's LongRoPE over 12 of 16 dims (4 copied as they are)
+TABLES = {
+    "llama3": dict(theta=500000.0, scaling="llama3", factor=8.0, original_max_position=16),
+    "longrope_partial": dict(theta=10000.0, scaling="longrope", factor=4.0, original_max_position=16, rotary_dim=12,
+                             short_factor=(1.0, 1.1, 1.3, 1.6, 2.0, 2.5), long_factor=(1.2, 1.9, 3.1, 5.0, 8.0, 12.5)),
+}
+
+
+@pytest.mark.parametrize("table", list(TABLES))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_qk_kv_write_one_launch(K, R, dtype):
+def test_rope_qk_kv_write_one_launch(K, R, dtype, table):
     g = torch.Generator().manual_seed(7)
-    cache = R.rope_cache(16, 64, 500000.0, scaling="llama3", factor=8.0, original_max_position=16)
+    cache = R.rope_cache(16, 64, **TABLES[table])
     qkv = torch.randn(5, (8 + 2 + 2) * 16, generator=g).to(dtype)
     q = qkv[:, :128].unflatten(-1, (8, 16))  # strided views of one fused projection, as model.py passes them
     k = qkv[:, 128:160].unflatten(-1, (2, 16))

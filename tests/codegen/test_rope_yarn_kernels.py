@@ -147,5 +147,5 @@ def test_yarn_attributes_reach_the_rope_cache_call():
 def test_unknown_scaling_is_refused_at_compile_time():
     text = program_text().replace('%k_rot = rope(%k) {kernel="cpu.rope", theta=10000.0}',
                                   '%k_rot = rope(%k) {kernel="cpu.rope", theta=10000.0, scaling="yran"}')
-    with pytest.raises(Exception, match=r"unknown rope scaling 'yran' \(known: none, linear, llama3, yarn\)"):
+    with pytest.raises(Exception, match=r"unknown rope scaling 'yran' \(known: none, linear, llama3, yarn, longrope\)"):
         typed(parse_program(text))

@@ -69,10 +69,11 @@ def test_silu_mul_and_embedding(K, R, dtype):
     assert torch.equal(K.embedding(ids, table), R.embedding(ids, table))
 
 
+@pytest.mark.parametrize("rotary_dim", [0, 12], ids=["full", "partial"])  # partial: 12 of 16 dims (Phi-4-mini's 3/4)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_rope_kv_write(K, R, dtype):
+def test_rope_and_rope_kv_write(K, R, dtype, rotary_dim):
     g = torch.Generator().manual_seed(2)
-    cache = K.rope_cache(16, 64, 10000.0)
+    cache = K.rope_cache(16, 64, 10000.0, rotary_dim=rotary_dim)
     qkv = torch.randn(5, (8 + 2 + 2) * 16, generator=g).to(dtype)
     q = qkv[:, :128].unflatten(-1, (8, 16))  # strided views, as model.py passes them
     k = qkv[:, 128:160].unflatten(-1, (2, 16))

@@ -41,9 +41,9 @@ def package(tmp_path_factory):
     return get
 
 
-def _batch(seqs, heads, kv_heads, head_dim, block_size, dtype, *, rope: bool, seed=0):
-    """A paged batch over shuffled physical blocks, the cached prefixes already in the cache (roped when `rope`),
-    and each sequence's dense q/k/v for the reference."""
+def _batch(seqs, heads, kv_heads, head_dim, block_size, dtype, *, rope: bool, seed=0, rope_attrs=None):
+    """A paged batch over shuffled physical blocks, the cached prefixes already in the cache (roped when `rope`,
+    with `rope_attrs` beside theta), and each sequence's dense q/k/v for the reference."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     max_blocks = max(math.ceil((c + n) / block_size) for c, n in seqs)
@@ -59,7 +59,7 @@ def _batch(seqs, heads, kv_heads, head_dim, block_size, dtype, *, rope: bool, se
         tables[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         q, k, v = (torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
         ctx = RefContext(positions=torch.arange(total))
-        k_cached = OPS["rope"].reference(ctx, k, **{**ROPE_ATTRS, "theta": THETA}) if rope else k
+        k_cached = OPS["rope"].reference(ctx, k, **{**ROPE_ATTRS, "theta": THETA, **(rope_attrs or {})}) if rope else k
         for p in range(cached):
             kv_cache[blocks[p // block_size], 0, p % block_size] = k_cached[p]
             kv_cache[blocks[p // block_size], 1, p % block_size] = v[p]
@@ -80,8 +80,9 @@ def _batch(seqs, heads, kv_heads, head_dim, block_size, dtype, *, rope: bool, se
     return batch, kv_cache, torch.cat(q_new), torch.cat(k_new), torch.cat(v_new), dense
 
 
-def _reference(dense, scale, window, rope):
-    attrs = {"scale": scale, "sliding_window": window, **({"rope": {"theta": THETA}} if rope else {})}
+def _reference(dense, scale, window, rope, rope_attrs=None):
+    attrs = {"scale": scale, "sliding_window": window,
+             **({"rope": {"theta": THETA, **(rope_attrs or {})}} if rope else {})}
     return torch.cat([OPS["attention"].reference(ctx, q, k, v, **attrs)[-new:] for ctx, q, k, v, new in dense])
 
 
@@ -156,6 +157,25 @@ def test_paged_attention_bf16(package):
     # the torch kernel on the same bf16 inputs lands as close
     torch_out = K._ref.paged_attention(q, k, v, kv_cache.clone(), batch, 0.125, rope_cache=rope_cache)
     torch.testing.assert_close(out.float(), torch_out.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_partial_rotary_ropes_in_torch_then_writes_and_attends_in_the_library(package, monkeypatch):
+    """Phi-4-mini rotates 3/4 of each head: rope_kv_write rotates whole heads, so q and k rotate in torch (the
+    library's `rope` is the torch one), and the library's KV write and attention still run (never the torch
+    attention)."""
+    shape = (4, 4, 32, 16)
+    K = package(*shape)
+    monkeypatch.setattr(K._ref, "paged_attention", lambda *a, **kw: pytest.fail("the torch attention ran"))
+    partial = {"rotary_dim": 24}
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, *shape, torch.float32, rope=True, seed=6, rope_attrs=partial)
+    out = K.paged_attention(*_packed_qkv(q, k, v), kv_cache, batch, 0.125,
+                            rope_cache=K.rope_cache(32, 128, THETA, rotary_dim=24))
+    torch.testing.assert_close(out, _reference(dense, 0.125, 0, True, partial), rtol=0, atol=2e-5)
+    slots = batch.slot_mapping
+    k_stored = OPS["rope"].reference(RefContext(positions=batch.positions.long()), k,
+                                     **{**ROPE_ATTRS, "theta": THETA, **partial})
+    torch.testing.assert_close(kv_cache[slots // 16, 0, slots % 16], k_stored, rtol=0, atol=1e-6)
+    assert torch.equal(k_stored[..., 24:], k[..., 24:])
 
 
 def test_unsupported_calls_run_the_torch_kernel(package, monkeypatch):

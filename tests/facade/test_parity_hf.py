@@ -31,24 +31,6 @@ def test_phi3_with_a_sliding_window_matches_hf(compiled, check_hf_parity):
     check_hf_parity(art, ckpt, vocab=512)
 
 
-@pytest.mark.parametrize("rope,message", [
-    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-      "original_max_position_embeddings": 64}, "Phi-3 rope scaling 'longrope' is not supported yet"),
-    ({"rope_type": "default", "partial_rotary_factor": 0.75}, "partial_rotary_factor = 0.75"),
-])
-def test_phi3_variants_kiln_cannot_compute_are_refused(rope, message, tmp_path):
-    import json
-
-    from kiln.recipe_from_hf import UnsupportedCheckpoint, recipe_from_hf
-
-    cfg = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-           "max_position_embeddings": 128, "rope_parameters": {"rope_theta": 10000.0, **rope}}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedCheckpoint, match=message):
-        recipe_from_hf(tmp_path)
-
-
 def test_sharded_checkpoint_matches_single(compiled):
     _, art_single = compiled("llama")
     _, art_sharded = compiled("llama", num_shards=3)

@@ -77,7 +77,8 @@ def test_from_hf_yarn_defaults_as_transformers(tmp_path):
     ({"rope_type": "dynamic", "factor": 2.0}, r"'dynamic' \(NTK\) rope scaling is not supported: transformers "
                                               r"recomputes its frequencies from the running sequence length"),
     ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
-     r"rope scaling type 'longrope' is not supported yet \(supported: llama3, linear, yarn\)"),
+     r"rope scaling type 'longrope' is not supported yet \(supported: llama3, linear, yarn; longrope for Phi-3 "
+     r"checkpoints\)"),
 ])
 def test_from_hf_refuses_other_scalings_clearly(tmp_path, scaling, message):
     with pytest.raises(UnsupportedCheckpoint, match=message):

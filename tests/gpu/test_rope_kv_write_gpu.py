@@ -51,6 +51,33 @@ def test_rope_qk_kv_write_bf16(K, cache):
     assert torch.equal(kv[:, 1], ref[:, 1])
 
 
+def test_partial_rotary_longrope_kernels_bf16(K):
+    """Phi-4-mini's rope (96 of 128 dims rotate, LongRoPE long factors: the table serves 8192 > 4096 positions):
+    `rope`, `rope_kv_write` and `rope_qk_kv_write` against the torch library; the 32 other dims are copied."""
+    R = K._ref
+    table = K.rope_cache(HEAD_DIM, 8192, 10000.0, scaling="longrope", factor=32.0, original_max_position=4096,
+                         rotary_dim=96, short_factor=tuple(1 + i / 50 for i in range(48)),
+                         long_factor=tuple(1 + i for i in range(48))).to(DEV)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    T = 53
+    q = torch.randn(T, HEADS, HEAD_DIM, device=DEV, generator=g).bfloat16()
+    k, v = (torch.randn(T, KV_HEADS, HEAD_DIM, device=DEV, generator=g).bfloat16() for _ in range(2))
+    pos = torch.randint(0, 8192, (T,), device=DEV, generator=g, dtype=torch.int32)
+    slots = torch.randperm(40 * BLOCK, device=DEV, generator=g)[:T]
+    ref = torch.zeros(40, 2, BLOCK, KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+    R.write_kv_cache(R.rope(k, pos, table), v, ref, slots)
+    roped = K.rope(q, pos, table)
+    _one_ulp(roped, R.rope(q, pos, table))
+    assert torch.equal(roped[..., 96:], q[..., 96:])
+    kv = torch.zeros_like(ref)
+    K.rope_kv_write(k, v, pos, table, kv, slots)
+    _one_ulp(kv, ref)
+    kv.zero_()
+    _one_ulp(K.rope_qk_kv_write(q, k, v, pos, table, kv, slots), R.rope(q, pos, table))
+    _one_ulp(kv, ref)
+    assert torch.equal(kv[:, 1], ref[:, 1])
+
+
 @pytest.mark.parametrize("seqs", [[(1023, 1)] * 3 + [(3000, 1)], [(511, 1), (1000, 300), (0, 257)]],
                          ids=["decode", "mixed"])
 def test_paged_attention_with_fused_rope(K, cache, seqs):

@@ -4,15 +4,19 @@ import re
 import pytest
 import torch
 from kiln.compiler import PassContext, PassManager, parse_program, print_program
+from kiln.compiler.interpret import interpret
 from kiln.passes.fuse_rope_kv_write import FuseRopeKVWrite
 from kiln.passes.shape_inference import ShapeInferenceError
 from pass_testlib import (
     assert_programs_equal,
     logits_before_after,
+    random_checkpoint,
     run_pass,
     run_pass_on_text,
     tiny_llama_ir,
+    tokens,
     typed,
+    weights_from_checkpoint,
 )
 
 # Llama-3.1 scaling plus an attribute the rope op does not declare (an annotation): the pass must carry the
@@ -180,3 +184,40 @@ def test_mla_attention_keeps_its_ropes():
     kernel): not the pattern, nothing changes."""
     before, out, ctx = run_pass_on_text(FuseRopeKVWrite(), MLA)
     assert out is before and ctx.stats["matches"] == 0
+
+
+# Phi-4-mini's rope: LongRoPE factor lists and a partial rotary dim (6 of 8), attributes a list-valued one among them
+LONGROPE = ('theta=10000.0, scaling="longrope", factor=4.0, original_max_position=4, rotary_dim=6, '
+            'short_factor=[1.0, 1.5, 2.0], long_factor=[1.2, 3.0, 7.5]')
+LONGROPE_JSON = ('{"factor": 4.0, "long_factor": [1.2, 3.0, 7.5], "original_max_position": 4, "rotary_dim": 6, '
+                 '"scaling": "longrope", "short_factor": [1.0, 1.5, 2.0], "theta": 10000.0}')
+
+
+def test_longrope_and_partial_rotary_move_into_the_attention():
+    out, ctx = run_pass(FuseRopeKVWrite(), typed(BEFORE.replace(ROPE, LONGROPE)))
+    assert_programs_equal(out, typed(EXPECTED.replace(ROPE_JSON, LONGROPE_JSON)))
+    assert ctx.stats["matches"] == 1
+    rope = out.entry.node("a").attrs["rope"]
+    assert (rope["rotary_dim"], rope["long_factor"]) == (6, (1.2, 3.0, 7.5))
+    assert_programs_equal(typed(print_program(out)), out)  # the list-valued attributes survive the text form
+
+
+def test_numerics_with_longrope_partial_rotary():
+    """The 11-token sequence runs past the original context of 4: the long factors rotate 6 of each head's 8
+    dims. Fused or not, the interpreter's logits agree; the absorbed rope's rotary_dim and factors matter."""
+    text = tiny_llama_ir().replace("{theta=10000.0}", "{" + LONGROPE + "}")
+    before, after, ctx = run_pass_on_text(FuseRopeKVWrite(), text)
+    assert ctx.stats["matches"] == 1 and after.graphs["decoder"].count("rope") == 0
+    ckpt = random_checkpoint(before, seed=5)
+    logits = lambda p: interpret(p, weights_from_checkpoint(p, ckpt), tokens())  # noqa: E731
+    ref = logits(before)
+    torch.testing.assert_close(logits(after), ref, atol=1e-5, rtol=0)
+    fused = print_program(after)
+    for old, new in (('"long_factor": [1.2, 3.0, 7.5]', '"long_factor": [1.0, 1.5, 2.0]'),  # = short_factor
+                     ('"long_factor": [1.2, 3.0, 7.5], "original_max_position": 4, "rotary_dim": 6, '
+                      '"scaling": "longrope", "short_factor": [1.0, 1.5, 2.0]',
+                      '"long_factor": [1.2, 3.0, 7.5, 1.0], "original_max_position": 4, "rotary_dim": 8, '
+                      '"scaling": "longrope", "short_factor": [1.0, 1.5, 2.0, 1.0]')):
+        assert old in fused
+        other = logits(typed(fused.replace(old, new)))
+        assert (other - ref).abs().max() > 1e-3, f"{new} computes what {old} does"
