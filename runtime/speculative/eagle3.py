@@ -64,19 +64,14 @@ class Eagle3Shape:
         return tuple(ids)
 
 
-def _layer_ids(path: Path, cfg: dict[str, Any]) -> tuple[int, ...] | None:
+def _layer_ids(cfg: dict[str, Any]) -> tuple[int, ...] | None:
     """The config's layer ids in this module's convention (see the module docstring), or None for the default."""
     nested = cfg.get("eagle_config") or {}
     if cfg.get("eagle_aux_hidden_state_layer_ids"):
-        ids = tuple(int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"])
-    elif nested.get("eagle_aux_hidden_state_layer_ids"):
-        ids = tuple(int(i) + 1 for i in nested["eagle_aux_hidden_state_layer_ids"])
-    else:
-        return None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"EAGLE-3 checkpoint {path}: eagle_aux_hidden_state_layer_ids {list(ids)} are not layer "
-                         "indices")
-    return ids
+        return tuple(int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"])
+    if nested.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(int(i) + 1 for i in nested["eagle_aux_hidden_state_layer_ids"])
+    return None
 
 
 def read_eagle3_checkpoint(path: str | Path) -> tuple[Eagle3Shape, dict[str, torch.Tensor]]:
@@ -92,6 +87,9 @@ def read_eagle3_checkpoint(path: str | Path) -> tuple[Eagle3Shape, dict[str, tor
     if int(cfg.get("target_hidden_size") or hidden) != hidden:
         raise ValueError(f"EAGLE-3 checkpoint {path}: target_hidden_size {cfg['target_hidden_size']} differs from "
                          f"its hidden_size {hidden}; kiln loads heads as wide as their target")
+    if not cfg.get("vocab_size"):
+        raise ValueError(f"EAGLE-3 checkpoint {path}: no vocab_size in config.json (the target's vocabulary, which d2t "
+                         "maps draft ids into)")
     vocab = int(cfg["vocab_size"])
     draft_vocab = int(cfg.get("draft_vocab_size") or vocab)
     weights = {k: v for k, v in read_weights(path).items()
@@ -131,7 +129,7 @@ def read_eagle3_checkpoint(path: str | Path) -> tuple[Eagle3Shape, dict[str, tor
         target_ids = torch.arange(draft_vocab) + d2t.long()
         if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab:
             raise ValueError(f"EAGLE-3 checkpoint {path}: d2t maps draft ids outside the vocabulary 0..{vocab - 1}")
-    shape = Eagle3Shape(layer, vocab, draft_vocab, num_aux, _layer_ids(path, cfg),
+    shape = Eagle3Shape(layer, vocab, draft_vocab, num_aux, _layer_ids(cfg),
                         bool(cfg.get("norm_before_residual", False)))
     return shape, weights
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -196,8 +197,6 @@ def test_target_returns_the_hidden_states_entering_the_layers_asked_for(target, 
                           seq_lens=i32([n]), block_tables=i32([[0, 1, 2, 3]]),
                           slot_mapping=torch.arange(n), logits_indices=i32([n - 1]))
         return art.model.forward(fb, caches, **kw)
-
-    import sys
 
     assert sys.modules[type(art.model).__module__].NUM_LAYERS == 2
     logits, aux = forward(aux_layers=(2, 0, 1, 0))
