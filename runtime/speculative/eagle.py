@@ -330,13 +330,15 @@ class EagleProposer(Proposer):
     @classmethod
     def pool_share(cls, config: SpeculativeConfig, artifact: Any) -> PoolShare:
         """One KV layer per target token slot, plus k + a block per sequence, and the head's weights (all but what
-        it reads from the target: the embedding, and an EAGLE-1/2 head's LM head), in the target's dtype: from its
-        config and its weights' shapes, before it is loaded. Nothing when they cannot be read (the load will say
-        why)."""
+        it reads from the target: the embedding, and an EAGLE-1/2 head's LM head), in the target's dtype, and an
+        EAGLE-3 head's draft-to-target id table (int64): from its config and its weights' shapes, before it is
+        loaded. Nothing when they cannot be read (the load will say why)."""
         path = draft_path(config, artifact)
         try:
             s = head_shape(path)
-            numel = _head_numel(path, ("embed", "t2d") if is_eagle3(path) else ("lm_head", "embed"))
+            eagle3 = is_eagle3(path)
+            numel = _head_numel(path, ("embed", "d2t", "t2d") if eagle3 else ("lm_head", "embed"))
+            ids = math.prod(_weight_shapes(path).get("d2t", [0])) if eagle3 else 0
             embed = target_tensor(artifact.model, "embed", (artifact.model_config.vocab_size, s.hidden), packed=True)
         except (ValueError, OSError, RuntimeError, ArtifactError):
             return PoolShare()
@@ -344,7 +346,7 @@ class EagleProposer(Proposer):
         per_token = 2 * s.kv_heads * s.head_dim * size
         bs = artifact.kv_cache_config.block_size
         seqs = artifact.scheduler_config.max_seqs * (config.num_tokens + bs)
-        return PoolShare(per_block=bs * per_token, fixed=numel * size + seqs * per_token)
+        return PoolShare(per_block=bs * per_token, fixed=numel * size + ids * 8 + seqs * per_token)
 
     def __init__(self, config: SpeculativeConfig, runner: Any, artifact: Any) -> None:
         path = draft_path(config, artifact)
