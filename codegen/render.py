@@ -32,7 +32,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 _RESERVED = frozenset({
     "self", "layer", "batch", "kv_caches", "weights", "device", "K", "torch", "Tensor", "ForwardBatch",
     "MAX_MODEL_LEN", "TYPE_CHECKING", "annotations", "range", "i", "_", "rank", "comm", "MESH", "EXPERTS",
-    "PACKED_WEIGHTS",
+    "PACKED_WEIGHTS", "NUM_LAYERS", "aux_layers", "aux",
 })
 
 
@@ -421,11 +421,21 @@ CONTEXT_FIELDS: dict[str, ContextField] = {
 }
 
 
+def decoder_layers(graph: Graph, program: Program) -> int:
+    """The decoder layers `graph` runs through its block calls (every block's count, in order): what model.py's
+    NUM_LAYERS says and forward's `aux_layers` index."""
+    return sum(program.blocks[node.attrs["block"]].count for node in _nodes(graph) if node.op == "block")
+
+
 class _Function:
-    """Writes one graph as straight-line Python: `forward` (entry) or a block method (`layered`)."""
+    """Writes one graph as straight-line Python: `forward` (entry) or a block method (`layered`). The entry's
+    block loops also keep, when asked per step (`aux_layers`), the hidden states entering chosen layers (an
+    EAGLE-3 head reads three); the loop that runs without them is the plain one."""
 
     def __init__(self, model: _Model, graph: Graph, *, layered: bool):
         self.model, self.graph, self.layered = model, graph, layered
+        self.num_layers = 0 if layered or graph.name != "entry" else decoder_layers(graph, model.program)
+        self.layers_before = 0  # decoder layers of the block calls emitted so far (entry)
         self.expr: dict[str, str] = {}  # value id -> local name or inline expression
         self.taken: set[str] = set()
         self.lines: list[str] = []
@@ -442,6 +452,9 @@ class _Function:
                 continue
             handlers.get(node.op, self._kernel)(vid, node)
         outs = [self.expr[o] for o in self.graph.outputs]
+        if self.num_layers:
+            self.lines.append("if aux_layers:")
+            self.lines.append(f"    return {outs[0]}, [aux[i] for i in aux_layers]")
         if len(outs) > 1 and self.graph.name == "entry":
             # the hidden states after the logits feed the named forwards (a draft head) only when asked for
             self.lines.append(f"return ({', '.join(outs)}) if return_hidden else {outs[0]}")
@@ -507,8 +520,24 @@ class _Function:
         kv = "kv_caches" if base == 0 or per_layer == 0 else f"kv_caches[{base}:]"
         h = self._local(vid)
         self.lines.append(f"{h} = {self.expr[node.inputs[0]]}")
-        self.lines.append(f"for layer in range({spec.count}):  # block {spec.name}")
-        self.lines.append(f"    {h} = self.{method}(layer, {h}, batch, {kv})")
+        loop = [f"for layer in range({spec.count}):  # block {spec.name}",
+                f"    {h} = self.{method}(layer, {h}, batch, {kv})"]
+        if not self.num_layers:
+            self.lines.extend(loop)
+            return
+        first, self.layers_before = self.layers_before, self.layers_before + spec.count
+        index = "layer" if first == 0 else f"layer + {first}"  # the global decoder layer
+        self.lines.append("if aux_layers:  # keep the hidden states entering the layers an EAGLE-3 head reads")
+        if first == 0:
+            self.lines.append("    aux = {}")
+        self.lines.append(f"    {loop[0]}")
+        self.lines.append(f"        if {index} in aux_layers:")
+        self.lines.append(f"            aux[{index}] = {h}")
+        self.lines.append(f"    {loop[1]}")
+        if self.layers_before == self.num_layers:
+            self.lines.append(f"    aux[{self.num_layers}] = {h}  # NUM_LAYERS: the last layer's output")
+        self.lines.append("else:")
+        self.lines.extend(f"    {line}" for line in loop)
 
     def _kernel(self, vid: str, node: Node) -> None:
         kernel = kernel_of(self.graph, vid, node)
@@ -629,6 +658,7 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
         packed_weights=model.packed_weights(),
         forward_lines=forward_lines,
         returns_hidden=len(program.entry.outputs) > 1,
+        num_layers=forward.num_layers,
         forwards=forwards,
         methods=list(_methods(model)),
         kernels_module=get_target(str(program.meta.get("target", "cpu"))).kernel_modules[0],
@@ -637,5 +667,5 @@ def render_model(program: Program, *, kiln_version: str, recipe_hash: str, max_m
     )
 
 
-__all__ = ["CONTEXT_FIELDS", "identifier", "kernel_of", "kernels_used", "kv_cache_nodes", "literal",
+__all__ = ["CONTEXT_FIELDS", "decoder_layers", "identifier", "kernel_of", "kernels_used", "kv_cache_nodes", "literal",
            "render_model", "template_env", "used_graphs", "vocab_size"]

@@ -113,7 +113,7 @@ def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progres
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.draft-", dir=out.resolve().parent))
     if options.speculative.method == "eagle":
         try:
-            _store_eagle(ckpt, program, stage / "art", loc)
+            _store_eagle(ckpt, program, stage / "art", loc, options)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -129,35 +129,57 @@ def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progres
     return stage
 
 
-def _store_eagle(ckpt: Path, program: Program, out: Path, loc) -> None:
-    """An EAGLE-1/2 head's checkpoint read as the runtime will serve it (runtime/speculative/eagle.py), checked
-    against the target (a hidden-state output, embedding / final norm / LM head of the head's width), written to
-    `out`: config.json, model.safetensors, and kiln.json (the target's final-norm epsilon, which the head's input
-    is normalised with)."""
+def _store_eagle(ckpt: Path, program: Program, out: Path, loc, options: RecipeOptions) -> None:
+    """An EAGLE head's checkpoint read as the runtime will serve it (runtime/speculative/eagle.py, eagle3.py),
+    checked against the target, written to `out` (config.json, model.safetensors, without a copy of the target's
+    embedding). EAGLE-1/2: the target must return its last hidden state and have an embedding, final norm and LM
+    head of the head's width; kiln.json keeps the target's final-norm epsilon, which the head's input is
+    normalised with. EAGLE-3: the target's width and vocabulary, and the decoder layers it reads among the
+    target's (the runtime resolves them again from model.py's NUM_LAYERS, the same count)."""
     from safetensors.torch import save_file
 
-    from kiln.runtime.speculative.eagle import read_checkpoint
+    from kiln.codegen.render import decoder_layers
+    from kiln.runtime.speculative.eagle import is_eagle3, read_checkpoint
+    from kiln.runtime.speculative.eagle3 import check_target, read_eagle3_checkpoint
 
-    try:
-        shape, weights = read_checkpoint(ckpt)
-    except ValueError as e:
-        raise SourceError(str(e), loc) from None
     entry, params = program.entry, program.params
     embed = params.get("embed")
-    if len(entry.outputs) < 2 or embed is None or "norm" not in params:
-        raise SourceError(f"speculative method eagle: model {program.name} does not expose what an EAGLE head reads "
-                          "(its last hidden state as a second output of `forward`, params embed and norm: "
-                          "models/llama.dsl does)", loc)
-    if tuple(embed.shape)[-1] != shape.hidden:
-        raise SourceError(f"EAGLE checkpoint {ckpt}: hidden_size {shape.hidden}, the target's is "
-                          f"{tuple(embed.shape)[-1]}", loc)
-    hidden = entry.outputs[1]
-    eps = next((n.attrs.get("eps") for _, n in entry.items() if n.op == "rms_norm" and n.inputs[0] == hidden), None)
+    try:
+        eagle3 = is_eagle3(ckpt)
+        shape, weights = read_eagle3_checkpoint(ckpt) if eagle3 else read_checkpoint(ckpt)
+    except ValueError as e:
+        raise SourceError(str(e), loc) from None
+    extra = None
+    if eagle3:
+        if embed is None or not decoder_layers(entry, program):
+            raise SourceError(f"speculative method eagle: model {program.name} does not expose what an EAGLE-3 head "
+                              "reads (decoder layers in a block, param embed)", loc)
+        if options.parallel.world > 1:
+            raise SourceError("speculative method eagle: an EAGLE-3 head on a parallel artifact (tp x dp = "
+                              f"{options.parallel.world}) is not implemented yet: its auxiliary hidden states are "
+                              "not gathered from the ranks (EAGLE-1/2 heads are)", loc)
+        try:
+            check_target(shape, ckpt, tuple(embed.shape)[-1], tuple(embed.shape)[0], decoder_layers(entry, program))
+        except ValueError as e:
+            raise SourceError(str(e), loc) from None
+    else:
+        if len(entry.outputs) < 2 or embed is None or "norm" not in params:
+            raise SourceError(f"speculative method eagle: model {program.name} does not expose what an EAGLE head "
+                              "reads (its last hidden state as a second output of `forward`, params embed and norm: "
+                              "models/llama.dsl does)", loc)
+        if tuple(embed.shape)[-1] != shape.hidden:
+            raise SourceError(f"EAGLE checkpoint {ckpt}: hidden_size {shape.hidden}, the target's is "
+                              f"{tuple(embed.shape)[-1]}", loc)
+        hidden = entry.outputs[1]
+        extra = {"target_norm_eps": next((n.attrs.get("eps") for _, n in entry.items()
+                                          if n.op == "rms_norm" and n.inputs[0] == hidden), None)}
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head")}  # it reads the target's
     out.mkdir(parents=True)
     shutil.copyfile(ckpt / "config.json", out / "config.json")
-    save_file({k: v.contiguous() for k, v in weights.items() if not k.startswith(("embed", "lm_head"))},
+    save_file({k: v.contiguous() for k, v in weights.items() if not k.startswith("embed")},
               str(out / "model.safetensors"))
-    (out / "kiln.json").write_text(json.dumps({"target_norm_eps": eps}), encoding="utf-8")
+    if extra is not None:
+        (out / "kiln.json").write_text(json.dumps(extra), encoding="utf-8")
 
 
 def check_lora_adapters(recipe: A.RecipeDecl, recipe_file: Path, options: RecipeOptions,

@@ -150,7 +150,7 @@ def speculative_config(manifest: dict, method: str | None, num_tokens: int | Non
     if method in ("draft", "eagle"):
         draft_model = draft_model or (manifest.get("speculative") or {}).get("draft_model")
         if not draft_model and method == "eagle":
-            raise ArtifactError("speculative eagle needs a draft head: give an EAGLE-1/2 checkpoint directory "
+            raise ArtifactError("speculative eagle needs a draft head: give an EAGLE-1/2 or EAGLE-3 head's directory "
                                 "(--speculative-model DIR, speculative_model=DIR, or the recipe's "
                                 "`speculative { method = eagle; draft = \"hf:DIR\" }`)")
         if not draft_model:

@@ -123,7 +123,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int,
                    help="draft tokens a step, verified in one forward pass (default: the recipe's speculative.tokens)")
     p.add_argument("--speculative-model", help="with --speculative draft: a compiled artifact of a smaller model "
-                   "sharing the tokenizer; with eagle: an EAGLE-1/2 head's checkpoint (default: the recipe's)")
+                   "sharing the tokenizer; with eagle: an EAGLE-1/2 or EAGLE-3 head's checkpoint (default: the "
+                   "recipe's)")
     p.add_argument("--kv-reserve", choices=["reasoning", "all", "none"],
                    help="which requests are admitted only with KV for their whole budget (prompt + max_tokens) and "
                    "never preempted: those with a thinking budget, all, or none (default: the recipe's "

@@ -49,10 +49,12 @@ class HostBatch:
 @dataclass(slots=True)
 class DraftInput:
     """What a draft head reads after the target model's step: its batch (positions, slots, block tables) and
-    the hidden states the forward returned for every token."""
+    the hidden states the forward returned for every token: the last ones (`hidden`), or those entering the
+    decoder layers the head asked for (`aux`, an EAGLE-3 head's, each [T, hidden], in the order asked)."""
 
     batch: ForwardBatch
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
+    aux: list[torch.Tensor] | None = None
 
 
 def host_to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
@@ -231,11 +233,16 @@ class ModelRunner:
         return logits.float()
 
     @torch.inference_mode()
-    def execute_with_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:
+    def execute_with_hidden(self, batch: ScheduledBatch, aux_layers: tuple[int, ...] = ()
+                            ) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:
         """`execute`, eagerly, also keeping what a draft head reads afterwards: the step's ForwardBatch and the
-        hidden states of every token (speculative decoding)."""
+        hidden states of every token (speculative decoding): the last ones, or with `aux_layers` those entering
+        these decoder layers (model.py's forward(aux_layers=...), EAGLE-3)."""
         self.swap(batch)
         fb, layout = self.prepare(batch)
+        if aux_layers:
+            logits, aux = self.model.forward(fb, self.kv_caches, aux_layers=aux_layers)
+            return logits.float(), layout, DraftInput(fb, None, aux)
         logits, hidden = self.model.forward(fb, self.kv_caches, return_hidden=True)
         return logits.float(), layout, DraftInput(fb, hidden)
 

@@ -212,7 +212,10 @@ class MeshExecutor:
         ints = [0, self._candidates(batch, layout), *self._lora_ints(batch, batches[0])]
         return self._step(Cmd.EXECUTE, ints, batches), layout
 
-    def execute_with_hidden(self, batch: ScheduledBatch) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:
+    def execute_with_hidden(self, batch: ScheduledBatch, aux_layers: tuple[int, ...] = ()
+                            ) -> tuple[torch.Tensor, LogitsLayout, DraftInput]:
+        # the EAGLE-3 proposer refuses a parallel artifact when it is built (speculative/eagle.py)
+        assert not aux_layers, "auxiliary hidden states (EAGLE-3) are not gathered from a mesh's ranks"
         self._check()
         self.swap(batch)
         batches, layout = self._plan(batch, None)

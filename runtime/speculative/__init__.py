@@ -3,8 +3,9 @@ target forward verifies them (k + 1 positions a sequence, scheduler.py and model
 
 Proposers (`PROPOSERS`, imported when chosen): `mtp`, the artifact's draft head (DeepSeek's multi-token
 prediction layer; mtp.py); `ngram`, prompt lookup in the sequence's own tokens (ngram.py); `draft`, a second,
-smaller artifact sharing the tokenizer, with its own KV pool (draft.py); `eagle`, an EAGLE-1/2 head over the
-target's features, chained k times (eagle.py).
+smaller artifact sharing the tokenizer, with its own KV pool (draft.py); `eagle`, an EAGLE head over the
+target's hidden states (EAGLE-1/2: its last ones; EAGLE-3: three layers' of them), chained k times (eagle.py,
+eagle3.py).
 """
 from __future__ import annotations
 
@@ -68,9 +69,11 @@ class Proposer:
     that very token, which is exact rejection sampling against a one-point draft distribution, so outputs
     follow the target's distribution whatever the proposer drafts. `pool_share(config, artifact)`: the memory it
     will take beside the target's pool, asked before the pool is planned. `needs_hidden`: the target forward also
-    returns every token's hidden state (`Launched.draft_input`)."""
+    returns every token's hidden state (`Launched.draft_input`); with `aux_layers`, the hidden states entering
+    those decoder layers instead (an EAGLE-3 head's three)."""
 
     needs_hidden: ClassVar[bool] = False
+    aux_layers: tuple[int, ...] = ()
 
     @classmethod
     def pool_share(cls, config: SpeculativeConfig, artifact: LoadedArtifact) -> PoolShare:
@@ -151,7 +154,7 @@ class SpeculativeDecoder:
         updates (rejected drafts' KV rolled back, `Scheduler.update_verified`) and calls `propose`."""
         draft_input = None
         if self.proposer.needs_hidden:
-            logits, layout, draft_input = self.runner.execute_with_hidden(batch)
+            logits, layout, draft_input = self.runner.execute_with_hidden(batch, self.proposer.aux_layers)
         else:
             logits, layout = self.runner.execute(batch)
         sampled = self.sampler.sample(logits, layout, batch.seqs)

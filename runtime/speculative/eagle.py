@@ -1,15 +1,18 @@
-"""The `eagle` proposer: an EAGLE-1/2 draft head (SafeAILab's published layout) drafting k tokens a step.
+"""The `eagle` proposer: an EAGLE draft head drafting k tokens a step, EAGLE-1/2 (here) or EAGLE-3 (eagle3.py),
+told apart by the checkpoint (`is_eagle3`).
 
-The head is one Llama decoder layer after a projection `fc` of [embedding(token t+1); target feature at t]
-(the target's last hidden state after its final norm) to a feature at t+1; the target's LM head turns a feature
-into draft logits. It shares the target's embedding and LM head, and keeps the KV of its one layer itself, paged
-(its own block pool, a block table per sequence). Drafts 2..k chain the head on its own output feature and the
-previous draft. The head runs by the target's kernel library (its model.py's `K`), batched over every sequence of
-a step: one varlen forward over the step's tokens, then one decode forward per chained draft.
+An EAGLE-1/2 head (SafeAILab's published layout) is one Llama decoder layer after a projection `fc` of
+[embedding(token t+1); target feature at t] (the target's last hidden state after its final norm) to a feature at
+t+1; the target's LM head turns a feature into draft logits. It shares the target's embedding and LM head. Either
+head keeps the KV of its one layer itself, paged (its own block pool, a block table per sequence); drafts 2..k
+chain the head on its own output hidden state and the previous draft. The head runs by the target's kernel
+library (its model.py's `K`), batched over every sequence of a step: one varlen forward over the step's tokens,
+then one decode forward per chained draft.
 
-`read_checkpoint` checks a checkpoint directory (config.json and fc.weight / layers.0.* in model.safetensors or
-pytorch_model.bin) and is what `kiln compile` runs for `speculative { method = eagle; draft = "hf:DIR" }` before
-storing the head in the artifact's eagle/ (EAGLE_DIR).
+`read_checkpoint` checks an EAGLE-1/2 checkpoint directory (config.json and fc.weight / layers.0.* in
+model.safetensors or pytorch_model.bin), eagle3.py's `read_eagle3_checkpoint` an EAGLE-3 one; `kiln compile` runs
+them for `speculative { method = eagle; draft = "hf:DIR" }` before storing the head in the artifact's eagle/
+(EAGLE_DIR).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ..config import SpeculativeConfig
 from ..errors import ArtifactError
 from ..forward_batch import ForwardBatch
 from ..kv_cache import BlockManager, cdiv
-from ..model_runner import host_to_device
+from ..model_runner import DraftInput, host_to_device
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 from . import Launched, PoolShare, Proposer, SeqStates, draft_path, shadow_sequence
@@ -49,17 +52,22 @@ class EagleShape:
     rope_theta: float
 
 
-def head_shape(path: str | Path) -> EagleShape:
-    """An EAGLE-1/2 head's shape from its config.json, or ValueError naming what is not supported (more than one
-    layer, rope scaling, an activation other than silu)."""
-    path = Path(path)
-    file = path / "config.json"
+def read_config(path: str | Path) -> dict[str, Any]:
+    """An EAGLE checkpoint's config.json, or ValueError."""
+    file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"EAGLE checkpoint {path}: no config.json")
-    cfg = json.loads(file.read_text(encoding="utf-8"))
+    return json.loads(file.read_text(encoding="utf-8"))
+
+
+def head_shape(path: str | Path) -> EagleShape:
+    """An EAGLE head's decoder-layer shape from its config.json, or ValueError naming what is not supported
+    (more than one layer, rope scaling, an activation other than silu)."""
+    path = Path(path)
+    cfg = read_config(path)
     if int(cfg.get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"EAGLE checkpoint {path}: {cfg.get('num_hidden_layers')} decoder layers; kiln loads "
-                         "one-layer EAGLE-1/2 heads")
+                         "one-layer EAGLE heads")
     rope_cfg = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 4 / 5 spelling
     if rope_cfg.get("rope_type", rope_cfg.get("type", "default")) != "default":
         raise ValueError(f"EAGLE checkpoint {path}: rope scaling {rope_cfg} is not supported (default rope only)")
@@ -72,11 +80,16 @@ def head_shape(path: str | Path) -> EagleShape:
                       float(cfg.get("rope_theta") or rope_cfg.get("rope_theta") or 10000.0))
 
 
-def _head_numel(path: Path) -> int:
-    """Elements of the head's own weights (not its copy of the embedding or LM head), from the file's header."""
+def _weights_file(path: Path) -> Path:
     file = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
     if file is None:
-        raise ValueError(f"EAGLE checkpoint {path}: no weights")
+        raise ValueError(f"EAGLE checkpoint {path}: no weights ({' or '.join(WEIGHT_FILES)})")
+    return file
+
+
+def _weight_shapes(path: Path) -> dict[str, list[int]]:
+    """Every tensor's shape (names as published, without a `model.` prefix), from the file's header."""
+    file = _weights_file(path)
     if file.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -85,30 +98,41 @@ def _head_numel(path: Path) -> int:
     else:
         shapes = {k: list(v.shape) for k, v in torch.load(file, map_location="cpu", weights_only=True,
                                                           mmap=True).items()}
-    own = [shape for k, shape in shapes.items() if not k.removeprefix("model.").startswith(("lm_head", "embed"))]
-    return sum(math.prod(shape) for shape in own)
+    return {k.removeprefix("model."): shape for k, shape in shapes.items()}
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """An EAGLE checkpoint's tensors (model.safetensors or pytorch_model.bin), names without a `model.` prefix."""
+    file = _weights_file(Path(path))
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        raw = load_file(str(file))
+    else:
+        raw = torch.load(file, map_location="cpu", weights_only=True)
+    return {k.removeprefix("model."): v for k, v in raw.items()}
+
+
+def is_eagle3(path: str | Path) -> bool:
+    """Whether the checkpoint is an EAGLE-3 head (eagle3.py): its architecture says so, or it has EAGLE-3's
+    tensors (the decoder layer as `midlayer.*`, the draft vocabulary's `d2t` / `t2d`). Either reader then says
+    what is missing."""
+    path = Path(path)
+    archs = " ".join(read_config(path).get("architectures") or []).lower()
+    return "eagle3" in archs or any(k.startswith("midlayer.") or k in ("d2t", "t2d") for k in _weight_shapes(path))
+
+
+def _head_numel(path: Path, own: tuple[str, ...] = ("lm_head", "embed")) -> int:
+    """Elements of the head's own weights: all but those it reads from the target (names starting with `own`'s)."""
+    return sum(math.prod(shape) for k, shape in _weight_shapes(path).items() if not k.startswith(own))
 
 
 def read_checkpoint(path: str | Path) -> tuple[EagleShape, dict[str, torch.Tensor]]:
     """An EAGLE-1/2 head's shape and weights (names as published, without a `model.` prefix), or ValueError
-    naming what is missing or not supported (EAGLE-3's layout, more than one layer, rope scaling)."""
+    naming what is missing or not supported (more than one layer, rope scaling)."""
     path = Path(path)
     shape = head_shape(path)
-    weights_file = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
-    if weights_file is None:
-        raise ValueError(f"EAGLE checkpoint {path}: no weights ({' or '.join(WEIGHT_FILES)})")
-    if weights_file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        raw = load_file(str(weights_file))
-    else:
-        raw = torch.load(weights_file, map_location="cpu", weights_only=True)
-    weights = {k.removeprefix("model."): v for k, v in raw.items()}
-    eagle3 = sorted(k for k in weights if k.startswith("midlayer.") or k in ("d2t", "t2d"))
-    if eagle3:
-        raise ValueError(f"EAGLE checkpoint {path}: an EAGLE-3 head ({', '.join(eagle3[:3])}, ...: a fused "
-                         "3-layer feature, its own vocabulary maps and LM head) is not supported yet; kiln loads "
-                         "EAGLE-1/2 heads (fc.weight [hidden, 2*hidden], layers.0.*)")
+    weights = read_weights(path)
     if any(k.startswith("layers.1.") for k in weights):
         raise ValueError(f"EAGLE checkpoint {path}: more than one decoder layer; kiln loads one-layer EAGLE-1/2 "
                          "heads")
@@ -126,8 +150,7 @@ def read_checkpoint(path: str | Path) -> tuple[EagleShape, dict[str, torch.Tenso
     return shape, weights
 
 
-_QKV = "layers.0.self_attn.qkv_proj"  # q/k/v fused into one GEMM, as the target's fuse_qkv makes it
-_GATE_UP = "layers.0.mlp.gate_up_proj"  # gate/up likewise (fuse_gate_up), read by the kernels' silu_mul
+_FUSED = {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))}
 
 
 def _fuse(w: dict[str, torch.Tensor], names: list[str], fused: str) -> None:
@@ -140,54 +163,60 @@ def _fuse(w: dict[str, torch.Tensor], names: list[str], fused: str) -> None:
                                         for i, b in enumerate(biases)])
 
 
-class EagleHead:
-    """The head's math over a flat, token-major batch of several sequences' rows, by the target's own kernel
-    library `kernels` (the `K` of its model.py: the rms_norm, rope, paged attention and GEMMs the target runs).
+class PagedHeadLayer:
+    """One Llama decoder layer of a draft head (its weights under `prefix`), run by the target's own kernel
+    library `kernels` (the `K` of its model.py: the rms_norm, rope, paged attention and GEMMs the target runs)
+    over a flat, token-major batch of several sequences' rows, its K/V in a paged pool of its own.
 
-    `forward(embeds, features, batch, kv_cache)`: the embeddings of tokens t+1 and the features at t [T, hidden]
-    of the rows of `batch` (a ForwardBatch of the head's one paged KV layer `kv_cache`: each row's K/V is written
-    at `batch.slot_mapping`, then it attends over its sequence's rows through `batch.block_tables` and
-    `batch.seq_lens`; `batch.positions` are the rows' positions in their sequences, for the rotary embedding)
-    -> the features at t+1 [T, hidden]."""
+    q/k/v are fused into one GEMM and gate/up into another, as the target's fuse_qkv / fuse_gate_up make them;
+    a library whose GEMM reads weights in its own layout (TVM's) gets `packed` and the layer's GEMM weights
+    packed. Subclasses say what enters the attention (`forward`) and what a hidden state drafts (`draft`)."""
+
+    prefix = "layers.0"
 
     def __init__(self, shape: EagleShape, weights: dict[str, torch.Tensor], kernels: Any, dtype: torch.dtype,
-                 device: torch.device, max_position: int) -> None:
+                 device: torch.device, max_position: int, packed: tuple[str, ...] = ()) -> None:
         self.shape = shape
         self.K = kernels
-        self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if not k.startswith(("lm_head",
-                                                                                                       "embed"))}
-        _fuse(self.w, [f"layers.0.self_attn.{p}_proj" for p in "qkv"], _QKV)
-        _fuse(self.w, ["layers.0.mlp.gate_proj", "layers.0.mlp.up_proj"], _GATE_UP)
-        if hasattr(kernels, "pack_weights"):  # a library whose GEMM reads weights in its own layout (TVM's)
-            kernels.pack_weights(self.w, {f"{n}.weight" for n in ("fc", _QKV, "layers.0.self_attn.o_proj", _GATE_UP,
-                                                                   "layers.0.mlp.down_proj")})
+        self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        p = self.prefix
+        for module, (fused, parts) in _FUSED.items():
+            _fuse(self.w, [f"{p}.{module}.{part}" for part in parts], f"{p}.{module}.{fused}")
+        if hasattr(kernels, "pack_weights"):
+            kernels.pack_weights(self.w, {f"{n}.weight" for n in (*packed, f"{p}.self_attn.qkv_proj",
+                                                                   f"{p}.self_attn.o_proj", f"{p}.mlp.gate_up_proj",
+                                                                   f"{p}.mlp.down_proj")})
         self.qkv_split = [shape.heads * shape.head_dim] + [shape.kv_heads * shape.head_dim] * 2
         self.rope = kernels.rope_cache(shape.head_dim, max_position, shape.rope_theta).to(device)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.K.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, batch: ForwardBatch,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        s, K, n = self.shape, self.K, embeds.shape[0]
-        h = self._linear(K.concat(embeds, features), "fc")
-        x = h
-        norm = self.w.get("layers.0.input_layernorm.weight")  # EAGLE-1/2: the first layer has none
-        if norm is not None:
-            x = K.rms_norm(x, norm, s.eps)
-        q, k, v = self._linear(x, _QKV).split(self.qkv_split, -1)
+    def _layer(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        """The layer from its attention input `x` on: q/k/v of x, paged attention (each row's K/V written at
+        `batch.slot_mapping`, then its sequence's rows read through `batch.block_tables` and `batch.seq_lens`,
+        q and k roped at `batch.positions`), its output added to `residual`, then the MLP with its residual."""
+        s, K, p, n = self.shape, self.K, self.prefix, x.shape[0]
+        q, k, v = self._linear(x, f"{p}.self_attn.qkv_proj").split(self.qkv_split, -1)
         a = K.paged_attention(q.reshape(n, s.heads, s.head_dim), k.reshape(n, s.kv_heads, s.head_dim),
                               v.reshape(n, s.kv_heads, s.head_dim), kv_cache, batch, s.head_dim ** -0.5,
-                              rope_cache=self.rope)  # q and k roped at batch.positions, as K.rope does
-        h = h + self._linear(a, "layers.0.self_attn.o_proj")
-        x = K.rms_norm(h, self.w["layers.0.post_attention_layernorm.weight"], s.eps)
-        return h + self._linear(K.silu_mul(self._linear(x, _GATE_UP)), "layers.0.mlp.down_proj")
+                              rope_cache=self.rope)
+        h = residual + self._linear(a, f"{p}.self_attn.o_proj")
+        x = K.rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], s.eps)
+        return h + self._linear(K.silu_mul(self._linear(x, f"{p}.mlp.gate_up_proj")), f"{p}.mlp.down_proj")
 
-    def step(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """The embeddings of tokens t+1 and the hidden states at t [T, hidden] of the rows of `batch` -> the
+        head's hidden states at t+1 [T, hidden] (what `draft` reads, and the next chained draft's `hidden`)."""
+        raise NotImplementedError
+
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              past: None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`forward` over one sequence's rows at consecutive `positions` with no rows before them, on a scratch
-        pool: (features, the rows' K, their V). A reference check's entry point; the proposer runs `forward`."""
-        assert past is None, "EagleHead.step runs one sequence from no past rows"
+        pool: (hidden states, the rows' K, their V). A reference check's entry point; the proposer runs `forward`."""
+        assert past is None, "a head's step runs one sequence from no past rows"
         s, n, bs = self.shape, embeds.shape[0], 16
         dev = embeds.device
         kv = torch.zeros(cdiv(n, bs), 2, bs, s.kv_heads, s.head_dim, dtype=embeds.dtype, device=dev)
@@ -196,8 +225,39 @@ class EagleHead:
                              query_start_loc=i32([0, n]), seq_lens=i32([n]),
                              block_tables=i32([list(range(kv.shape[0]))]),
                              slot_mapping=torch.arange(n, device=dev), logits_indices=i32([]))
-        out = self.forward(embeds, features, batch, kv)
+        out = self.forward(embeds, hidden, batch, kv)
         return out, kv[:, 0].flatten(0, 1)[:n], kv[:, 1].flatten(0, 1)[:n]
+
+
+class EagleHead(PagedHeadLayer):
+    """EAGLE-1/2: f(t+1) = Layer(fc([E(x_{t+1}); F_t])), F_t the target's last hidden state after its final norm
+    (`start`), a chained draft's F its own output f; drafts are the target LM head's greedy tokens of f. The
+    first layer has no input norm in SafeAILab's layout (used where a checkpoint has one)."""
+
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, shape: EagleShape, weights: dict[str, torch.Tensor], model: Any, kernels: Any,
+                 max_position: int, norm_eps: float) -> None:
+        self.target_norm = target_tensor(model, "norm", (shape.hidden,))
+        self.norm_eps = norm_eps
+        self.lm_head = target_lm_head(model)
+        own = {k: v for k, v in weights.items() if not k.startswith(("lm_head", "embed"))}
+        super().__init__(shape, own, kernels, self.target_norm.dtype, self.target_norm.device, max_position,
+                         packed=("fc",))
+
+    def start(self, draft: DraftInput, rows: torch.Tensor) -> torch.Tensor:
+        """F_t of the step's hidden rows `rows`: the target's hidden states (before its final norm) normed."""
+        return self.K.rms_norm(draft.hidden[rows], self.target_norm, self.norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        h = self._linear(self.K.concat(embeds, hidden), "fc")
+        norm = self.w.get("layers.0.input_layernorm.weight")  # EAGLE-1/2: the first layer has none
+        return self._layer(h if norm is None else self.K.rms_norm(h, norm, self.shape.eps), h, batch, kv_cache)
+
+    def draft(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy target token ids of the head's hidden states, by the target's LM head."""
+        return self.lm_head(hidden).argmax(-1)
 
 
 def target_tensor(model: Any, name: str, shape: tuple[int, ...], packed: bool = False) -> torch.Tensor:
@@ -254,7 +314,8 @@ class _HeadKV:
 
 
 class EagleProposer(Proposer):
-    """Runs the head over every token the target computed in the step (its KV must cover each computed
+    """Runs the head (`head`: an EagleHead, or eagle3.py's Eagle3Head, whose target layers the target's forward
+    then returns as `aux_layers`) over every token the target computed in the step (its KV must cover each computed
     position, drafting or not), rows past a rejected draft dropped: one varlen forward over every sequence of
     the step; then chains it from each drafting sequence's last valid position `limit` times, greedily: one
     batched decode forward per draft over the sequences still drafting. The head's KV is one paged layer of
@@ -268,46 +329,52 @@ class EagleProposer(Proposer):
 
     @classmethod
     def pool_share(cls, config: SpeculativeConfig, artifact: Any) -> PoolShare:
-        """One KV layer per target token slot, plus k + a block per sequence, and the head's weights (all but the
-        embedding and LM head, which it reads from the target), in the target's dtype: from its config and its
-        weights' shapes, before it is loaded. Nothing when they cannot be read (the load will say why)."""
+        """One KV layer per target token slot, plus k + a block per sequence, and the head's weights (all but what
+        it reads from the target: the embedding, and an EAGLE-1/2 head's LM head), in the target's dtype, and an
+        EAGLE-3 head's draft-to-target id table (int64): from its config and its weights' shapes, before it is
+        loaded. Nothing when they cannot be read (the load will say why)."""
         path = draft_path(config, artifact)
         try:
-            s, numel = head_shape(path), _head_numel(path)
-        except (ValueError, OSError, RuntimeError):
+            s = head_shape(path)
+            eagle3 = is_eagle3(path)
+            numel = _head_numel(path, ("embed", "d2t", "t2d") if eagle3 else ("lm_head", "embed"))
+            ids = math.prod(_weight_shapes(path).get("d2t", [0])) if eagle3 else 0
+            embed = target_tensor(artifact.model, "embed", (artifact.model_config.vocab_size, s.hidden), packed=True)
+        except (ValueError, OSError, RuntimeError, ArtifactError):
             return PoolShare()
-        size = target_tensor(artifact.model, "norm", (s.hidden,)).element_size()
+        size = torch.empty((), dtype=embed.dtype).element_size()
         per_token = 2 * s.kv_heads * s.head_dim * size
         bs = artifact.kv_cache_config.block_size
         seqs = artifact.scheduler_config.max_seqs * (config.num_tokens + bs)
-        return PoolShare(per_block=bs * per_token, fixed=numel * size + seqs * per_token)
+        return PoolShare(per_block=bs * per_token, fixed=numel * size + ids * 8 + seqs * per_token)
 
     def __init__(self, config: SpeculativeConfig, runner: Any, artifact: Any) -> None:
         path = draft_path(config, artifact)
+        model, mc = artifact.model, artifact.model_config
+        self.K = target_kernels(model)
         try:
-            shape, weights = read_checkpoint(path)
+            if is_eagle3(path):
+                from .eagle3 import load_eagle3_head
+
+                self.head = load_eagle3_head(path, artifact, self.K)
+            else:
+                shape, weights = read_checkpoint(path)
+                kiln_file = path / "kiln.json"  # written by kiln compile; a raw checkpoint: its own eps (the target's)
+                extra = json.loads(kiln_file.read_text(encoding="utf-8")) if kiln_file.is_file() else {}
+                self.head = EagleHead(shape, weights, model, self.K, mc.max_model_len,
+                                      float(extra.get("target_norm_eps") or shape.eps))
         except ValueError as e:
             raise ArtifactError(str(e)) from None
-        model, mc = artifact.model, artifact.model_config
-        kiln_file = path / "kiln.json"  # written by kiln compile; a raw checkpoint: its own eps (the target's)
-        extra = json.loads(kiln_file.read_text(encoding="utf-8")) if kiln_file.is_file() else {}
-        self.K = target_kernels(model)
+        shape = self.head.shape
+        self.aux_layers = self.head.aux_layers
         self.embed = target_tensor(model, "embed", (mc.vocab_size, shape.hidden), packed=True)  # K.embedding's
-        self.lm_head = target_lm_head(model)
-        norm = self.norm = target_tensor(model, "norm", (shape.hidden,))
-        self.norm_eps = float(extra.get("target_norm_eps") or shape.eps)
-        self.head = EagleHead(shape, weights, self.K, norm.dtype, norm.device, mc.max_model_len)
         bs = artifact.kv_cache_config.block_size
         tokens = runner.num_blocks * bs + artifact.scheduler_config.max_seqs * (config.num_tokens + bs)
         self.block_manager = BlockManager(cdiv(tokens, bs), bs)
         self.kv_cache = torch.zeros((self.block_manager.num_blocks, 2, bs, shape.kv_heads, shape.head_dim),
-                                    dtype=norm.dtype, device=norm.device)
+                                    dtype=self.embed.dtype, device=artifact.device)
         self.kv: SeqStates[_HeadKV] = SeqStates(lambda seq: _HeadKV(shadow_sequence(seq)),
                                                 lambda state: self.block_manager.free(state.shadow))
-
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's hidden states (before its final norm) as the head reads them."""
-        return self.K.rms_norm(hidden, self.norm, self.norm_eps)
 
     def propose(self, batch: ScheduledBatch, launched: Launched, wanting: list[int],
                 limits: list[int]) -> list[list[int]]:
@@ -341,14 +408,14 @@ class EagleProposer(Proposer):
         K, device = self.K, self.kv_cache.device
         with torch.inference_mode():
             fb = self._batch(entries, host_to_device(tokens, torch.int32, device))
-            feats = self.features(launched.draft_input.hidden[host_to_device(rows, torch.int64, device)])
-            f = self.head.forward(K.embedding(fb.input_ids, self.embed), feats, fb, self.kv_cache)
+            hidden = self.head.start(launched.draft_input, host_to_device(rows, torch.int64, device))
+            f = self.head.forward(K.embedding(fb.input_ids, self.embed), hidden, fb, self.kv_cache)
             for state, _, count in entries:
                 state.shadow.num_computed_tokens += count
             if not chains:
                 return [[] for _ in wanting]
             f = f[host_to_device([r for _, r, _ in chains], torch.int64, device)]
-            tok = self.lm_head(f).argmax(-1)  # draft 1 of every chain
+            tok = self.head.draft(f)  # draft 1 of every chain
             live = list(range(len(chains)))
             rounds = [(live, tok)]
             for r in range(1, max(want[i] for i, _, _ in chains)):
@@ -362,7 +429,7 @@ class EagleProposer(Proposer):
                 fb = self._batch([(chains[c][2], batch.seqs[chains[c][0]].num_computed_tokens + r - 1, 1)
                                   for c in live], tok.to(torch.int32), num_decodes=len(live))
                 f = self.head.forward(K.embedding(fb.input_ids, self.embed), f, fb, self.kv_cache)
-                tok = self.lm_head(f).argmax(-1)
+                tok = self.head.draft(f)
                 rounds.append((live, tok))
             flat = iter(torch.cat([t for _, t in rounds]).tolist())  # the one copy of the drafts to the host
         drafts: dict[int, list[int]] = {}

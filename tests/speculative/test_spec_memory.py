@@ -9,6 +9,7 @@ import pytest
 from kiln.runtime.kv_cache import BlockManager
 from spec_testlib import assert_all_blocks_free, greedy, run, tokens
 from test_spec_eagle import save_eagle_head
+from test_spec_eagle3 import save_eagle3_head
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +21,7 @@ def target(compile_hf):
 @pytest.fixture(scope="module")
 def drafts(target, compile_hf, tmp_path_factory):
     return {"eagle": save_eagle_head(tmp_path_factory.mktemp("eagle_head") / "h", target[0]),
+            "eagle3": save_eagle3_head(tmp_path_factory.mktemp("eagle3_head") / "h", target[0]),
             "draft": compile_hf("llama", seed=7, num_hidden_layers=1)[1]}
 
 
@@ -35,7 +37,8 @@ def _proposer_memory(engine) -> int:
     """What the proposer allocated on the device: its KV pool and its weights."""
     p = engine.speculator.proposer
     if engine.speculative.method == "eagle":
-        return _nbytes([p.kv_cache]) + _nbytes(p.head.w.values())
+        ids = getattr(p.head, "target_ids", None)  # an EAGLE-3 head's draft-to-target id table
+        return _nbytes([p.kv_cache]) + _nbytes(p.head.w.values()) + (0 if ids is None else ids.nbytes)
     return _nbytes(p.runner.kv_caches) + _nbytes(_weights(p.runner.model))
 
 
@@ -50,14 +53,15 @@ def _weights(model):
     return list(seen.values())
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft"])
-def test_target_pool_and_proposer_fit_the_byte_budget_together(target, drafts, method):
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "draft"])
+def test_target_pool_and_proposer_fit_the_byte_budget_together(target, drafts, head):
+    method = "eagle" if head == "eagle3" else head
     budget = 3 << 20
     alone, _, engine0 = run(target[1], [greedy(8)] * 4, num_kv_blocks=None, kv_cache_bytes=budget, speculative=None)
     bytes_per_block = _target_pool(engine0) // engine0.runner.num_blocks
     assert _target_pool(engine0) > budget - bytes_per_block  # alone, the target's pool takes the whole budget
     outs, _, engine = run(target[1], [greedy(8)] * 4, num_kv_blocks=None, kv_cache_bytes=budget, speculative=method,
-                          num_speculative_tokens=2, speculative_model=str(drafts[method]))
+                          num_speculative_tokens=2, speculative_model=str(drafts[head]))
     assert tokens(outs) == tokens(alone)
     used = _target_pool(engine) + _proposer_memory(engine)
     assert used <= budget, (used, budget)
