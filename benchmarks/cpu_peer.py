@@ -721,7 +721,10 @@ def format_table(result: dict[str, Any]) -> str:
         ["kiln offline tok/s", "served/offline", "limit/TPOT kiln"] + (["limit/TPOT vLLM"] if vllm else []) + \
         (["ratio, kiln's client"] if vllm else []) + \
         (["kiln out tok/s, kiln's client"] if any("kiln_kiln_client_out_tok_s" in r for r in result["summary"]) else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    t = result.get("threads") or {}
+    lines = [f"servers on cores {t.get('cores')}, engines computing on {t.get('compute_cores') or t.get('cores')}, "
+             f"clients on {t.get('client_cores') or 'any core'}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["summary"]:
         m = result["checkpoints"][r["checkpoint"]]
         cells = [f"{r['checkpoint']} ({m['params'] / 1e6:.1f} M)", str(r["concurrency"]), toks(r["kiln_out_tok_s"])]
@@ -846,11 +849,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown checkpoint(s) {unknown} (known: embedded, {', '.join(MODELS)})")
 
+    if args.client_cores and set(args.client_cores) & set(args.compute_cores):
+        ap.error(f"--client-cores {args.client_cores} overlap the compute cores {args.compute_cores}")
+    mask = os.sched_getaffinity(0)
     if args.client_cores:  # this process runs kiln's client and starts vLLM's; servers and workers pin themselves
-        if set(args.client_cores) & set(args.compute_cores):
-            ap.error(f"--client-cores {args.client_cores} overlap the compute cores {args.compute_cores}")
         os.sched_setaffinity(0, args.client_cores)
+    try:
+        return _run(args, argv)
+    finally:
+        os.sched_setaffinity(0, mask)  # a caller in this process (a test) gets its cores back
 
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     now = datetime.now(UTC)
     out_dir = args.out_dir or REPO / "benchmarks" / "results" / f"{now:%Y-%m-%d}-cpu"
     logs = args.work_dir / "logs" / f"{now:%Y%m%dT%H%M%S}"

@@ -109,13 +109,23 @@ def _runtime_library() -> Path:
 TVM_SPIN_COUNT = 30000  # iterations an idle TVM worker spins after a call before it sleeps
 
 
+TVM_THREADS_SET_BY_KILN = "KILN_TVM_NUM_THREADS_AUTO"  # the TVM_NUM_THREADS value kiln chose for its process
+
+
 def configure_threads() -> None:
-    """Sizes TVM's pool like torch's (unless TVM_NUM_THREADS is set) and lets its workers spin briefly between
-    calls (TVM_THREAD_POOL_SPIN_COUNT, unless set). Takes effect for pools not yet started."""
-    if "TVM_NUM_THREADS" not in os.environ:
+    """Sizes TVM's pool like torch's (unless the user set TVM_NUM_THREADS) and lets its workers spin briefly
+    between calls (TVM_THREAD_POOL_SPIN_COUNT, unless set). Takes effect for pools not yet started.
+
+    TVM reads the size from the environment, which child processes inherit: a value kiln chose for one process
+    (marked by KILN_TVM_NUM_THREADS_AUTO holding it) is chosen afresh in a child with another torch pool — an engine
+    core, a rank worker, a torchrun rank started from a script that ran an `LLM` — and only a value set otherwise is
+    the user's. (A rank 0 of a gloo mesh with a 2-thread TVM pool beside a 1-thread torch pool aborted at exit, in
+    about half of the runs.)"""
+    mine = os.environ.get(TVM_THREADS_SET_BY_KILN)
+    if "TVM_NUM_THREADS" not in os.environ or os.environ["TVM_NUM_THREADS"] == mine:
         import torch
 
-        os.environ["TVM_NUM_THREADS"] = str(torch.get_num_threads())
+        os.environ["TVM_NUM_THREADS"] = os.environ[TVM_THREADS_SET_BY_KILN] = str(torch.get_num_threads())
     os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(TVM_SPIN_COUNT))
     # TVM binds its worker k to the machine's CPU k and widens the calling thread's affinity to every CPU of the
     # machine, whatever the process's own mask: a process confined to some CPUs (taskset, `--core-cpus`, one of

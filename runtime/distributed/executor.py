@@ -468,6 +468,8 @@ class ProcessMeshExecutor(MeshExecutor):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+        if self.comm is not None:
+            self.comm.close()  # rank 0's state holds the comm too: its groups go now, not at interpreter exit
         self.comm = None
         self.store = None
 

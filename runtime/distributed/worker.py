@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     store.set(f"loaded/{rank}", "1")
     comm = ProcessGroupComm(rank, world, store, art.device, timeout=timeout, control_timeout=CONTROL_TIMEOUT_S)
-    return worker_loop(RankState(art, comm), comm)
+    try:
+        return worker_loop(RankState(art, comm), comm)
+    finally:
+        comm.close()
 
 
 if __name__ == "__main__":

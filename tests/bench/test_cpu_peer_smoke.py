@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,14 +41,22 @@ def _processes_mentioning(text: str) -> list[str]:
 
 def test_tiny_run_writes_a_complete_positive_report(cpu_peer, tmp_path, capsys):
     out, work = tmp_path / "out", tmp_path / "work"
-    assert cpu_peer.main(["--tiny", "--out-dir", str(out), "--work-dir", str(work)]) == 0
+    mask = sorted(os.sched_getaffinity(0))
+    # with two CPUs or more, as issue 11's measurement runs: the engines compute on one, the clients on another
+    placed = ["--cores", f"{mask[0]},{mask[-1]}", "--compute-cores", str(mask[0]), "--client-cores", str(mask[-1])] \
+        if len(mask) >= 2 else []
+    assert cpu_peer.main(["--tiny", "--out-dir", str(out), "--work-dir", str(work), *placed]) == 0
+    assert sorted(os.sched_getaffinity(0)) == mask  # this process got its cores back
     files = list(out.glob("cpu_peer-*.json"))
     assert len(files) == 1, files
     r = json.loads(files[0].read_text())
     assert r["workload"] == {"num_prompts": 4, "input_len": 16, "output_len": 8, "concurrency": [4], "rounds": 1,
                              "seed": 0, "kv_gib": 1 / 16, "dtype": "fp32"}
     assert r["host"]["lscpu_model"] and r["vllm_python"] is None and r["threads"]["vllm"] is None
-    assert r["threads"]["kiln"]["OMP_NUM_THREADS"] == len(r["threads"]["cores"]) >= 1
+    assert r["threads"]["kiln"]["OMP_NUM_THREADS"] == len(r["threads"]["compute_cores"]) >= 1
+    if placed:
+        assert r["threads"]["compute_cores"] == [mask[0]] and r["threads"]["client_cores"] == [mask[-1]]
+        assert r["threads"]["kiln"]["core_cpus"] == [mask[0]]  # `kiln serve --core-cpus`
 
     m = r["checkpoints"]["tiny"]
     shape = cpu_peer.MODELS["tiny"]

@@ -113,3 +113,19 @@ def test_serve_refuses_cpus_it_cannot_use(artifact, flag, message, capsys):
         raise SystemExit(main(["serve", str(artifact), "--port", str(free_port()), "--core-cpus", flag]))
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_tvm_pool_size_kiln_chose_for_a_parent_is_chosen_afresh(monkeypatch):
+    """TVM_NUM_THREADS reaches child processes: one kiln set for another process's torch pool (marked) follows this
+    process's torch threads; one the user set is kept."""
+    import torch
+    from kiln.runtime import tvm_kernels
+
+    mine = str(torch.get_num_threads())
+    monkeypatch.setenv("TVM_NUM_THREADS", "7")
+    monkeypatch.setenv(tvm_kernels.TVM_THREADS_SET_BY_KILN, "7")  # a parent's choice, inherited
+    tvm_kernels.configure_threads()
+    assert os.environ["TVM_NUM_THREADS"] == mine == os.environ[tvm_kernels.TVM_THREADS_SET_BY_KILN]
+    monkeypatch.setenv("TVM_NUM_THREADS", "5")  # the user's
+    tvm_kernels.configure_threads()
+    assert os.environ["TVM_NUM_THREADS"] == "5"
