@@ -25,8 +25,12 @@ For each checkpoint (`--checkpoints`, default `random,embedded`):
     start the server (its own process group, pinned to `--cores`), wait for /health and /v1/models within a
     bound, send 2 warm-up requests, then at each concurrency run vLLM's own `bench serve` client (when
     `--vllm-python` is given: `vllm.benchmarks.serve.main_async` in the vLLM venv, random dataset, fixed
-    lengths, `--ignore-eos --temperature 0 --seed 0`) and kiln's `kiln bench serve` client (`kiln.bench.run_serve`,
+    lengths, `--ignore-eos --temperature 0 --seed S`) and kiln's `kiln bench serve` client (`kiln.bench.run_serve`,
     random token ids, greedy, ignore_eos) as a cross-check; kill the server's process group in `finally`.
+  * prompts: every measured run (offline at each batch size, each served (round, concurrency, client)) has
+    prompts of its own and every warm-up prompts no measured run uses (`run_seed`, `warmup_seed`), so that no
+    run is served from a prefix cache a warm-up or an earlier run filled (before 2026-12-02 they repeated, and
+    whichever run came later skipped its prefills: served/offline ratios above 1 came from that).
   * `--profile-concurrency C` (default 16, 0 = off): kiln's server under kiln's client at C, sampled by py-spy
     (`--py-spy PATH`, else `py-spy` on PATH) for `--profile-seconds`; the top frames go into the JSON.
 
@@ -84,6 +88,18 @@ READY_TIMEOUT_S = {"kiln": 300.0, "vllm": 900.0}  # vLLM compiles the model at s
 CLIENT_TIMEOUT_S = 3600.0
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype -> vLLM's --dtype
 WARMUP_OUTPUT_LEN = 8
+
+
+def warmup_seed(seed: int) -> int:
+    """The warm-ups' prompts: a seed no measured run uses. Measured runs each get prompts of their own (the run's
+    seed, `run_seed`), so no run finds its prompts in a prefix cache that a warm-up or an earlier run filled: the
+    servers and offline `LLM.generate` all prefill every prompt they measure."""
+    return seed + 1_000_003
+
+
+def run_seed(seed: int, rnd: int, concurrency_index: int, client_index: int) -> int:
+    """A measured served run's prompts: distinct for every (round, concurrency, client)."""
+    return seed + 1 + 1000 * rnd + 10 * concurrency_index + client_index
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -226,8 +242,10 @@ def offline_worker(art: Path, batches: list[int], num_prompts: int, b1_prompts: 
         n = min(num_prompts, b1_prompts) if b == 1 else num_prompts
         prompts = [s.prompt for s in make_requests(n, input_len=input_len, output_len=output_len,
                                                    vocab_size=vocab, seed=seed)]
+        warm = [s.prompt for s in make_requests(b, input_len=input_len, output_len=WARMUP_OUTPUT_LEN,
+                                                vocab_size=vocab, seed=warmup_seed(seed))]
         llm = LLM(str(art), max_num_seqs=b, num_kv_blocks=num_kv_blocks, seed=seed)
-        llm.generate(prompts[:b], SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))  # one wave
+        llm.generate(warm, SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))  # one wave, other prompts
         t0, c0 = time.perf_counter(), _own_cpu()
         outs = llm.generate(prompts, params)
         dt, cpu = time.perf_counter() - t0, _own_cpu() - c0
@@ -252,7 +270,8 @@ llm = LLM(model=spec["ckpt"], dtype=spec["dtype"], max_num_seqs=spec["batch"], m
           seed=spec["seed"])
 prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
 params = SamplingParams(max_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
-llm.generate(prompts[:spec["batch"]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+warm = [{"prompt_token_ids": p} for p in spec["warmup_prompts"]]
+llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
 t0 = time.perf_counter()
 outs = llm.generate(prompts, params, use_tqdm=False)
 dt = time.perf_counter() - t0
@@ -272,9 +291,12 @@ def vllm_offline(ckpt: Path, vocab: int, args: argparse.Namespace, log_path: Pat
         n = min(args.num_prompts, args.offline_b1_prompts) if b == 1 else args.num_prompts
         prompts = [s.prompt for s in make_requests(n, input_len=args.input_len, output_len=args.output_len,
                                                    vocab_size=vocab, seed=args.seed)]
+        warm = [s.prompt for s in make_requests(b, input_len=args.input_len, output_len=WARMUP_OUTPUT_LEN,
+                                                vocab_size=vocab, seed=warmup_seed(args.seed))]
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"ckpt": str(ckpt), "dtype": VLLM_DTYPES[args.dtype], "batch": b, "seed": args.seed,
-                    "max_model_len": args.max_model_len, "prompts": prompts, "output_len": args.output_len,
+                    "max_model_len": args.max_model_len, "prompts": prompts, "warmup_prompts": warm,
+                    "output_len": args.output_len,
                     "out": str(Path(tmp) / "r.json")}
             env = {**os.environ, **OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": vllm_kv_space(args.kv_gib),
                    "VLLM_CPU_OMP_THREADS_BIND": cores_text(args.compute_cores)}
@@ -423,14 +445,16 @@ def parse_cores(text: str) -> list[int]:
 
 # Clients --------------------------------------------------------------------------------------------------
 def kiln_client(url: str, vocab: int, concurrency: int, args: argparse.Namespace, num_prompts: int | None = None,
-                output_len: int | None = None) -> dict[str, Any]:
+                output_len: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """`seed`: the run's prompts (random token ids); default --seed."""
     from kiln.bench import make_requests, run_serve
 
     n = num_prompts or args.num_prompts
+    seed = args.seed if seed is None else seed
     requests = make_requests(n, input_len=args.input_len, output_len=output_len or args.output_len,
-                             vocab_size=vocab, seed=args.seed)
+                             vocab_size=vocab, seed=seed)
     r = asyncio.run(run_serve(url, model=SERVED_NAME, requests=requests, max_concurrency=concurrency,
-                              seed=args.seed, timeout=CLIENT_TIMEOUT_S))
+                              seed=seed, timeout=CLIENT_TIMEOUT_S))
     return {"out_tok_s": r["output_token_throughput"], "tpot_p50_ms": r["tpot_ms"]["p50"],
             "tpot_mean_ms": r["tpot_ms"]["mean"], "ttft_p50_ms": r["ttft_ms"]["p50"],
             "itl_p50_ms": r["itl_ms"]["p50"], "e2e_p50_ms": r["e2e_ms"]["p50"], "completed": r["completed"],
@@ -438,13 +462,15 @@ def kiln_client(url: str, vocab: int, concurrency: int, args: argparse.Namespace
             "duration_s": r["duration_s"]}
 
 
-def vllm_client(url: str, ckpt: Path, concurrency: int, args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
+def vllm_client(url: str, ckpt: Path, concurrency: int, args: argparse.Namespace, log_path: Path,
+                seed: int) -> dict[str, Any]:
+    """`seed`: the run's prompts (vLLM's random dataset)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [args.vllm_python, "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", url, "--model", SERVED_NAME,
                "--tokenizer", str(ckpt), "--dataset-name", "random", "--random-input-len", str(args.input_len),
                "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
                "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed",
-               str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result",
+               str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result",
                "--result-dir", tmp, "--result-filename", "r.json"]
         with open(log_path, "ab") as f:
             subprocess.run(cmd, check=True, cwd=tmp, env={**os.environ, **OFFLINE_ENV}, stdout=f,
@@ -527,12 +553,13 @@ def profile_kiln(ckpt_name: str, art: Path, args: argparse.Namespace, logs: Path
         sampler = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    start_new_session=True)
         try:
-            # the load is repeated (same requests) until both sampling windows are over
+            # the load is repeated (new prompts each time: no prefix-cache hits) until both windows are over
             loads = []
             deadline = time.monotonic() + 2 * args.profile_seconds + 120
             while not loads or (sampler.poll() is None and time.monotonic() < deadline):
                 loads.append(kiln_client(server.url, vocab, args.profile_concurrency, args,
-                                         num_prompts=max(args.num_prompts, 3 * args.profile_concurrency)))
+                                         num_prompts=max(args.num_prompts, 3 * args.profile_concurrency),
+                                         seed=args.seed + 500_000 + len(loads)))
             wall = time.monotonic() - t0
             after, self_after = group_cpu(server.proc.pid), resource.getrusage(resource.RUSAGE_SELF)
             err = sampler.communicate(timeout=2 * args.profile_seconds + 60)[1].decode(errors="replace")
@@ -610,7 +637,8 @@ def warm_up(url: str, vocab: int, concurrency: list[int], args: argparse.Namespa
     """One wave of min(C, N) short requests at each concurrency C: the prefill and decode batch shapes the
     measured runs will use have run once (vLLM compiles per shape range; torch warms its allocators)."""
     for c in concurrency:
-        kiln_client(url, vocab, c, args, num_prompts=min(c, args.num_prompts), output_len=WARMUP_OUTPUT_LEN)
+        kiln_client(url, vocab, c, args, num_prompts=min(c, args.num_prompts), output_len=WARMUP_OUTPUT_LEN,
+                    seed=warmup_seed(args.seed))
 
 
 def serve_rounds(name: str, ckpt: Path, art: Path, args: argparse.Namespace, logs: Path,
@@ -631,16 +659,17 @@ def serve_rounds(name: str, ckpt: Path, art: Path, args: argparse.Namespace, log
                 if kind == "vllm":
                     out[kind]["thread_notes"] = vllm_thread_notes(server.log_tail(200_000))
                 warm_up(server.url, vocab, args.concurrency, args)
-                for c in args.concurrency:
+                for ci, c in enumerate(args.concurrency):
                     order = clients if rnd % 2 == 0 else clients[::-1]
                     for client in order if rnd < args.cross_check_rounds or len(order) == 1 else clients[:1]:
                         load = os.getloadavg()[0]
                         who = resource.RUSAGE_CHILDREN if client == "vllm" else resource.RUSAGE_SELF
                         s0, c0 = _tree_cpu(server.proc.pid), _own_cpu(who)
                         if client == "vllm":
-                            r = vllm_client(server.url, ckpt, c, args, logs / f"{name}-vllm-client.log")
+                            r = vllm_client(server.url, ckpt, c, args, logs / f"{name}-vllm-client.log",
+                                            seed=run_seed(args.seed, rnd, ci, 0))
                         else:
-                            r = kiln_client(server.url, vocab, c, args)
+                            r = kiln_client(server.url, vocab, c, args, seed=run_seed(args.seed, rnd, ci, 1))
                         s1, c1 = _tree_cpu(server.proc.pid), _own_cpu(who)
                         r.update(round=rnd + 1, load_avg_1m=[load, os.getloadavg()[0]],
                                  server_cpu_ms_per_token=(s1 - s0) / max(r["output_tokens"], 1) * 1e3,
