@@ -5,6 +5,7 @@ every request within a bound; no process is left behind."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -70,12 +71,16 @@ def test_disaggregated_server_answers_like_colocated(artifact_dir, colocated):
                 server.metric("kiln:prefill_decisions_total") < sum(stats["decisions"].values()):
             assert time.monotonic() < deadline, "the router's /metrics lag its decode core's counters"
             time.sleep(0.1)
-        # streaming: tokens come as the decode core makes them
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
-                          json={"model": MODEL, "prompt": ps[7], "max_tokens": 16, "temperature": 0.0,
-                                "ignore_eos": True, "stream": True}) as r:
+        # streaming: tokens come as the decode core makes them (steps slowed so that deltas the front-end
+        # has not yet sent when the next arrives, which it rightly sends as one event, cannot merge them all)
+        with server.slow_steps(0.02), httpx.stream(
+                "POST", server.url + "/v1/completions", timeout=30,
+                json={"model": MODEL, "prompt": ps[7], "max_tokens": 16, "temperature": 0.0,
+                      "ignore_eos": True, "stream": True}) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert len(events) >= 3 and events[-1] == "data: [DONE]"
+        streamed = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+        assert streamed == completion(server.url, ps[7], max_tokens=16)["body"]["choices"][0]["text"]
         server.wait_idle()
         # clients that go away after their first token: nothing stays behind on either core
         with server.slow_steps(0.05):
