@@ -83,14 +83,36 @@ def build(tiny_checkpoint, tmp_path_factory):
 
 
 def _run(art: pathlib.Path):
+    """Prompt logprobs and 32 greedy tokens of three prompts, each token with the margin between its top two
+    logprobs."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 512, (n,), generator=g).tolist() for n in (5, 17, 40)]
     llm = kiln.LLM(str(art), num_kv_blocks=64)
-    params = kiln.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    params = kiln.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=2)
     outs = llm.generate(prompts, params)
     lps = [torch.tensor([o.prompt_logprobs[j][t].logprob for j, t in enumerate(p) if j > 0])
            for p, o in zip(prompts, outs, strict=True)]
-    return lps, [o.outputs[0].token_ids for o in outs]
+    greedy = []
+    for o in outs:
+        tops = [sorted((x.logprob for x in step.values()), reverse=True) for step in o.outputs[0].logprobs]
+        greedy.append([(t, top[0] - top[1]) for t, top in zip(o.outputs[0].token_ids, tops, strict=True)])
+    return lps, greedy
+
+
+def assert_same_greedy(got, ref, tie: float = 1e-3, drift: float = 1e-3) -> None:
+    """Greedy tokens identical up to the first step where the reference's top two logprobs are closer than
+    `tie` plus how far the two runs' margins have drifted apart so far, and that drift below `drift`. A
+    reduction order that differs (an all-reduce of partial sums) moves logits by ~1e-6, which may break an
+    exact near-tie the other way; with dynamic fp8 activations it may also move one activation across an e4m3
+    rounding boundary, a discrete jump that the KV cache then carries into every later step."""
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        moved = 0.0
+        for step, ((tok, m), (ref_tok, ref_m)) in enumerate(zip(a, b, strict=True)):
+            if ref_m < tie + moved:
+                break
+            assert tok == ref_tok, f"prompt {i}: token {step} differs (reference margin {ref_m:.2e})"
+            moved = max(moved, abs(m - ref_m))
+            assert moved < drift, f"prompt {i}: step {step}'s top-two margin moved by {moved:.2e}"
 
 
 EXACT = ["fp8", "fp8(per_channel=true)", "fp8(block=16)", "fp8(act=static)", "awq(group=16)",
@@ -107,13 +129,15 @@ def test_quantized_tp2_equals_one_device(scheme, build, local_mesh):
     lp2, tok2 = _run(two)
     for a, b in zip(lp1, lp2, strict=True):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
-    assert tok2 == tok1
+    assert_same_greedy(tok2, tok1)
 
 
 def test_deepseek_block_fp8_tp2_equals_one_device(build, local_mesh):
     """DeepSeek-V3's scheme (block scales, activations per token and block) on MLA: q_b_proj's 4 heads of
     24 rows split 48 a rank, three 16-row blocks each (a block scale unit of two heads), and every row-parallel
-    input slice is whole 16-column activation tiles, so tp = 2 is exact too."""
+    input slice is whole 16-column activation tiles, so tp = 2 is exact too up to the all-reduce's order: prompt
+    logprobs within 1e-4; in generation one e4m3 rounding of an activation may flip (on an AVX-512 host, prompt 0's
+    top-two margin jumps by 0.014 at step 18), so greedy tokens are compared up to a near-tie of that size."""
     scheme = "fp8(block=16, act=dynamic)"
     one, two = build(scheme, None, "deepseek_v3"), build(scheme, "tp = 2", "deepseek_v3")
     params = json.loads((two / "manifest.json").read_text())["parallel"]["params"]
@@ -122,7 +146,7 @@ def test_deepseek_block_fp8_tp2_equals_one_device(build, local_mesh):
     lp2, tok2 = _run(two)
     for a, b in zip(lp1, lp2, strict=True):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
-    assert tok2 == tok1
+    assert_same_greedy(tok2, tok1, drift=0.05)
 
 
 def test_quantized_shards_follow_the_layouts(build):
