@@ -155,7 +155,8 @@ class EngineCoreProc:
             tokenizer_dir=str(art.path / tok["dir"]) if tok is not None else None,
             kv_bytes=int(engine.runner.memory_plan["kv_bytes"]), async_scheduling=engine.async_scheduling,
             speculative=engine.speculative.method if engine.speculative else None, num_threads=num_threads,
-            cpus=threads.allowed_cpus())
+            cpus=threads.allowed_cpus(), max_seqs=engine.scheduler.config.max_seqs,
+            max_batched_tokens=engine.scheduler.config.max_batched_tokens)
 
     def register_utility(self, name: str, fn: Callable[..., Any]) -> None:
         """`fn(engine, *args)`, run between two steps for a client's `UtilityCall(name, args)`; its result must

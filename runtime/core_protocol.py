@@ -79,6 +79,8 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     speculative: str | None
     num_threads: int
     cpus: list[int] | None = None  # the CPUs the core runs on (its affinity mask)
+    max_seqs: int = 0  # the scheduler's bounds: sequences running at once, tokens a step (0: not reported)
+    max_batched_tokens: int = 0
 
 
 class CoreStats(msgspec.Struct, array_like=True):

@@ -73,6 +73,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(default 1024)")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: the manifest's decision, "
                    "as `kiln compile --report` states it)")
+    p.add_argument("--max-num-seqs", type=_positive, metavar="N",
+                   help="sequences running at once, at most (default: the recipe's scheduler.max_seqs, 256)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, metavar="N",
+                   help="tokens a step computes, at most, decodes and prefill chunks together (default: the recipe's "
+                   "scheduler.max_batched_tokens, 8192). On a CPU a step of 8192 prompt tokens takes seconds, and "
+                   "every running stream waits for it: 1024-2048 there gives a burst of requests their first "
+                   "tokens sooner and lets decodes ride along with the prefill chunks")
     p.add_argument("--num-threads", type=int, help="the engine core's intra-op threads (default: every CPU the "
                    "process may run on; the API server itself uses one)")
     p.add_argument("--core-cpus", type=_cpu_list, metavar="LIST",
@@ -235,7 +242,8 @@ def run_serve(args: argparse.Namespace) -> int:
                              cpus=args.core_cpus, stream_interval=args.stream_interval, num_kv_blocks=args.num_kv_blocks, prefix_cache=not args.no_prefix_cache,
                              speculative=args.speculative, async_scheduling=args.async_scheduling,
                              kv_reserve=args.kv_reserve, num_speculative_tokens=args.num_speculative_tokens,
-                             speculative_model=args.speculative_model)
+                             speculative_model=args.speculative_model, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens)
         return serve_core(config, args.role, host, port, kv_transport=resolve_transport(transport),
                           kv_host=args.kv_host, kv_port=args.kv_port, keys=keys, insecure=args.insecure)
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
@@ -251,7 +259,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  reasoning_parser=args.reasoning_parser, reasoning_efforts=efforts or None, disaggregate=disaggregate,
                  replicas=args.replicas, router_policy=args.router_policy,
                  num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
-                 kv_offload=args.kv_offload, stream_interval=args.stream_interval, core_cpus=args.core_cpus)
+                 kv_offload=args.kv_offload, stream_interval=args.stream_interval, core_cpus=args.core_cpus,
+                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -1090,7 +1090,9 @@ def startup_line(info: CoreInfo, model_name: str, url: str) -> str:
             f"({info.device}, engine core pid {info.pid}, {info.num_threads} threads"
             + (f" on CPUs {threads.format_cpu_list(info.cpus)}" if info.cpus else "") + f"); KV pool {kv_bytes} bytes "
             f"({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks x {block_size} tokens = {kv_blocks * block_size} "
-            f"tokens; max_model_len {limits.max_model_len}; listening on {url}")
+            f"tokens; max_model_len {limits.max_model_len}"
+            + (f"; {info.max_seqs} sequences and {info.max_batched_tokens} tokens a step" if info.max_seqs else "")
+            + f"; listening on {url}")
 
 
 def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = True, speculative: str | None = None,
@@ -1129,7 +1131,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           reasoning_efforts: dict[str, int] | None = None, disaggregate: dict | None = None, replicas: int = 1,
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
           speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1,
-          core_cpus: list[int] | None = None) -> int:
+          core_cpus: list[int] | None = None, max_num_seqs: int | None = None,
+          max_num_batched_tokens: int | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -1145,7 +1148,9 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     offload tier (None: the recipe's; 0: none; runtime/kv_offload.py). `stream_interval`: a stream's tokens are
     sent every that many (its first and last at once; core_process.StreamCoalescer). `core_cpus`
     (`--core-cpus`): the CPUs the engine core computes on (several cores: disjoint slices of them); this process,
-    the API server, then runs on the CPUs it may use that they were not given (threads.py)."""
+    the API server, then runs on the CPUs it may use that they were not given (threads.py). `max_num_seqs` /
+    `max_num_batched_tokens` (None: the recipe's scheduler section) bound the sequences running at once and the
+    tokens of a step."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     effort_budgets(reasoning_efforts)  # so does a bad effort table
@@ -1153,7 +1158,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     config = core_config(artifact, max_waiting=max_waiting, num_threads=num_threads, stream_interval=stream_interval,
                          cpus=core_cpus, num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
                          kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
-                         speculative_model=speculative_model, kv_offload_bytes=kv_offload)
+                         speculative_model=speculative_model, kv_offload_bytes=kv_offload, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens)
     with contextlib.ExitStack() as stack:
         if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas

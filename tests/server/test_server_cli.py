@@ -32,7 +32,7 @@ def test_kiln_serve_subprocess(standin_dir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiln.cli", "serve", str(standin_dir), "--port", str(port), "--api-key", "k",
          "--served-model-name", "tiny", "--max-waiting", "8", "--num-kv-blocks", "64", "--log-level", "warning",
-         *(["--core-cpus", str(cpus[-1])] if placed else [])],
+         "--max-num-seqs", "3", "--max-num-batched-tokens", "40", *(["--core-cpus", str(cpus[-1])] if placed else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -63,6 +63,10 @@ def test_kiln_serve_subprocess(standin_dir):
     assert len(lines) == 1, lines
     assert "'tiny'" in lines[0] and "target cpu" in lines[0]
     assert f"KV pool {pool_bytes} bytes" in lines[0] and f"= {64 * kv['block_size']} tokens" in lines[0]
+    # the scheduler's bounds the core runs with: the flags', not the manifest's
+    sched = json.loads((standin_dir / "manifest.json").read_text())["scheduler"]
+    assert (sched["max_seqs"], sched["max_batched_tokens"]) != (3, 40)
+    assert "; 3 sequences and 40 tokens a step;" in lines[0], lines[0]
 
 
 def test_serve_parser():
@@ -73,6 +77,8 @@ def test_serve_parser():
     assert (args.host, args.port, args.api_key, args.max_waiting, args.num_kv_blocks, args.metrics_public) == (
         None, None, None, 1024, None, False)
     assert build_parser().parse_args(["serve", "art", "--metrics-public"]).metrics_public
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (None, None)  # the recipe's scheduler section
+    assert build_parser().parse_args(["serve", "art", "--max-num-batched-tokens", "2048"]).max_num_batched_tokens == 2048
     assert args.stream_interval == 1 and build_parser().parse_args(["serve", "art", "--stream-interval", "4"]) \
         .stream_interval == 4
 
@@ -83,6 +89,10 @@ def test_serve_parser_refuses_a_stream_interval_under_1(capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", "art", "--stream-interval", "0"])
     assert e.value.code == 2 and "--stream-interval: 0: give at least 1" in capsys.readouterr().err
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", "art", flag, "0"])
+        assert e.value.code == 2 and f"{flag}: 0: give at least 1" in capsys.readouterr().err
 
 
 def test_serve_parser_options_and_unknown_parser_names(standin_dir, capsys):
