@@ -10,7 +10,8 @@ Builds the cpu kernel package (kernels/cpu.py, kernels/tvm.py, kernels/tvm_cpu/c
 shapes (hidden 256, 8 query / 4 KV heads, head_dim 32) and a ~100 M Llama's (hidden 576, 9 / 3 heads,
 head_dim 64), then times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
 `paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass),
-`add_rms_norm`, `rms_norm` and `silu_mul`; and the ~100 M model's GEMMs (fp32 and bf16, batch 1/16/64 and a 128-row
+`add_rms_norm`, `rms_norm` and `silu_mul` (`--kv-copies N`: attention over N KV caches in turn, as a model's layers,
+so that a large batch's KV comes from DRAM, not the L2); and the ~100 M model's GEMMs (fp32 and bf16, batch 1/16/64 and a 128-row
 prefill) through torch's F.linear against the TVM `linear` kernel, interleaved (`--gemms-only`: just those).
 Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
@@ -95,8 +96,10 @@ def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int):
     return q, k, v, kv, batch
 
 
-def run(repeats: int, only: set[str] | None = None) -> list[dict]:
-    """Each kernel (or those in `only`) at each CASE on both SHAPES: TVM and torch timed interleaved."""
+def run(repeats: int, only: set[str] | None = None, kv_copies: int = 1) -> list[dict]:
+    """Each kernel (or those in `only`) at each CASE on both SHAPES: TVM and torch timed interleaved. With
+    `kv_copies` > 1 each paged_attention call takes the next of that many copies of the KV cache, as a model's
+    layers each read their own: a decode-64 cache is 10.5 MB (embedded), so 24 copies stream from DRAM."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for model, (hidden, heads, kv_heads, head_dim, ffn) in SHAPES.items():
@@ -107,8 +110,9 @@ def run(repeats: int, only: set[str] | None = None) -> list[dict]:
                 q, k, v, kv, batch = _batch(kind, n, heads, kv_heads, head_dim)
                 x, r = torch.randn(q.shape[0], hidden), torch.randn(q.shape[0], hidden)
                 w, gate_up = torch.randn(hidden), torch.randn(q.shape[0], 2 * ffn)
+                kvs = [kv] + [kv.clone() for _ in range(kv_copies - 1)]
                 calls = {  # kernel -> (args, keywords) as model.py passes them
-                    "paged_attention": ((q, k, v, kv, batch, head_dim ** -0.5), {"rope_cache": rope}),
+                    "paged_attention": ((q, k, v, kvs, batch, head_dim ** -0.5), {"rope_cache": rope}),
                     "add_rms_norm": ((x, r, w, 1e-5), {}),
                     "rms_norm": ((x, w, 1e-5), {}),
                     "silu_mul": ((gate_up,), {}),
@@ -116,11 +120,22 @@ def run(repeats: int, only: set[str] | None = None) -> list[dict]:
                 for kernel, (args, kw) in calls.items():
                     if only and kernel not in only:
                         continue
-                    us = _time_ab({lib.__name__: functools.partial(getattr(lib, kernel), *args, **kw)
-                                   for lib in (tvm, ref)}, repeats)
+                    call = _rotating if kernel == "paged_attention" else functools.partial
+                    us = _time_ab({lib.__name__: call(getattr(lib, kernel), *args, **kw) for lib in (tvm, ref)},
+                                  repeats)
                     rows += [{"model": model, "kernel": kernel, "case": f"{kind} {n}", "impl": impl, "us": t}
                              for impl, t in us.items()]
     return rows
+
+
+def _rotating(fn, q, k, v, kv_caches: list, *args, **kw):
+    """fn(q, k, v, kv_cache, ...) over `kv_caches` in turn, one per call."""
+    turn = [0]
+
+    def call():
+        turn[0] = (turn[0] + 1) % len(kv_caches)
+        return fn(q, k, v, kv_caches[turn[0]], *args, **kw)
+    return call
 
 
 def _time_ab(fns: dict, repeats: int) -> dict:
@@ -419,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="--offline: timed rounds per batch size, artifacts alternating")
+    ap.add_argument("--kv-copies", type=int, default=1,
+                    help="paged_attention cycles over this many KV caches (a model's layers): 24 puts decode 64 in DRAM")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)  # the TVM library sizes its pool from this when it loads
@@ -452,9 +469,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0
     only = set(args.only.split(",")) if args.only else None
-    rows = ([] if args.gemms_only else run(args.repeats, only)) + ([] if only else gemm_rows(args.repeats))
+    rows = ([] if args.gemms_only else run(args.repeats, only, args.kv_copies)) + ([] if only else gemm_rows(args.repeats))
     print(f"torch threads {torch.get_num_threads()}; decode context {CONTEXT}; KV block {BLOCK_SIZE}; "
-          "fp32 unless the model says bf16")
+          f"{args.kv_copies} KV cache(s) in turn; fp32 unless the model says bf16")
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -132,6 +132,18 @@ def test_paged_attention_sliding_window(package, window):
     assert not torch.allclose(out, full)  # the window really cut context
 
 
+@pytest.mark.parametrize("window", [0, 11])
+def test_paged_attention_blocks_narrower_than_a_vector(package, window):
+    """KV blocks of 8 keys: on an AVX-512 build (16 lanes) decodes take the prefill tile's path (the decode path
+    sums a whole vector of keys at once), on an AVX2 build (8 lanes) the decode path with one key vector a block."""
+    shape = (8, 2, 32, 8)
+    K = package(*shape)
+    seqs = [(7, 1), (8, 1), (29, 1), (0, 1), (0, 19), (13, 6)]
+    batch, kv_cache, q, k, v, dense = _batch(seqs, *shape, torch.float32, rope=False, seed=6)
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125, sliding_window=window)
+    torch.testing.assert_close(out, _reference(dense, 0.125, window, False), rtol=0, atol=2e-5)
+
+
 def test_paged_attention_decode_only_and_large_batch(package):
     shape = (9, 3, 64, 16)
     K = package(*shape)
