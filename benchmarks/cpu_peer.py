@@ -265,7 +265,7 @@ def _own_cpu(who: int = resource.RUSAGE_SELF) -> float:
 VLLM_OFFLINE = """
 import json, sys, time
 from vllm import LLM, SamplingParams
-spec = json.loads(sys.argv[1])
+spec = json.load(open(sys.argv[1]))
 llm = LLM(model=spec["ckpt"], dtype=spec["dtype"], max_num_seqs=spec["batch"], max_model_len=spec["max_model_len"],
           seed=spec["seed"])
 prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
@@ -302,7 +302,9 @@ def vllm_offline(ckpt: Path, vocab: int, args: argparse.Namespace, log_path: Pat
                    "VLLM_CPU_OMP_THREADS_BIND": cores_text(args.compute_cores)}
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as f:
-                subprocess.run([args.vllm_python, "-c", VLLM_OFFLINE, json.dumps(spec)], check=True, cwd=tmp,
+                spec_path = Path(tmp) / "spec.json"  # a file: the prompts of a long run overflow argv
+                spec_path.write_text(json.dumps(spec))
+                subprocess.run([args.vllm_python, "-c", VLLM_OFFLINE, str(spec_path)], check=True, cwd=tmp,
                                env=env, stdout=f, stderr=subprocess.STDOUT, timeout=CLIENT_TIMEOUT_S,
                                preexec_fn=lambda: os.sched_setaffinity(0, args.compute_cores))
             rows.append(json.loads((Path(tmp) / "r.json").read_text()))
