@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import statistics
 import sys
@@ -130,12 +131,8 @@ def run(repeats: int, only: set[str] | None = None, kv_copies: int = 1) -> list[
 
 def _rotating(fn, q, k, v, kv_caches: list, *args, **kw):
     """fn(q, k, v, kv_cache, ...) over `kv_caches` in turn, one per call."""
-    turn = [0]
-
-    def call():
-        turn[0] = (turn[0] + 1) % len(kv_caches)
-        return fn(q, k, v, kv_caches[turn[0]], *args, **kw)
-    return call
+    caches = itertools.cycle(kv_caches)
+    return lambda: fn(q, k, v, next(caches), *args, **kw)
 
 
 def _time_ab(fns: dict, repeats: int) -> dict:

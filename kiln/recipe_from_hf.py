@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.compiler.ops import yarn_get_mscale
+from kiln.compiler.options import SchedulerOptions
 from kiln.dsl.errors import KilnError, Loc, SourceError
 
 
@@ -718,28 +719,28 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
         f"  dtype   = {dtype}\n"
         f"{quantize}"
         f"  kv_cache  {{ block_size = 16; memory_fraction = 0.9 }}\n"
-        f"{_budget_note(target)}"
-        f"  scheduler {{ max_seqs = 256; max_batched_tokens = {_step_budget(target)}; chunked_prefill = 512;"
-        f" policy = fcfs; prefix_cache = radix }}\n"
+        f"{_scheduler_line(target)}"
         f"{note}"
         f"  serve     {{ port = 8000; served_name = {json.dumps(served)} }}\n"
         f"}}\n"
     )
 
 
-def _step_budget(target: str) -> int:
-    """Tokens a step computes at most. On a CPU a step of 8192 prompt tokens takes seconds and every running stream
-    waits for it; 2048 (vLLM's CPU server default) gives a burst of requests its first tokens sooner and lets decodes
-    ride along with the prefill chunks (docs/performance.md: 1.07x the output tokens/s and 0.6x the median TTFT at
-    concurrency 64 on a 108 M model)."""
-    return 2048 if target == "cpu" else 8192
+# Tokens a step on the cpu target. A step of 8192 prompt tokens takes seconds on a CPU and every running stream waits
+# for it; 2048 (vLLM's CPU server default) gives a burst of requests its first tokens sooner and lets decodes ride
+# along with the prefill chunks (docs/performance.md, "The step budget on a CPU": 1.07x the output tokens/s and 0.6x
+# the median TTFT at concurrency 64 on a 108 M model). Other targets take the compiler's default.
+CPU_STEP_BUDGET = 2048
 
 
-def _budget_note(target: str) -> str:
-    if _step_budget(target) == 8192:
-        return ""
-    return (f"  # {_step_budget(target)} tokens a step on a CPU, where a step of 8192 prompt tokens stalls every stream"
-            " for seconds\n")
+def _scheduler_line(target: str) -> str:
+    """The recipe's scheduler section, with a comment when the step budget is not the compiler's default."""
+    line = ("  scheduler {{ max_seqs = 256; max_batched_tokens = {}; chunked_prefill = 512; policy = fcfs;"
+            " prefix_cache = radix }}\n")
+    if target != "cpu":
+        return line.format(SchedulerOptions.max_batched_tokens)
+    return (f"  # {CPU_STEP_BUDGET} tokens a step on a CPU, where a step of {SchedulerOptions.max_batched_tokens} prompt"
+            " tokens stalls every stream for seconds\n" + line.format(CPU_STEP_BUDGET))
 
 
 def _longrope_note(args: dict[str, Any]) -> str:

@@ -17,8 +17,9 @@ import msgspec
 
 from .sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
-# 4: CoreStats.spec_num_drafts; 5: CoreStats' KV offload tier counters (cores on other machines may differ)
+PROTOCOL_VERSION = 6  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
+# 4: CoreStats.spec_num_drafts; 5: CoreStats' KV offload tier counters; 6: CoreInfo's scheduler bounds
+# (cores on other machines may differ)
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
@@ -78,9 +79,9 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     async_scheduling: bool
     speculative: str | None
     num_threads: int
+    max_seqs: int  # the scheduler's bounds: sequences running at once, tokens a step
+    max_batched_tokens: int
     cpus: list[int] | None = None  # the CPUs the core runs on (its affinity mask)
-    max_seqs: int = 0  # the scheduler's bounds: sequences running at once, tokens a step (0: not reported)
-    max_batched_tokens: int = 0
 
 
 class CoreStats(msgspec.Struct, array_like=True):

@@ -1090,9 +1090,8 @@ def startup_line(info: CoreInfo, model_name: str, url: str) -> str:
             f"({info.device}, engine core pid {info.pid}, {info.num_threads} threads"
             + (f" on CPUs {threads.format_cpu_list(info.cpus)}" if info.cpus else "") + f"); KV pool {kv_bytes} bytes "
             f"({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks x {block_size} tokens = {kv_blocks * block_size} "
-            f"tokens; max_model_len {limits.max_model_len}"
-            + (f"; {info.max_seqs} sequences and {info.max_batched_tokens} tokens a step" if info.max_seqs else "")
-            + f"; listening on {url}")
+            f"tokens; max_model_len {limits.max_model_len}; {info.max_seqs} sequences and {info.max_batched_tokens} "
+            f"tokens a step; listening on {url}")
 
 
 def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = True, speculative: str | None = None,

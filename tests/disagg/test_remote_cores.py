@@ -231,7 +231,8 @@ def test_addresses_and_pairing_rules():
     def core(role, layout=(2, "float32"), endpoint=None, lim=limits):
         info = CoreInfo(protocol_version=4, kiln_version="0", pid=1, artifact="a", input_address="", limits=lim,
                         max_waiting=1, device="cpu", target="cpu", arch=None, served_name=None, tokenizer_dir=None,
-                        kv_bytes=0, async_scheduling=False, speculative=None, num_threads=1)
+                        kv_bytes=0, async_scheduling=False, speculative=None, num_threads=1, max_seqs=8,
+                        max_batched_tokens=64)
         lay = None if role == "both" else {"num_layers": layout[0], "dtype": layout[1]}
         return Probed(f"h:{id(info)}", info, role, lay, endpoint)
 
