@@ -3,8 +3,9 @@ location of every value, and the ranges of values.
 
 `recipe_options(recipe)` is the one place recipe defaults live: the driver, the passes (through
 `RecipeOptions.from_meta(program.meta)`), codegen and the report read them from here, and the manifest carries
-the filled-in values, so the runtime holds none of its own. Adding a recipe key is a field here (and its
-syntax check in dsl/check.py) plus the code that uses it.
+the filled-in values, so the runtime holds none of its own. A default that depends on the target (the
+scheduler's step budget) is the target's (compiler/targets.py), filled in here too. Adding a recipe key is a
+field here (and its syntax check in dsl/check.py) plus the code that uses it.
 
 Ranges: a value that type-checks can still compile to an artifact that cannot run: `rope_theta = 0` (an
 infinite rotary frequency), `norm_eps = -1` (a NaN norm), `max_position = 1000000000` (a rotary table of tens
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.compiler.targets import TARGETS
 from kiln.dsl import ast as A
 from kiln.dsl import eval_expr
 from kiln.dsl.check import did_you_mean, key_loc, literal
@@ -449,7 +451,9 @@ class KVCacheOptions:
 @dataclass(frozen=True)
 class SchedulerOptions:
     max_seqs: int = opt(256, _pos_int)
-    max_batched_tokens: int = opt(8192, _pos_int)
+    # tokens a step computes, decodes and prefill chunks together; None (only in a SchedulerOptions built by hand):
+    # the target's (compiler/targets.py Target.max_batched_tokens), which recipe_options and from_meta fill in
+    max_batched_tokens: int | None = opt(None, _pos_int)
     chunked_prefill: int | None = opt(512, _chunked_prefill)  # prompt tokens of a sequence per step; None: no limit
     policy: str = opt("fcfs", _choice("fcfs", "priority", "effort"))
     prefix_cache: str = opt("radix", _choice("radix", "none"))
@@ -716,11 +720,22 @@ def _from_values(values: dict[str, Any], locs: Mapping[str, Loc]) -> RecipeOptio
             key = next((k for k in raw if f"{name}.{k}" in locs and str(k) in str(e)), None)
             where = locs.get(f"{name}.{key}") if key else locs.get(name)
             raise SourceError(f"{name}{'.' + key if key else ''}: {e}", where) from None
+    target = str(values.get("target", "cpu"))
+    sections["scheduler"] = _target_defaults(sections["scheduler"], target)
     written = frozenset(n for n in SECTIONS if values.get(n))
     weights = values.get("weights")
-    return RecipeOptions(target=str(values.get("target", "cpu")), dtype=str(values.get("dtype", "fp32")),
+    return RecipeOptions(target=target, dtype=str(values.get("dtype", "fp32")),
                          random_weights=isinstance(weights, Mapping) and weights.get("kind") == "random",
                          **sections, set_sections=written, locs=dict(locs))
+
+
+def _target_defaults(sched: SchedulerOptions, target: str) -> SchedulerOptions:
+    """The scheduler options with what the recipe left to its target filled in: the step budget. A target the
+    registry does not know leaves it None (the driver refuses the target before anything reads it)."""
+    tgt = TARGETS.get(target)
+    if sched.max_batched_tokens is not None or tgt is None:
+        return sched
+    return dataclasses.replace(sched, max_batched_tokens=tgt.max_batched_tokens)
 
 
 def _plain(cls: type, raw: Mapping[str, Any]) -> Any:

@@ -169,6 +169,15 @@ def _weight_dtypes(program: Program) -> str:
     return program.dtype + (f" + {', '.join(schemes)} weights with scales" if schemes else "")
 
 
+def _step_budget_line(options: RecipeOptions, target: Target) -> str:
+    """The scheduler's step budget and whose it is: the recipe's, or the target's default (compiler/targets.py)."""
+    sched = options.scheduler
+    whose = ("the recipe's scheduler.max_batched_tokens" if options.loc("scheduler.max_batched_tokens") is not None
+             else f"the {target.name} target's default; scheduler.max_batched_tokens sets another")
+    chunk = f"prefill chunks of {sched.chunked_prefill:,}" if sched.chunked_prefill else "prompts unchunked"
+    return f"  tokens a step          {sched.max_batched_tokens:,}  ({whose}; {chunk}, {sched.max_seqs:,} sequences at most)"
+
+
 def _pool_lines(cap: Capacity, target: Target, speculative: str | None = None) -> list[str]:
     """How the runtime will size the KV pool, with the figures (kv_layout.plan_kv_pool); with a draft model or
     an EAGLE head (`speculative`), what this prediction leaves out."""
@@ -202,6 +211,7 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
                   memory_fraction: float | None = None) -> str:
     cap = capacity(program, target, memory_fraction=memory_fraction)
     kv = cap.kv
+    options = RecipeOptions.from_meta(program.meta)
     out = [f"kiln compile report — {program.name} for {target.name} ({target.description})", "", "passes:"]
     for rec in pass_log:
         nb, na = rec["nodes"]
@@ -216,8 +226,9 @@ def format_report(program: Program, target: Target, pass_log: list[dict[str, Any
         f"  parameters             {cap.num_params:,} ({_gb(cap.param_bytes)} in {_weight_dtypes(program)})",
         *_moe_lines(program, cap.param_bytes),
         f"  KV bytes per token     {cap.kv_bytes_per_token:,} B  (= {kv.formula()} x {kv.elem_bytes} B)",
-        *_pool_lines(cap, target, RecipeOptions.from_meta(program.meta).speculative.method),
+        *_pool_lines(cap, target, options.speculative.method),
         f"  KV tokens that fit     {cap.kv_tokens:,}",
+        _step_budget_line(options, target),
         f"  TPOT floor, batch 1    {cap.tpot_floor_s * 1e3:.3f} ms  (weights / {target.bandwidth / 1e12:.2f} TB/s);"
         f" {cap.tpot_floor_ctx_s * 1e3:.3f} ms at {cap.context} tokens of context",
         f"  decode compute-bound   from batch ~{cap.compute_bound_batch:.0f} "

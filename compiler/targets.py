@@ -16,6 +16,11 @@ class TargetError(KilnError):
     """A target kiln does not know, or an option the target cannot build (Target.supports)."""
 
 
+# Tokens one scheduler step computes, decodes and prefill chunks together, on a target that does not say otherwise
+# (Target.max_batched_tokens): vLLM's GPU server default with chunked prefill.
+DEFAULT_STEP_BUDGET = 8192
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """A compile target: its datasheet figures (kernel selection's costs, the capacity planner), what it can
@@ -46,6 +51,11 @@ class Target:
     # floor per decode step (compiler/report.py)
     interconnect_bandwidth: float = 0.0
     interconnect: str = ""
+    # The scheduler's step budget when a recipe leaves scheduler.max_batched_tokens out (compiler/options.py fills
+    # it in; the manifest, the report and the runtime see the filled-in value), and why it is not the default
+    # (`kiln recipe from-hf` writes the reason into the recipes it generates).
+    max_batched_tokens: int = DEFAULT_STEP_BUDGET
+    step_budget_reason: str = ""
 
     @property
     def gpu(self) -> bool:
@@ -191,9 +201,16 @@ register_target(Target("h200", "NVIDIA H200 SXM (sm_90)", 141 * 10**9, 4.8e12, 9
                        interconnect_bandwidth=900e9, interconnect="NVLink"))
 # A nominal small CPU host (the machines kiln's CI runs on): 2 cores, 24 GiB, ~20 GB/s, ~0.2 TFLOP/s fp32. Ranks are
 # processes on the host talking gloo over loopback TCP (nominal 5 GB/s).
+# 2048 tokens a step (vLLM's CPU server default): a step of 8192 prompt tokens takes seconds on a CPU and every running
+# stream waits for it. Served at concurrency 64 on a 108 M model (docs/performance.md, "The step budget on a CPU"):
+# 8192 -> 162 tok/s, median TTFT 14.5 s; 2048 -> 174 tok/s, 8.6 s; 1024 -> 178 tok/s, 7.6 s. 1024 was better still on
+# that 2-core host, but a bigger CPU computes a step of the same tokens sooner: `kiln serve --max-num-batched-tokens`
+# is the knob there.
 register_target(Target("cpu", "CPU (apache-tvm kernels + torch; nominal 2-core host)", 24 * 2**30, 20e9, 0.2e12, 0.2e12,
                        device="cpu", kernel_modules=("tvm", "cpu"), kv_pool_bytes=256 * 2**20, max_devices=8,
-                       interconnect_bandwidth=5e9, interconnect="gloo (loopback TCP)"))
+                       interconnect_bandwidth=5e9, interconnect="gloo (loopback TCP)", max_batched_tokens=2048,
+                       step_budget_reason=f"a step of {DEFAULT_STEP_BUDGET} prompt tokens stalls every running stream "
+                                          "for seconds on a CPU"))
 
 
 def get_target(name: str) -> Target:

@@ -5,12 +5,13 @@ import json
 import math
 import os
 import re
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln.compiler.ops import yarn_get_mscale
-from kiln.compiler.options import SchedulerOptions
+from kiln.compiler.targets import Target, get_target
 from kiln.dsl.errors import KilnError, Loc, SourceError
 
 
@@ -693,6 +694,7 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
                    dtype: str | None = None, name: str | None = None, mtp: bool = True) -> str:
     """The recipe of a Hugging Face checkpoint. `mtp=False` leaves out a DeepSeek-V3 multi-token-prediction
     head (its weights are then neither converted nor given KV cache)."""
+    tgt = get_target(target)
     ckpt = Path(ckpt_dir)
     cfg, arch, model, args = _map_checkpoint(ckpt, mtp)
     if dtype is None:
@@ -719,28 +721,22 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
         f"  dtype   = {dtype}\n"
         f"{quantize}"
         f"  kv_cache  {{ block_size = 16; memory_fraction = 0.9 }}\n"
-        f"{_scheduler_line(target)}"
+        f"{_scheduler_line(tgt)}"
         f"{note}"
         f"  serve     {{ port = 8000; served_name = {json.dumps(served)} }}\n"
         f"}}\n"
     )
 
 
-# Tokens a step on the cpu target. A step of 8192 prompt tokens takes seconds on a CPU and every running stream waits
-# for it; 2048 (vLLM's CPU server default) gives a burst of requests its first tokens sooner and lets decodes ride
-# along with the prefill chunks (docs/performance.md, "The step budget on a CPU": 1.07x the output tokens/s and 0.6x
-# the median TTFT at concurrency 64 on a 108 M model). Other targets take the compiler's default.
-CPU_STEP_BUDGET = 2048
-
-
-def _scheduler_line(target: str) -> str:
-    """The recipe's scheduler section, with a comment when the step budget is not the compiler's default."""
-    line = ("  scheduler {{ max_seqs = 256; max_batched_tokens = {}; chunked_prefill = 512; policy = fcfs;"
-            " prefix_cache = radix }}\n")
-    if target != "cpu":
-        return line.format(SchedulerOptions.max_batched_tokens)
-    return (f"  # {CPU_STEP_BUDGET} tokens a step on a CPU, where a step of {SchedulerOptions.max_batched_tokens} prompt"
-            " tokens stalls every stream for seconds\n" + line.format(CPU_STEP_BUDGET))
+def _scheduler_line(tgt: Target) -> str:
+    """The recipe's scheduler section. The step budget (max_batched_tokens) is left to the target, so that a
+    recipe compiled for another target (`target = ...`, `kiln compile --target`) gets that target's; a comment
+    says what the target gives, and why where the registry gives a reason (compiler/targets.py)."""
+    why = f" ({tgt.step_budget_reason})" if tgt.step_budget_reason else ""
+    note = textwrap.wrap(f"max_batched_tokens: the target's step budget, {tgt.max_batched_tokens} tokens on "
+                         f"{tgt.name}{why}", width=112)
+    return ("".join(f"  # {line}\n" for line in note)
+            + "  scheduler { max_seqs = 256; chunked_prefill = 512; policy = fcfs; prefix_cache = radix }\n")
 
 
 def _longrope_note(args: dict[str, Any]) -> str:

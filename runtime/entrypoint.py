@@ -76,10 +76,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=_positive, metavar="N",
                    help="sequences running at once, at most (default: the recipe's scheduler.max_seqs, 256)")
     p.add_argument("--max-num-batched-tokens", type=_positive, metavar="N",
-                   help="tokens a step computes, at most, decodes and prefill chunks together (default: the recipe's "
-                   "scheduler.max_batched_tokens, 8192). On a CPU a step of 8192 prompt tokens takes seconds, and "
-                   "every running stream waits for it: 1024-2048 there gives a burst of requests their first "
-                   "tokens sooner and lets decodes ride along with the prefill chunks")
+                   help="tokens a step computes, at most, decodes and prefill chunks together (default: the "
+                   "artifact's: the recipe's scheduler.max_batched_tokens, else its target's, as `kiln compile "
+                   "--report` states it). On a CPU a step of 8192 prompt tokens takes seconds, and every running "
+                   "stream waits for it: 1024-2048 there gives a burst of requests their first tokens sooner and "
+                   "lets decodes ride along with the prefill chunks")
     p.add_argument("--num-threads", type=int, help="the engine core's intra-op threads (default: every CPU the "
                    "process may run on; the API server itself uses one)")
     p.add_argument("--core-cpus", type=_cpu_list, metavar="LIST",

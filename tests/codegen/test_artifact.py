@@ -93,8 +93,9 @@ def test_manifest(ckpt, tmp_path):
         "num_layers": 2, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": 32, "dtype": "float32",
         "layout": ["num_blocks", 2, "block_size", "kv_heads", "head_dim"], "memory_fraction": 0.5,
         "num_blocks": None, "pool_bytes": 256 * 2**20, "bytes_per_token": 2 * 2 * KV_HEADS * HEAD_DIM * 4}
-    # every value explicit (the recipe's, else compiler/options.py's default): the runtime has no defaults
-    assert manifest["scheduler"] == {"max_seqs": 8, "max_batched_tokens": 8192, "chunked_prefill": 512,
+    # every value explicit (the recipe's, else compiler/options.py's default, else the target's: max_batched_tokens
+    # is the cpu target's 2048): the runtime has no defaults
+    assert manifest["scheduler"] == {"max_seqs": 8, "max_batched_tokens": 2048, "chunked_prefill": 512,
                                      "policy": "priority", "prefix_cache": "radix", "preemption": "recompute",
                                      "swap_space": 4 * 2**30, "async_scheduling": None}
     assert manifest["serve"] == {"host": "127.0.0.1", "port": 8000, "served_name": None}

@@ -51,13 +51,16 @@ def test_defaults_are_filled_once_and_typed(tmp_path):
     opts = _options(recipe_file(tmp_path, "  model = tiny(vocab=1, hidden=2)\n"
                                           "  scheduler { max_seqs = 4; chunked_prefill = false; preemption = swap }\n"
                                           "  quantize { weights = fp8(block=128) }"))
-    assert opts.scheduler == SchedulerOptions(max_seqs=4, chunked_prefill=None, preemption="swap")
+    # max_batched_tokens, left out, is the target's (tests/compiler/test_step_budget.py)
+    assert opts.scheduler == SchedulerOptions(max_seqs=4, max_batched_tokens=2048, chunked_prefill=None,
+                                              preemption="swap")
     assert (opts.quantize.weights.kind, opts.quantize.weights.block) == ("fp8", 128)
     assert opts.kv_cache.block_size == 16 and opts.serve.port == 8000 and opts.target == "cpu"
     assert opts.set_sections == {"scheduler", "quantize"}
     assert str(opts.loc("scheduler.max_seqs")).endswith(":16:26")
     assert RecipeOptions.from_meta(opts.to_meta()) is opts  # what a Program carries
-    assert RecipeOptions.from_meta({"scheduler": {"max_seqs": 4}}).scheduler.max_batched_tokens == 8192
+    assert RecipeOptions.from_meta({"scheduler": {"max_seqs": 4}}).scheduler.max_batched_tokens == 2048  # cpu's
+    assert RecipeOptions.from_meta({"target": "h200"}).scheduler.max_batched_tokens == 8192
 
 
 def test_chunked_prefill_true_is_the_default_chunk(tmp_path):

@@ -185,20 +185,3 @@ def test_a_bad_target_flag_is_a_flag_error(recipe, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --target: unknown target 'tpu'") and "(known: h100, h200, cpu)" in err, err
     assert str(recipe) not in err
-
-
-def test_from_hf_budgets_a_cpu_step_smaller_than_a_gpu_step(tiny_checkpoint, tmp_path):
-    """A cpu recipe takes 2048 tokens a step (a step of 8192 prompt tokens stalls every stream for seconds on a
-    CPU), a GPU recipe 8192; the manifest carries the recipe's."""
-    import json
-
-    from kiln.recipe_from_hf import recipe_from_hf
-
-    ckpt = tiny_checkpoint("llama")
-    cpu, gpu = recipe_from_hf(ckpt, target="cpu"), recipe_from_hf(ckpt, target="h200")
-    assert "max_batched_tokens = 2048;" in cpu and "stalls every stream" in cpu
-    assert "max_batched_tokens = 8192;" in gpu and "stalls" not in gpu
-    path = tmp_path / "r.dsl"
-    path.write_text(cpu)
-    kiln.compile(path, tmp_path / "art", progress=False)
-    assert json.loads((tmp_path / "art" / "manifest.json").read_text())["scheduler"]["max_batched_tokens"] == 2048
