@@ -200,7 +200,10 @@ class MeshExecutor:
     def attach_offload(self, num_blocks: int) -> None:
         """Every rank allocates `num_blocks` host slots of its slice of a block."""
         assert not self.data_parallel, "a data-parallel mesh's blocks live on one rank each"
-        self._step(Cmd.KV_OFFLOAD, allocate_ints(num_blocks))
+        failed = self._step(Cmd.KV_OFFLOAD, allocate_ints(num_blocks))
+        if failed:
+            raise ArtifactError(f"kv_cache.offload: {failed} of the {self.world_size} ranks could not allocate "
+                                f"{num_blocks} host blocks (see their logs)")
         self._offload_saves = []
 
     def queue_offload_save(self, block_id: int, slot: int) -> None:

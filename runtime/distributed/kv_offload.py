@@ -60,17 +60,20 @@ def _ints_digest(ints: list[int]) -> bytes:
     return b"".join(int(i).to_bytes(8, "little", signed=True) for i in ints)
 
 
-def offload_command(state: Any, ints: list[int]) -> list[tuple[bytes, bytes | None]] | None:
+def offload_command(state: Any, ints: list[int]) -> list[tuple[bytes, bytes | None]] | int:
     """What a rank does with a KV_OFFLOAD command (commands.RankState). ALLOCATE: its HostKV of `ints[1]` slots
-    over its KV pool. COPY: the saves, then the loads; returns, per load, the digest of every rank's slice as saved
+    over its KV pool (returns the number of ranks that could not). COPY: the saves, then the loads; returns, per load, the digest of every rank's slice as saved
     and as copied (the digests of the ranks' digests; None as copied when a rank's copy failed)."""
     if ints[0] == OFFLOAD_ALLOCATE:
-        state.host_kv = HostKV(state.runner.kv_caches, ints[1])
-        return None
+        return _allocate(state, ints[1])
     store: HostKV = state.host_kv
     n = ints[1]
     for j in range(n):
-        store.save(ints[3 + 2 * j], ints[2 + 2 * j])
+        try:
+            store.save(ints[3 + 2 * j], ints[2 + 2 * j])
+        except Exception as e:  # the slot holds no digest now: a restore from it fails (on every rank)
+            logger.warning("rank %d: KV offload of block %d into host slot %d failed: %s: %s", state.comm.rank,
+                           ints[2 + 2 * j], ints[3 + 2 * j], type(e).__name__, e)
     rest = ints[2 + 2 * n:]
     loads = [(rest[1 + 2 * j], rest[2 + 2 * j]) for j in range(rest[0])]
     if not loads:
@@ -95,6 +98,22 @@ def offload_command(state: Any, ints: list[int]) -> list[tuple[bytes, bytes | No
         ok = all(rank_rows[j][-1] for rank_rows in every)
         out.append((saved.digest(), copied.digest() if ok else None))
     return out
+
+
+def _allocate(state: Any, num_blocks: int) -> int:
+    """Every rank allocates its host slots; returns how many ranks could not (summed over the mesh: where it is not
+    0, every rank drops its slots again and rank 0 refuses the tier)."""
+    failed = 0
+    try:
+        state.host_kv = HostKV(state.runner.kv_caches, num_blocks)
+    except (RuntimeError, MemoryError) as e:
+        logger.warning("rank %d: cannot allocate the KV offload tier's %d host blocks: %s", state.comm.rank,
+                       num_blocks, e)
+        failed = 1
+    total = int(state.comm.all_reduce(torch.tensor([float(failed)], device=state.artifact.device)).item())
+    if total:
+        state.host_kv = None
+    return total
 
 
 class MeshOffloadTier(OffloadTier):

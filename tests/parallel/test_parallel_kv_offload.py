@@ -150,3 +150,53 @@ def test_data_parallel_attention_is_refused_at_load(compile_parallel):
     _, dp2 = compile_parallel("llama", "dp = 2; dense = replicated")
     with pytest.raises(ArtifactError, match=r"data-parallel attention \(parallel.dp > 1\) is not implemented"):
         EngineCore(dp2, num_kv_blocks=POOL, kv_offload_bytes=OFFLOAD_BYTES, executor="local")
+
+
+RECIPE = """
+recipe r {
+  model    = llama(vocab=96, hidden=32, layers=2, heads=2, ffn=64, max_position=128)
+  weights  = random(seed=1)
+  target   = cpu
+  parallel { tp = 2 }
+  kv_cache { offload = cpu(1MiB) }
+}
+"""
+
+
+def test_a_tp_recipe_with_offload_compiles_and_splits_the_tier_over_the_ranks(tmp_path):
+    """`kv_cache { offload = cpu(SIZE) }` with `parallel { tp = 2 }` compiles (refused before the mesh tier existed);
+    SIZE is the tier's host memory over both ranks: each holds that many slots of its slice of a block."""
+    import kiln
+
+    p = tmp_path / "r.dsl"
+    p.write_text(RECIPE)
+    art = kiln.compile(p, tmp_path / "art", progress=False)
+    assert art.manifest["kv_cache"]["offload_bytes"] == 2**20 and art.manifest["parallel"]["world_size"] == 2
+    engine = EngineCore(tmp_path / "art", num_kv_blocks=8, executor="local")
+    try:
+        tier = engine.offload
+        slice_bytes = engine.artifact.kv_cache_config.bytes_per_block
+        assert tier.store.block_bytes == slice_bytes and tier.block_bytes == 2 * slice_bytes
+        assert tier.num_blocks == 2**20 // (2 * slice_bytes)
+        assert all(s.host_kv.host[0].shape[0] == tier.num_blocks for s in engine.runner.states)
+    finally:
+        engine.runner.shutdown()
+
+
+def test_a_rank_that_cannot_allocate_the_tier_fails_the_start_with_its_count(arts, monkeypatch):
+    """Every rank allocates its host slots in one command whose failures are summed over the mesh: one rank out of
+    host memory refuses the tier at load (the mesh is stopped), not at the first restore's collective."""
+    import threading
+
+    from kiln.runtime.distributed import kv_offload
+
+    class NoRoomOnOtherRanks(kv_offload.HostKV):
+        def __init__(self, kv_caches, num_blocks):
+            if threading.current_thread().name.startswith("kiln-rank"):  # the single-process mesh's ranks > 0
+                raise MemoryError("no host memory here")
+            super().__init__(kv_caches, num_blocks)
+
+    monkeypatch.setattr(kv_offload, "HostKV", NoRoomOnOtherRanks)
+    _, tp2 = arts
+    with pytest.raises(ArtifactError, match="1 of the 2 ranks could not allocate"):
+        EngineCore(tp2, num_kv_blocks=POOL, kv_offload_bytes=OFFLOAD_BYTES, executor="local")
