@@ -62,8 +62,9 @@ def _ints_digest(ints: list[int]) -> bytes:
 
 def offload_command(state: Any, ints: list[int]) -> list[tuple[bytes, bytes | None]] | int:
     """What a rank does with a KV_OFFLOAD command (commands.RankState). ALLOCATE: its HostKV of `ints[1]` slots
-    over its KV pool (returns the number of ranks that could not). COPY: the saves, then the loads; returns, per load, the digest of every rank's slice as saved
-    and as copied (the digests of the ranks' digests; None as copied when a rank's copy failed)."""
+    over its KV pool (returns the number of ranks that could not). COPY: the saves, then the loads; returns, per
+    load, the digest of every rank's slice as saved and as copied (digests of the ranks' digests in rank order; None
+    as copied when a rank's copy failed)."""
     if ints[0] == OFFLOAD_ALLOCATE:
         return _allocate(state, ints[1])
     store: HostKV = state.host_kv
