@@ -88,7 +88,7 @@ def _summary(values: list[float]) -> dict:
 
 def digest_cost(blocks: int = 64, repeats: int = 5) -> None:
     """Per block, best of `repeats` passes over `blocks`: the offload's device -> host copy (every layer's slice)
-    against the tier's digest of it (`OffloadTier._content_digest`), one torch thread, two KV layouts."""
+    against the tier's digest of it (`HostKV._content_digest`), one torch thread, two KV layouts."""
     import torch
     from kiln.runtime.kv_cache import BlockManager
     from kiln.runtime.kv_offload import OffloadTier
@@ -108,7 +108,7 @@ def digest_cost(blocks: int = 64, repeats: int = 5) -> None:
             copy = min(copy, (time.perf_counter() - t) / blocks)
             t = time.perf_counter()
             for b in range(blocks):
-                tier._content_digest(b)
+                tier.store._content_digest(b)
             digest = min(digest, (time.perf_counter() - t) / blocks)
         print(f"| {name} ({layers} layers x {heads} KV heads x {dim}, block 16, fp32) | "
               f"{tier.block_bytes // 1024} KiB | {copy * 1e6:.0f} | {digest * 1e6:.0f} |")

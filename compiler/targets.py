@@ -81,9 +81,13 @@ class Target:
         if options.kv_cache.offload is not None and options.scheduler.prefix_cache == "none":
             refuse("kv_cache.offload keeps the blocks the prefix cache evicts: it needs scheduler.prefix_cache = "
                    "radix", "kv_cache.offload")
-        if options.kv_cache.offload is not None and options.parallel.world > 1:
-            refuse(f"kv_cache.offload with parallel (tp x dp = {options.parallel.world}) is not implemented yet: "
-                   "the tier copies one device's KV pool", "kv_cache.offload")
+        if options.kv_cache.offload is not None and options.parallel.dp > 1:
+            # tensor parallelism is served (every rank offloads its slice of the same blocks, runtime/distributed/
+            # kv_offload.py); under data-parallel attention a block's KV is on one rank, its sequence's
+            refuse(f"kv_cache.offload with data-parallel attention (parallel.dp = {options.parallel.dp}) is not "
+                   "implemented yet: each block's KV is on the one rank running its sequence, so a restore would "
+                   "have to move it to the rank the returning sequence is placed on (tp meshes are served)",
+                   "kv_cache.offload")
         self._supports_mesh(options, refuse)
         q = options.quantize
         if q.weights is not None:

@@ -86,7 +86,11 @@ class EngineCore(EngineLoRA):
         num_blocks = self.runner.num_blocks
         self.limits = RequestLimits(cfg.vocab_size, cfg.max_model_len, kv.block_size, num_blocks)
         self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
-        self.offload = attach_offload(self, kv.offload_bytes if kv_offload_bytes is None else kv_offload_bytes)
+        try:
+            self.offload = attach_offload(self, kv.offload_bytes if kv_offload_bytes is None else kv_offload_bytes)
+        except BaseException:  # refused (ArtifactError): a mesh's ranks are not left running
+            self.runner.shutdown()
+            raise
         self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
         self.attach_lora()  # an artifact compiled with `lora { }`: its adapters and slots (lora.py)
         self.sampler = Sampler(seed, device)

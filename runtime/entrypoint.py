@@ -98,8 +98,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
     p.add_argument("--kv-offload", type=_size, metavar="SIZE",
                    help="host memory of the CPU offload tier, where evicted prefix-cache blocks go and come back from "
-                   "on a hit instead of being recomputed, e.g. 16GiB; 0 turns it off (default: the recipe's "
-                   "kv_cache.offload)")
+                   "on a hit instead of being recomputed, e.g. 16GiB (split over a tensor-parallel artifact's ranks); 0 "
+                   "turns it off (default: the recipe's kv_cache.offload)")
     p.add_argument("--disaggregate", action="store_true",
                    help="serve through a router over one prefill and one decode engine core on this machine (the "
                    "recipe's disaggregate section, else transport tcp, remote_prefill auto)")

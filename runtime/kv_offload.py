@@ -16,6 +16,10 @@ the scheduler allocates, and BLAKE2b over a block costs ~8-14 copies of it (docs
 hashlib releases the GIL for buffers this large. A restore waits for the digests of its slots; a slot is reused only
 once its pending digest was computed or cancelled, so the thread always reads what was offloaded.
 
+On a tensor-parallel mesh this bookkeeping is rank 0's and every rank holds the same host slots, each its slice of
+a block; the copies are commands the ranks run in lockstep and a restore commits only when every rank's slices
+check out (distributed/kv_offload.py). A failed restore drops its host copies: the blocks are recomputed.
+
 Accounting: device free + active + leased + cached == total (the ledger's `check`); host
 free + offloaded == capacity (`check`), `offloaded` counting the slots that hold a block (some of them being read).
 """
@@ -42,33 +46,83 @@ class Restore:
     reading: bool = True  # its host slots are pinned
 
 
+class HostKV:
+    """One process's host copy of KV blocks: `num_blocks` slots shaped like a block of each of `kv_caches` (the
+    device pool this process holds: the whole pool, or a tensor-parallel rank's slice of every block), pinned where
+    CUDA is present, and the digest of each slot's content as saved, computed by a thread of its own. `save` and
+    `load` copy at once; the slot bookkeeping (which block hash is where, LRU, who reads what) is `OffloadTier`'s."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
+        self.kv_caches = kv_caches
+        pin = kv_caches[0].device.type == "cuda"
+        self.host = [torch.zeros((num_blocks, *c.shape[1:]), dtype=c.dtype, pin_memory=pin) for c in kv_caches]
+        self.block_bytes = sum(h[0].numel() * h.element_size() for h in self.host)
+        self._digest: dict[int, Future[bytes]] = {}  # host slot -> digest of its content when saved
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kiln-offload-digest")
+
+    def save(self, slot: int, block_id: int) -> None:
+        """Copies device block `block_id` into `slot`; its digest is computed off the caller's thread. A slot saved
+        before is overwritten only once its pending digest was computed or cancelled (so the thread always reads
+        what was saved)."""
+        pending = self._digest.pop(slot, None)
+        if pending is not None and not pending.cancel():
+            pending.result()
+        for host, dev in zip(self.host, self.kv_caches, strict=True):
+            host[slot].copy_(dev[block_id])
+        self._digest[slot] = self._hasher.submit(self._content_digest, slot)
+
+    def saved_digest(self, slot: int) -> bytes:
+        """The digest of what `slot` held when saved (waits for the thread)."""
+        return self._digest[slot].result()
+
+    def load(self, slot: int, block_id: int) -> bytes:
+        """Copies `slot` into device block `block_id`; returns the digest of what the slot holds now."""
+        for host, dev in zip(self.host, self.kv_caches, strict=True):
+            dev[block_id].copy_(host[slot], non_blocking=True)
+        return self._content_digest(slot)
+
+    def _content_digest(self, slot: int) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for host in self.host:
+            h.update(host[slot].view(torch.uint8).numpy())
+        return h.digest()
+
+
 class OffloadTier:
     """`num_blocks` host blocks under `bm`'s prefix cache, for the device pool `kv_caches` (one tensor per layer,
     [num_device_blocks, *block shape]). Attaching it hooks the prefix cache's evictions and the block manager's
     lookups (`bm.offload`). Driven by the engine's loop, like the block manager; only the offload digests run on a
-    thread of the tier's."""
+    thread of the tier's (its `store`, a HostKV). A mesh's tier is distributed/kv_offload.py's `MeshOffloadTier`:
+    the same bookkeeping, the copies run by every rank."""
 
     def __init__(self, bm: BlockManager, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
+        self.store = HostKV(kv_caches, num_blocks)
+        self._attach(bm, num_blocks, self.store.block_bytes)
+
+    def _attach(self, bm: BlockManager, num_blocks: int, block_bytes: int) -> None:
         assert bm.prefix_cache is not None, "the offload tier lives under a prefix cache"
         assert num_blocks > 0, f"bad offload tier: {num_blocks} blocks"
         self.bm = bm
-        self.kv_caches = kv_caches
         self.num_blocks = num_blocks
-        pin = kv_caches[0].device.type == "cuda"
-        self.host = [torch.zeros((num_blocks, *c.shape[1:]), dtype=c.dtype, pin_memory=pin) for c in kv_caches]
-        self.block_bytes = sum(h[0].numel() * h.element_size() for h in self.host)
+        self.block_bytes = block_bytes
         if bm.ledger is None:  # else the pool's (a decode core's transfers, disagg/roles.py): one over the pool
             TransferLedger(bm)
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash -> host slot, least recently used first
         self._hash_of: dict[int, int] = {}  # host slot -> block hash
-        self._digest: dict[int, Future[bytes]] = {}  # host slot -> digest of its content when offloaded
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kiln-offload-digest")
         self._free: deque[int] = deque(range(num_blocks))
         self._reading: Counter[int] = Counter()  # host slots restores are copying from (never reused meanwhile)
         self._ids = itertools.count()
         self.counts = Counter(offloaded=0, restored=0, offload_bytes=0, restore_bytes=0, dropped=0, failed=0)
         bm.offload = self
         bm.prefix_cache.on_evict = self.offload
+
+    @property
+    def host(self) -> list[torch.Tensor]:
+        return self.store.host
+
+    @property
+    def _digest(self) -> dict[int, Future[bytes]]:
+        return self.store._digest
 
     @property
     def ledger(self) -> TransferLedger:
@@ -89,13 +143,14 @@ class OffloadTier:
         if slot is None:  # every slot is being read by a restore
             self.counts["dropped"] += 1
             return
-        for host, dev in zip(self.host, self.kv_caches, strict=True):
-            host[slot].copy_(dev[block_id])
+        self._save(slot, block_id)
         self._slot_of[block_hash] = slot
         self._hash_of[slot] = block_hash
-        self._digest[slot] = self._hasher.submit(self._content_digest, slot)
         self.counts["offloaded"] += 1
         self.counts["offload_bytes"] += self.block_bytes
+
+    def _save(self, slot: int, block_id: int) -> None:
+        self.store.save(slot, block_id)
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -103,17 +158,8 @@ class OffloadTier:
         for block_hash, slot in self._slot_of.items():  # the least recently used slot nobody is reading
             if not self._reading[slot]:
                 del self._slot_of[block_hash], self._hash_of[slot]
-                pending = self._digest.pop(slot)
-                if not pending.cancel():  # being computed: the caller overwrites the slot only after it was read
-                    pending.result()
-                return slot
+                return slot  # its store's save waits for the slot's pending digest
         return None
-
-    def _content_digest(self, slot: int) -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        for host in self.host:
-            h.update(host[slot].view(torch.uint8).numpy())
-        return h.digest()
 
     # Host -> device ---------------------------------------------------------------------------------------
     def lookup(self, hashes: list[int]) -> int:
@@ -152,10 +198,14 @@ class OffloadTier:
         assert lease is not None, "num_available_blocks said the pool could spare them"
         for i, (b, gen) in enumerate(zip(lease.blocks, lease.generations, strict=True)):
             assert self.ledger.begin_write(lease.transfer_id, i, b, gen)
-        self.ledger.expect(lease.transfer_id, [self._digest[s].result() for s in slots])
+        self._expect(lease, slots)
         for h in hashes:
             self._slot_of.move_to_end(h)
         return Restore(lease, slots, hashes)
+
+    def _expect(self, lease: Lease, slots: list[int]) -> None:
+        """The digests the restore's blocks must arrive with: those of the slots' content when offloaded."""
+        self.ledger.expect(lease.transfer_id, [self.store.saved_digest(s) for s in slots])
 
     def copy(self, pending: Restore, index: int) -> None:
         """Copies block `index` of the restore host -> device and ends its write with the digest of what the host
@@ -163,9 +213,7 @@ class OffloadTier:
         slot, block = pending.slots[index], pending.lease.blocks[index]
         digest = None
         try:
-            for host, dev in zip(self.host, self.kv_caches, strict=True):
-                dev[block].copy_(host[slot], non_blocking=True)
-            digest = self._content_digest(slot)
+            digest = self.store.load(slot, block)
         finally:
             self.ledger.end_write(pending.lease.transfer_id, index, digest)
 
@@ -181,6 +229,7 @@ class OffloadTier:
         if lease is None:
             self.counts["failed"] += 1
             self.ledger.abort(pending.lease.transfer_id)
+            self._forget(pending.hashes)
             return []
         bm = self.bm
         n = 0  # published: up to a block whose content the device pool came to hold meanwhile (the rest are freed)
@@ -190,6 +239,15 @@ class OffloadTier:
         self.counts["restored"] += n
         self.counts["restore_bytes"] += n * self.block_bytes
         return list(lease.blocks[:n])
+
+    def _forget(self, hashes: list[int]) -> None:
+        """Drops the host copies of a restore that did not check out: the blocks are recomputed, and offloaded afresh
+        when evicted again (`offload` skips the copy of a hash the tier still holds)."""
+        for h in hashes:
+            slot = self._slot_of.get(h)
+            if slot is not None and not self._reading[slot]:  # (one another restore reads stays: it fails there)
+                del self._slot_of[h], self._hash_of[slot]
+                self._free.append(slot)
 
     def _done_reading(self, pending: Restore) -> None:
         if pending.reading:
@@ -213,17 +271,31 @@ class OffloadTier:
 
 
 def attach_offload(engine, num_bytes: int | None) -> OffloadTier | None:
-    """The engine's tier of `num_bytes` (None or 0: none). Needs a prefix cache and the KV pool in this process."""
+    """The engine's tier of `num_bytes` of host memory (None or 0: none), for the KV pool in this process or, on a
+    tensor-parallel mesh, split evenly over the ranks (each holds its slice of every host block). Needs a prefix
+    cache."""
     if not num_bytes:
         return None
     from .errors import ArtifactError
     bm, runner = engine.block_manager, engine.runner
     if bm.prefix_cache is None:
         raise ArtifactError("kv_cache.offload needs the prefix cache (scheduler.prefix_cache = radix)")
-    if not hasattr(runner, "kv_caches"):
-        raise ArtifactError("kv_cache.offload serves single-device artifacts only (this one is parallel)")
-    num_blocks = num_bytes // engine.artifact.kv_cache_config.bytes_per_block
+    world = getattr(runner, "world_size", 1)
+    if world > 1 and runner.data_parallel:
+        raise ArtifactError(DATA_PARALLEL_REFUSAL)
+    per_block = engine.artifact.kv_cache_config.bytes_per_block * world  # a rank's slice of a block, every rank
+    num_blocks = num_bytes // per_block
     if num_blocks < 1:
-        raise ArtifactError(f"kv_cache.offload: {num_bytes} bytes hold no KV block "
-                            f"({engine.artifact.kv_cache_config.bytes_per_block} bytes each)")
+        raise ArtifactError(f"kv_cache.offload: {num_bytes} bytes hold no KV block ({per_block} bytes each"
+                            f"{f', over {world} ranks' if world > 1 else ''})")
+    if world > 1:
+        from .distributed.kv_offload import MeshOffloadTier
+
+        return MeshOffloadTier(bm, runner, num_blocks)
     return OffloadTier(bm, runner.kv_caches, num_blocks)
+
+
+DATA_PARALLEL_REFUSAL = (
+    "kv_cache.offload with data-parallel attention (parallel.dp > 1) is not implemented: each block's KV is on the "
+    "one rank running its sequence, so a restore would have to move it to the rank the returning sequence is placed "
+    "on (tensor-parallel meshes are served: every rank offloads its slice of the same blocks)")

@@ -8,7 +8,8 @@
 One batch: every rank runs it (tensor-parallel attention). One per rank: rank r runs batch r (data-parallel
 attention), each carrying every rank's token and logits-row counts. A step with LoRA adapters carries, after
 EXECUTE's two ints, each sequence's adapter id and the slot rank 0 chose for each adapter (`lora_step_ints`);
-LORA loads or unloads an adapter on every rank between steps (`lora_command_ints`).
+LORA loads or unloads an adapter on every rank between steps (`lora_command_ints`). KV_OFFLOAD copies blocks of
+the CPU offload tier between each rank's KV pool and its host slots (distributed/kv_offload.py).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Cmd(enum.IntEnum):
     SWAP = 4  # ints: n_out, (device, cpu) * n_out, n_in, (cpu, device) * n_in
     PROFILE = 5  # ints: prefill lengths
     LORA = 6  # ints: op (LORA_LOAD / LORA_UNLOAD), lora_id, len(name), name (utf-8), len(path), path (utf-8)
+    KV_OFFLOAD = 7  # ints: the offload tier's host copies (distributed/kv_offload.py: allocate_ints, copy_ints)
 
 
 LORA_LOAD, LORA_UNLOAD = 0, 1
@@ -137,6 +139,7 @@ class RankState:
     draft: DraftInput | None = None
     # the rank's adapter slots (lora.LoRAManager of its slices); rank 0's is the engine's, set by its executor
     lora: LoRAManager | None = None
+    host_kv: Any = None  # kv_offload.HostKV: the rank's slices of the offload tier's host blocks (KV_OFFLOAD)
 
     def __post_init__(self) -> None:
         art = self.artifact
@@ -188,6 +191,10 @@ class RankState:
             return profile_forward(art, ints)
         if cmd is Cmd.LORA:
             return self._lora_command(ints)
+        if cmd is Cmd.KV_OFFLOAD:
+            from .kv_offload import offload_command
+
+            return offload_command(self, ints)
         raise AssertionError(f"unknown command {cmd!r}")
 
     def _attach_lora(self, fb: Any, host: HostBatch, lora_ids: list[int | None], slots: dict[int, int]) -> None:

@@ -54,6 +54,7 @@ from .commands import (
     lora_step_ints,
     swap_ints,
 )
+from .kv_offload import allocate_ints, copy_ints
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class MeshExecutor:
         self._swap_owner: dict[int, int] = {}
         self._steps = 0
         self._failure_callbacks: list = []
+        self._offload_saves: list[int] | None = None  # the offload tier's (device block, host slot) copies to send
 
     def on_failure(self, callback) -> None:
         """`callback(reason)` once the mesh fails (from the thread that saw it: a step's, or the rank monitor's)."""
@@ -144,6 +146,8 @@ class MeshExecutor:
 
     def _step(self, cmd: Cmd, ints: list[int] = (), batches: list[HostBatch] = ()) -> Any:
         self._check()
+        if self._offload_saves and cmd is not Cmd.KV_OFFLOAD:  # before anything can overwrite the evicted blocks
+            self._step(Cmd.KV_OFFLOAD, copy_ints(self._take_offload_saves(), []))
         ints, batches = list(ints), list(batches)
         try:
             self._send(cmd, ints, batches)
@@ -191,6 +195,30 @@ class MeshExecutor:
         ids = [seq.lora_id for seq in batch.seqs]
         slots = self._lora.assign([(i, starts[k], starts[k + 1] - starts[k]) for k, i in enumerate(ids)])
         return lora_step_ints(ids, slots)
+
+    # ------------------------------------------------------------ the CPU offload tier (distributed/kv_offload.py)
+    def attach_offload(self, num_blocks: int) -> None:
+        """Every rank allocates `num_blocks` host slots of its slice of a block."""
+        assert not self.data_parallel, "a data-parallel mesh's blocks live on one rank each"
+        failed = self._step(Cmd.KV_OFFLOAD, allocate_ints(num_blocks))
+        if failed:
+            raise ArtifactError(f"kv_cache.offload: {failed} of the {self.world_size} ranks could not allocate "
+                                f"{num_blocks} host blocks (see their logs)")
+        self._offload_saves = []
+
+    def queue_offload_save(self, block_id: int, slot: int) -> None:
+        """Every rank copies `block_id` into host `slot` ahead of the next command (the prefix cache evicted it
+        while rank 0 scheduled: nothing writes into it before a command)."""
+        self._offload_saves += [block_id, slot]
+
+    def offload_restore(self, slots: list[int], blocks: list[int]) -> list[tuple[bytes, bytes | None]]:
+        """Every rank runs the queued saves, then copies each host slot into its block; per block, the digest of
+        every rank's slice as saved and as copied (None: a rank's copy failed)."""
+        return self._step(Cmd.KV_OFFLOAD, copy_ints(self._take_offload_saves(), list(zip(slots, blocks, strict=True))))
+
+    def _take_offload_saves(self) -> list[int]:
+        saves, self._offload_saves = self._offload_saves, []
+        return saves
 
     # ------------------------------------------------------------ the Executor interface
     def swap(self, batch: ScheduledBatch) -> None:

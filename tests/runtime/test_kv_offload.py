@@ -154,6 +154,7 @@ def test_a_host_block_that_changed_is_not_restored():
     tier.host[0][tier._slot_of[42]] += 1.0  # the host copy is not what was offloaded
     assert tier.restore([42], []) == []
     assert tier.counts["failed"] == 1 and not bm.prefix_cache.holds(42) and len(bm._free) == bm.num_blocks
+    assert tier.lookup([42]) == 0  # the bad copy is dropped: recomputed, the block is offloaded afresh
     tier.check()
 
 
@@ -162,14 +163,14 @@ def test_offload_digests_off_the_step_and_a_reused_slot_waits_for_its_digest(mon
     block copied in) waits until that thread read what was offloaded."""
     bm, kv, tier = _pool(host=1)
     gate, read = threading.Event(), []
-    digest = tier._content_digest
+    digest = tier.store._content_digest
 
     def slow(slot: int) -> bytes:
         read.append((threading.current_thread().name, tier.host[0][slot, 0].item()))
         assert gate.wait(30)
         return digest(slot)
 
-    monkeypatch.setattr(tier, "_content_digest", slow)
+    monkeypatch.setattr(tier.store, "_content_digest", slow)
     _offload(bm, kv, 1)  # returns with its digest still being computed (the gate is closed)
     pending = tier._digest[tier._slot_of[1]]
     assert not pending.done()
