@@ -8,11 +8,15 @@ mapped at serve time). The runtime library supplies the thread pool the kernels'
 built at compile time, a CPU lacking the flags it was compiled for, no apache-tvm / tvm-ffi installed, or a
 failed load. The artifact's tvm kernel module then runs the torch kernels.
 
-bf16 GEMMs: `bf16_gemm_backend` decides, once per process, whether a bf16 artifact's GEMMs run this library's
-`linear` (bf16 weights widened to fp32 in registers: the choice on a CPU without native bf16 arithmetic, where
-torch's oneDNN bf16 GEMM emulates it and measured 3-8x slower than its own fp32 from 16 rows on) or torch's
-(`torch`: oneDNN's native bf16 kernels, on a CPU with `avx512_bf16` or `amx_bf16`), and says which in one log
-line. `KILN_CPU_BF16_GEMM=tvm|torch` overrides it.
+bf16 GEMMs: `bf16_gemm_backend` decides, once per process, who runs a bf16 artifact's GEMMs, and says which in one
+log line. On a CPU without native bf16 arithmetic: this library's `linear` (`tvm`: bf16 weights widened to fp32 in
+registers; torch's oneDNN bf16 GEMM emulates it there and measured 3-8x slower than its own fp32 from 16 rows on).
+On a CPU with `avx512_bf16` or `amx_bf16`: oneDNN's native bf16 kernels over weights reordered once, when the model
+is built, into oneDNN's blocked layout (`onednn`: `torch.ops.mkldnn._reorder_linear_weight` and `_linear_pointwise`,
+the prepacked path torch's inductor freezes weights into). Results are bit-identical to `F.linear` over the weights
+as stored, which re-lays the weight out on every call: 1.25-2x the time at every row count, 2x at decode batch 1
+(docs/performance.md, "bf16 GEMMs on a CPU with avx512_bf16"). `torch` (`F.linear`, nothing packed) is left for a
+torch without those ops. `KILN_CPU_BF16_GEMM=tvm|onednn|torch` overrides the choice.
 
 Threads: TVM keeps its own pthread pool (one per calling thread), sized when the first parallel kernel runs
 from `TVM_NUM_THREADS`. Unless that is set, it is set here to torch's intra-op thread count, so both pools use
@@ -61,26 +65,45 @@ class Library:
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of the x86 bf16 dot-product instructions
 BF16_GEMM_ENV = "KILN_CPU_BF16_GEMM"
+BF16_GEMM_BACKENDS = ("tvm", "onednn", "torch")
+_BF16_GEMM_WHAT = {"tvm": "TVM linear (bf16 weights, fp32 math)",
+                   "onednn": "oneDNN (native bf16, weights prepacked in its blocked layout)",
+                   "torch": "torch F.linear (oneDNN native bf16, weights as stored)"}
 _bf16_choice: list[str] = []  # the process's decision, made once
 
 
 def bf16_gemm_backend(flags: frozenset[str] | None = None) -> str:
-    """"tvm" or "torch": who runs a bf16 artifact's GEMMs on this host (see the module docstring). Decided and
-    logged once per process (`flags` given: decided afresh, not logged or kept, for tests)."""
+    """"tvm", "onednn" or "torch": who runs a bf16 artifact's GEMMs on this host (see the module docstring).
+    Decided and logged once per process (`flags` given: decided afresh for those CPU flags, not logged or kept,
+    for tests). A forced `onednn` on a torch or CPU without oneDNN's bf16 matmul is a ValueError."""
     if flags is None and _bf16_choice:
         return _bf16_choice[0]
     have = sorted(set(NATIVE_BF16_FLAGS) & (_cpu_flags() if flags is None else flags))
     forced = os.environ.get(BF16_GEMM_ENV, "").strip().lower()
-    if forced and forced not in ("tvm", "torch"):
-        raise ValueError(f"{BF16_GEMM_ENV}={forced!r}: expected 'tvm' or 'torch'")
-    choice = forced or ("torch" if have else "tvm")
+    if forced and forced not in BF16_GEMM_BACKENDS:
+        raise ValueError(f"{BF16_GEMM_ENV}={forced!r}: expected one of {', '.join(BF16_GEMM_BACKENDS)}")
+    if forced == "onednn" and not onednn_bf16_available():
+        raise ValueError(f"{BF16_GEMM_ENV}=onednn: this torch build or CPU has no oneDNN bf16 matmul "
+                         "(torch.ops.mkldnn._is_mkldnn_bf16_supported() is False)")
+    choice = forced or (("onednn" if onednn_bf16_available() else "torch") if have else "tvm")
     if flags is None:
         _bf16_choice.append(choice)
         why = (f"{BF16_GEMM_ENV}={forced}" if forced else
                f"this CPU has {' and '.join(have)}" if have else f"this CPU has no {' or '.join(NATIVE_BF16_FLAGS)}")
-        logger.info("kiln: bf16 GEMMs on %s (%s)", "torch (oneDNN native bf16)" if choice == "torch" else
-                    "TVM linear (bf16 weights, fp32 math)", why)
+        logger.info("kiln: bf16 GEMMs on %s (%s)", _BF16_GEMM_WHAT[choice], why)
     return choice
+
+
+def onednn_bf16_available() -> bool:
+    """torch has the prepacked oneDNN linear (`mkldnn._reorder_linear_weight`, `_linear_pointwise`) and oneDNN
+    runs bf16 matmuls on this CPU."""
+    try:
+        import torch
+        ops = torch.ops.mkldnn
+        return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+                and hasattr(ops, "_linear_pointwise") and bool(ops._is_mkldnn_bf16_supported()))
+    except (ImportError, AttributeError, RuntimeError):
+        return False
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -193,4 +216,5 @@ def _load(folder: Path, record: dict) -> Library | None:
     return Library(path=folder, params=dict(record.get("params", {})), functions=functions)
 
 
-__all__ = ["NATIVE_BF16_FLAGS", "Library", "bf16_gemm_backend", "configure_threads", "load_library"]
+__all__ = ["NATIVE_BF16_FLAGS", "Library", "bf16_gemm_backend", "configure_threads", "load_library",
+           "onednn_bf16_available"]

@@ -468,14 +468,26 @@ def test_gemms_the_library_does_not_cover_run_the_torch_kernel(gemm, monkeypatch
 
 
 def test_bf16_gemm_backend_follows_the_cpu_flags(monkeypatch, caplog):
-    """Native bf16 (avx512_bf16 or amx_bf16) -> torch's oneDNN GEMMs, else the TVM kernel; the env var overrides;
-    the process's decision is made from /proc/cpuinfo once and logged in one line; a bad value is an error."""
+    """Native bf16 (avx512_bf16 or amx_bf16) -> oneDNN's GEMMs over prepacked weights (F.linear over stored ones
+    where torch lacks the prepacked ops), else the TVM kernel; the env var overrides; the process's decision is made
+    from /proc/cpuinfo once and logged in one line; a bad value is an error, and so is a forced oneDNN where this
+    torch/CPU has no oneDNN bf16 matmul."""
+    native = "onednn" if tvm_kernels.onednn_bf16_available() else "torch"
     monkeypatch.delenv(tvm_kernels.BF16_GEMM_ENV, raising=False)
     assert tvm_kernels.bf16_gemm_backend(frozenset({"avx2", "fma", "f16c"})) == "tvm"
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"avx512f", "avx512_bf16"})) == native
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"amx_bf16", "amx_tile"})) == native
+    monkeypatch.setattr(tvm_kernels, "onednn_bf16_available", lambda: False)
     assert tvm_kernels.bf16_gemm_backend(frozenset({"avx512f", "avx512_bf16"})) == "torch"
-    assert tvm_kernels.bf16_gemm_backend(frozenset({"amx_bf16", "amx_tile"})) == "torch"
+    monkeypatch.setenv(tvm_kernels.BF16_GEMM_ENV, "onednn")
+    with pytest.raises(ValueError, match="no oneDNN bf16 matmul"):
+        tvm_kernels.bf16_gemm_backend(frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(tvm_kernels, "onednn_bf16_available", lambda: True)
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"avx2"})) == "onednn"
     monkeypatch.setenv(tvm_kernels.BF16_GEMM_ENV, "tvm")
     assert tvm_kernels.bf16_gemm_backend(frozenset({"amx_bf16"})) == "tvm"
+    monkeypatch.setenv(tvm_kernels.BF16_GEMM_ENV, "torch")
+    assert tvm_kernels.bf16_gemm_backend(frozenset({"amx_bf16"})) == "torch"
     monkeypatch.setenv(tvm_kernels.BF16_GEMM_ENV, "mkl")
     with pytest.raises(ValueError, match="KILN_CPU_BF16_GEMM='mkl'"):
         tvm_kernels.bf16_gemm_backend(frozenset())
@@ -483,14 +495,54 @@ def test_bf16_gemm_backend_follows_the_cpu_flags(monkeypatch, caplog):
     monkeypatch.setattr(tvm_kernels, "_bf16_choice", [])
     monkeypatch.setattr(tvm_kernels, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     with caplog.at_level(logging.INFO, logger="kiln.runtime.tvm_kernels"):
-        assert tvm_kernels.bf16_gemm_backend() == "torch" and tvm_kernels.bf16_gemm_backend() == "torch"
+        assert tvm_kernels.bf16_gemm_backend() == "onednn" and tvm_kernels.bf16_gemm_backend() == "onednn"
     lines = [r.getMessage() for r in caplog.records if "bf16 GEMMs" in r.getMessage()]
-    assert lines == ["kiln: bf16 GEMMs on torch (oneDNN native bf16) (this CPU has avx512_bf16)"]
+    assert lines == ["kiln: bf16 GEMMs on oneDNN (native bf16, weights prepacked in its blocked layout) "
+                     "(this CPU has avx512_bf16)"]
+
+
+@pytest.mark.skipif(not tvm_kernels.onednn_bf16_available(),
+                    reason="hardware: this CPU (or torch build) has no oneDNN bf16 matmul (avx512_bf16 / amx_bf16); "
+                           "the choice itself is tested by test_bf16_gemm_backend_follows_the_cpu_flags")
+def test_bf16_library_prepacks_weights_for_onednn(tmp_path, monkeypatch):
+    """A bf16 library whose choice is onednn holds each packed weight once, in oneDNN's blocked layout, and its
+    GEMMs give F.linear's result over the weight as stored, bit for bit: rows 1 to 200, a strided x, a 3-d x,
+    a bias, no rows; a tied table serves embedding lookups and the LM head; the row kernels still run on TVM."""
+    monkeypatch.setattr(tvm_kernels, "_bf16_choice", ["onednn"])
+    K, record = build_kernel_package(tmp_path, head_dim=64, num_heads=8, num_kv_heads=2, block_size=16,
+                                     dtype="bfloat16", kernels=("tvm.linear", "tvm.rms_norm"))
+    assert record["library"] == "cpu.so" and K._GEMMS == "onednn" and K._RMS_NORM is not None
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(200, 96, generator=g) / 10).bfloat16()  # 200 columns: no panel multiple needed
+    b = torch.randn(200, generator=g).bfloat16()
+    weights = {"wq": w, "alias": w, "other": torch.randn(8, 96).bfloat16()}
+    K.pack_weights(weights, {"wq", "alias"})
+    packed = weights["wq"]
+    assert isinstance(packed, K.PackedWeight) and weights["alias"] is packed and packed.panels.is_mkldnn
+    assert packed.shape == w.shape and packed.nbytes == w.numel() * 2 and weights["other"].dtype == torch.bfloat16
+    for rows in (1, 2, 7, 64, 200):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        assert torch.equal(K.linear(x, packed), torch.nn.functional.linear(x, w))
+        assert torch.equal(K.linear(x, packed, b), torch.nn.functional.linear(x, w, b))
+    wide = torch.randn(5, 100, generator=g).bfloat16()
+    assert torch.equal(K.linear(wide[:, 2:98], packed), torch.nn.functional.linear(wide[:, 2:98], w))
+    x3 = torch.randn(2, 3, 96, generator=g).bfloat16()
+    assert torch.equal(K.linear(x3, packed), torch.nn.functional.linear(x3, w))
+    assert K.linear(torch.zeros(0, 96).bfloat16(), packed).shape == (0, 200)
+    ids = torch.tensor([0, 199, 5, 5])
+    assert torch.equal(K.embedding(ids, packed), w[ids])
+    x = torch.randn(4, 96, generator=g).bfloat16()
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    logits = K.logits(x, packed, idx)
+    assert logits.dtype == torch.float32 and torch.equal(logits, torch.nn.functional.linear(x[[3, 1]], w).float())
+    with pytest.raises(ValueError, match="x has 95 features"):
+        K.linear(torch.randn(2, 95).bfloat16(), packed)
 
 
 def test_bf16_library_leaves_gemms_to_torch_on_native_bf16(tmp_path, monkeypatch):
-    """A bf16 library on a host whose choice is torch packs nothing: weights stay as stored, GEMMs run
-    kernels/cpu.py's linear (oneDNN's native bf16); the row and attention kernels still run on TVM."""
+    """A bf16 library on a host whose choice is torch (native bf16, no prepacked oneDNN ops in this torch) packs
+    nothing: weights stay as stored, GEMMs run kernels/cpu.py's linear; the row and attention kernels still run
+    on TVM."""
     monkeypatch.setattr(tvm_kernels, "_bf16_choice", ["torch"])
     K, record = build_kernel_package(tmp_path, head_dim=64, num_heads=8, num_kv_heads=2, block_size=16,
                                      dtype="bfloat16", kernels=("tvm.linear", "tvm.rms_norm"))
