@@ -50,19 +50,29 @@ CASES = [("decode", 1), ("decode", 16), ("decode", 64), ("prefill", 128)]
 
 
 def _package(root: Path, hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: str = "float32",
-             kernels=("tvm.paged_attention", "tvm.add_rms_norm", "tvm.silu_mul")):
+             kernels=("tvm.paged_attention", "tvm.add_rms_norm", "tvm.silu_mul"), gemms: str | None = None):
+    """The kernel package for these shapes, imported. `gemms` ("tvm" / "onednn"): who runs a bf16 library's
+    packed GEMMs in this package, whatever this host's choice (kiln.runtime.tvm_kernels.bf16_gemm_backend)."""
     from kiln.codegen.tvm_build import write_cpu_kernels
+    from kiln.runtime import tvm_kernels
 
     params = {"target": "cpu", "head_dim": head_dim, "num_heads": heads, "num_kv_heads": kv_heads,
               "block_size": BLOCK_SIZE, "dtype": dtype}
-    kdir = root / f"kernels_{hidden}_{dtype}_{len(kernels)}"
+    tag = f"{hidden}_{dtype}_{len(kernels)}" + (f"_{gemms}" if gemms else "")
+    kdir = root / f"kernels_{tag}"
     record = write_cpu_kernels(kdir, params, kernels, kiln_version="bench")
-    name = f"_kiln_bench_kernels_{hidden}_{dtype}_{len(kernels)}"
+    name = f"_kiln_bench_kernels_{tag}"
     spec = importlib.util.spec_from_file_location(name, kdir / "__init__.py", submodule_search_locations=[str(kdir)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-    tvm = importlib.import_module(f"{name}.tvm")
+    saved = list(tvm_kernels._bf16_choice)
+    if gemms:
+        tvm_kernels._bf16_choice[:] = [gemms]
+    try:
+        tvm = importlib.import_module(f"{name}.tvm")
+    finally:
+        tvm_kernels._bf16_choice[:] = saved
     if tvm.LIBRARY is None:
         raise SystemExit(f"the TVM library did not load: {record}")
     return tvm, tvm._ref, record
@@ -154,20 +164,32 @@ def _time_ab(fns: dict, repeats: int) -> dict:
 GEMMS = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 4096)]
 
 
+def _gemm_packages(root: Path, dtype: str) -> dict:
+    """Packed-GEMM candidates -> their kernel package: the TVM `linear`; for bf16 also oneDNN over prepacked
+    weights where this torch and CPU have its bf16 matmul."""
+    from kiln.runtime.tvm_kernels import onednn_bf16_available
+
+    names = ["tvm"] + (["onednn"] if dtype == "bfloat16" and onednn_bf16_available() else [])
+    return {g: _package(root, 576, 9, 3, 64, dtype=dtype, kernels=("tvm.linear",), gemms=g)[0] for g in names}
+
+
 def gemm_rows(repeats: int) -> list[dict]:
-    """The ~100 M model's GEMMs at decode batch 1, 16, 64 and a 128-row prefill: torch F.linear (MKL; bf16:
-    oneDNN) against the TVM `linear` kernel (packed weights), fp32 and bf16, interleaved. `GB/s` is the weight
-    bytes each call reads over its time: at batch 1 the step is bound by streaming the weights."""
+    """The ~100 M model's GEMMs at decode batch 1, 16, 64 and a 128-row prefill: torch F.linear over the weight as
+    stored (MKL; bf16: oneDNN, which re-lays the weight out every call) against the TVM `linear` kernel (packed
+    weights) and, bf16 on a CPU with oneDNN's bf16 matmul, oneDNN over weights prepacked once (what a bf16 artifact
+    runs there), fp32 and bf16, interleaved. `GB/s` is the weight bytes each call reads over its time: at batch 1
+    the step is bound by streaming the weights."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for dtype in ("float32", "bfloat16"):
-            tvm = _package(Path(tmp), 576, 9, 3, 64, dtype=dtype, kernels=("tvm.linear",))[0]
+            packages = _gemm_packages(Path(tmp), dtype)
             torch_dtype = getattr(torch, dtype)
             for m in (1, 16, 64, 128):
                 for k, n in GEMMS:
                     x, w = torch.randn(m, k).to(torch_dtype), (torch.randn(n, k) / k ** 0.5).to(torch_dtype)
                     us = _time_ab({"cpu": functools.partial(torch.nn.functional.linear, x, w),
-                                   "tvm": functools.partial(tvm.linear, x, tvm.pack_weight(w))}, repeats)
+                                   **{g: functools.partial(lib.linear, x, lib.pack_weight(w))
+                                      for g, lib in packages.items()}}, repeats)
                     case = f"{'decode' if m < 128 else 'prefill'} {m} [{k}->{n}]"
                     for impl, t in us.items():
                         rows.append({"model": f"llama-100M {dtype}", "kernel": "linear", "case": case, "impl": impl,
@@ -194,8 +216,7 @@ def streaming_rows(rows_list: list[int], passes: int, dtypes: tuple[str, ...] = 
     out = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         for dtype in dtypes:
-            tvm = _package(Path(tmp), 576, 9, 3, 64, dtype=dtype, kernels=("tvm.linear",))[0]
-            out += _stream(tvm, getattr(torch, dtype), rows_list, passes)
+            out += _stream(_gemm_packages(Path(tmp), dtype), getattr(torch, dtype), rows_list, passes)
     mv = {r["dtype"]: r["cpu_ms_median"] for r in out if r["candidate"] == "limit (torch.mv)"}
     limits = {**mv, **({"bfloat16": mv["float32"] / 2} if "float32" in mv else {})}
     for r in out:
@@ -204,11 +225,11 @@ def streaming_rows(rows_list: list[int], passes: int, dtypes: tuple[str, ...] = 
     return out
 
 
-def _stream(tvm, dtype: torch.dtype, rows_list: list[int], passes: int) -> list[dict]:
+def _stream(packages: dict, dtype: torch.dtype, rows_list: list[int], passes: int) -> list[dict]:
     shapes = [(k, n) for _ in range(STEP_LAYERS) for k, n in STEP_MATRICES] + [(576, 4096)]
     g = torch.Generator().manual_seed(0)
     mats = [(torch.randn(n, k, generator=g) / k ** 0.5).to(dtype) for k, n in shapes]
-    packed = [tvm.pack_weight(w) for w in mats]
+    packed = {name: [lib.pack_weight(w) for w in mats] for name, lib in packages.items()}
     nbytes = sum(w.numel() * w.element_size() for w in mats)
     xs = {m: {k: torch.randn(m, k).to(dtype) for k in {576, 1536}} for m in rows_list}
     vec = {k: torch.randn(k).to(dtype) for k in {576, 1536}}
@@ -226,14 +247,15 @@ def _stream(tvm, dtype: torch.dtype, rows_list: list[int], passes: int) -> list[
         for w in mats:
             torch.nn.functional.linear(xs[m][w.shape[1]], w)
 
-    def tvm_rows(m):
-        for w in packed:
-            tvm.linear(xs[m][w.shape[1]], w)
+    def packed_rows(name, m):
+        for w in packed[name]:
+            packages[name].linear(xs[m][w.shape[1]], w)
 
     fns = {"limit (torch.mv)": limit, "read (torch.sum)": read}
     for m in rows_list:
         fns[f"torch M={m}"] = functools.partial(torch_rows, m)
-        fns[f"tvm M={m}"] = functools.partial(tvm_rows, m)
+        for name in packages:
+            fns[f"{name} M={m}"] = functools.partial(packed_rows, name, m)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up pass
@@ -265,8 +287,9 @@ def streaming_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | kernel | step | torch µs | TVM µs | speed-up | weight GB/s, torch / TVM |",
-           "|---|---|---|---|---|---|---|"]
+    """torch (`cpu`) against TVM, and against oneDNN over prepacked weights where a bf16 GEMM row has it."""
+    out = ["| model | kernel | step | torch µs | TVM µs | oneDNN prepacked µs | speed-up (TVM; oneDNN) "
+           "| weight GB/s, torch / TVM / oneDNN |", "|---|---|---|---|---|---|---|---|"]
     keyed, rate = {}, {}
     for r in rows:
         impl = r["impl"].rsplit(".", 1)[-1]
@@ -274,8 +297,11 @@ def table(rows: list[dict]) -> str:
         if "weight_GB_s" in r:
             rate.setdefault((r["model"], r["kernel"], r["case"]), {})[impl] = r["weight_GB_s"]
     for key, t in keyed.items():
-        gbs = f"{rate[key]['cpu']:.1f} / {rate[key]['tvm']:.1f}" if key in rate else ""
-        out.append(f"| {' | '.join(key)} | {t['cpu']:.1f} | {t['tvm']:.1f} | {t['cpu'] / t['tvm']:.1f}x | {gbs} |")
+        gbs = " / ".join(f"{rate[key][i]:.1f}" for i in ("cpu", "tvm", "onednn") if i in rate[key]) if key in rate else ""
+        one = t.get("onednn")
+        ups = f"{t['cpu'] / t['tvm']:.1f}x" + (f"; {t['cpu'] / one:.1f}x" if one else "")
+        out.append(f"| {' | '.join(key)} | {t['cpu']:.1f} | {t['tvm']:.1f} | {f'{one:.1f}' if one else ''} "
+                   f"| {ups} | {gbs} |")
     return "\n".join(out)
 
 
