@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("checkpoint", help="a Hugging Face checkpoint directory (config.json, *.safetensors)")
     r.add_argument("--target", default="cpu", help="the recipe's target: cpu, h100, h200 (default cpu)")
     r.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
-                   help="the recipe's dtype (default: fp32 for cpu, bf16 for GPU targets)")
+                   help="the recipe's dtype (default: bf16 for GPU targets; for cpu the checkpoint's when it is bf16, else fp32)")
     r.add_argument("--name", help="recipe name (default: from the directory name)")
     r.add_argument("-o", "--output", help="recipe file to write (default: stdout)")
     r.add_argument("--no-mtp", action="store_true",

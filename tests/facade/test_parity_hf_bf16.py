@@ -80,3 +80,35 @@ def test_bf16_matches_hf_bf16(arch, tiny_checkpoint, hf_models, tmp_path):
         picked = scored.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         gap = scored.max(-1).values - picked
         assert gap.max().item() <= tol, f"{arch}: greedy token {int(gap.argmax())} is {gap.max():.4f} below HF's best"
+
+
+def test_from_hf_serves_a_bf16_checkpoint_in_bf16_on_cpu(tiny_checkpoint, tmp_path):
+    """Without --dtype, a cpu recipe takes the checkpoint's dtype when it is bf16 (`dtype`, or `torch_dtype` as
+    transformers 4 wrote it), fp32 otherwise; GPU targets bf16; --dtype wins."""
+    import json
+
+    from kiln.cli import main
+
+    def dtype_of(ckpt, *flags):
+        out = tmp_path / "r.dsl"
+        assert main(["recipe", "from-hf", str(ckpt), *flags, "-o", str(out)]) == 0
+        return next(line.split("=")[1].strip() for line in out.read_text().splitlines()
+                    if line.strip().startswith("dtype"))
+
+    bf16 = tiny_checkpoint("llama_tied", dtype=torch.bfloat16)
+    fp32 = tiny_checkpoint("llama_tied")
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    assert dtype_of(bf16) == "bf16" and dtype_of(fp32) == "fp32"
+    assert dtype_of(bf16, "--dtype", "fp32") == "fp32" and dtype_of(fp32, "--target", "h200") == "bf16"
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for f in bf16.iterdir():
+        (legacy / f.name).symlink_to(f)
+    cfg = json.loads((bf16 / "config.json").read_text())
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    (legacy / "config.json").unlink()
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    assert dtype_of(legacy) == "bf16"
+    cfg["torch_dtype"] = "float16"
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    assert dtype_of(legacy) == "fp32"
