@@ -138,16 +138,27 @@ def run(repeats: int, only: set[str] | None = None, kv_copies: int = 1, shapes=D
                     for kernel, (args, kw) in calls.items():
                         if only and kernel not in only:
                             continue
-                        call = _rotating if kernel == "paged_attention" else functools.partial
-                        fns = {lib.__name__: call(getattr(lib, kernel), *args, **kw) for lib in (tvm, ref)}
-                        if kernel == "paged_attention":
-                            fns["kv stream"] = _streaming(kvs)
+                        if kernel == "paged_attention":  # each reads other caches than the previous call did
+                            fns = {tvm.__name__: _rotating(tvm.paged_attention, *args, **kw),
+                                   ref.__name__: _rotating(ref.paged_attention, *args[:3], _turned(kvs, 1, 3),
+                                                           *args[4:], **kw),
+                                   "kv stream": _streaming(_turned(kvs, 2, 3))}
+                        else:
+                            fns = {lib.__name__: functools.partial(getattr(lib, kernel), *args, **kw) for lib in (tvm, ref)}
                         us = _time_ab(fns, repeats)
                         extra = ({"kv_MB": kv.numel() * kv.element_size() / 1e6, "kv_copies": copies}
                                  if kernel == "paged_attention" else {})
                         rows += [{"model": label, "kernel": kernel, "case": f"{kind} {n}", "impl": impl, "us": t, **extra}
                                  for impl, t in us.items()]
     return rows
+
+
+def _turned(kv_caches: list, i: int, n: int) -> list:
+    """`kv_caches` starting i/n of the way along: candidates timed in turn over the same copies, each from its own
+    offset, read a cache the previous candidate read 1/n of the copies ago (out of the L3 with --kv-mb 256), not
+    the one it has just brought in."""
+    start = i * len(kv_caches) // n
+    return kv_caches[start:] + kv_caches[:start]
 
 
 def _streaming(kv_caches: list):
@@ -162,18 +173,19 @@ def _rotating(fn, q, k, v, kv_caches: list, *args, **kw):
     return lambda: fn(q, k, v, next(caches), *args, **kw)
 
 
-def _time_ab(fns: dict, repeats: int) -> dict:
+def _time_ab(fns: dict, repeats: int, clock=time.perf_counter) -> dict:
     """Median µs per call of each of `fns`, timed interleaved (one call of each per round, after 3 warm-up
-    rounds), so load that comes and goes on a shared machine hits every candidate alike."""
+    rounds), so load that comes and goes on a shared machine hits every candidate alike. `clock`:
+    time.process_time for CPU time (with one thread, time other jobs hold the core does not count)."""
     for _ in range(3):
         for fn in fns.values():
             fn()
     samples: dict = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(clock() - t0)
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
