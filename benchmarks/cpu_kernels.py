@@ -8,11 +8,14 @@
 
 Builds the cpu kernel package (kernels/cpu.py, kernels/tvm.py, kernels/tvm_cpu/cpu.so) for the embedded model's
 shapes (hidden 256, 8 query / 4 KV heads, head_dim 32) and a ~100 M Llama's (hidden 576, 9 / 3 heads,
-head_dim 64), then times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
+head_dim 64) — `--shapes` adds Llama-3.2-1B's, Qwen2.5-0.5B's and Llama-3-8B's (SHAPES), `--dtypes` bf16 — then
+times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
 `paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass),
-`add_rms_norm`, `rms_norm` and `silu_mul` (`--kv-copies N`: attention over N KV caches in turn, as a model's layers,
-so that a large batch's KV comes from DRAM, not the L2); and the ~100 M model's GEMMs (fp32 and bf16, batch 1/16/64 and a 128-row
-prefill) through torch's F.linear against the TVM `linear` kernel, interleaved (`--gemms-only`: just those).
+`add_rms_norm`, `rms_norm` and `silu_mul` (`--kv-copies N` / `--kv-mb MB`: attention over N KV caches, or as many
+as hold MB, in turn, as a model's layers, so that a large batch's KV comes from DRAM, not the L2; each attention
+row also times a torch.sum over the same KV bytes, its streaming limit); and the ~100 M model's GEMMs (fp32 and
+bf16, batch 1/16/64 and a 128-row prefill) through torch's F.linear against the TVM `linear` kernel, interleaved
+(`--gemms-only`: just those). benchmarks/attention_ab.py times one checkout's attention against another's.
 Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
 
