@@ -8,11 +8,14 @@
 
 Builds the cpu kernel package (kernels/cpu.py, kernels/tvm.py, kernels/tvm_cpu/cpu.so) for the embedded model's
 shapes (hidden 256, 8 query / 4 KV heads, head_dim 32) and a ~100 M Llama's (hidden 576, 9 / 3 heads,
-head_dim 64), then times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
+head_dim 64) — `--shapes` adds Llama-3.2-1B's, Qwen2.5-0.5B's and Llama-3-8B's (SHAPES), `--dtypes` bf16 — then
+times, as model.py calls them, at batch 1, 16 and 64 decode and a 128-token prefill chunk:
 `paged_attention` with the fused RoPE + KV write (`rope_cache` given, as after the fuse_rope_kv_write pass),
-`add_rms_norm`, `rms_norm` and `silu_mul` (`--kv-copies N`: attention over N KV caches in turn, as a model's layers,
-so that a large batch's KV comes from DRAM, not the L2); and the ~100 M model's GEMMs (fp32 and bf16, batch 1/16/64 and a 128-row
-prefill) through torch's F.linear against the TVM `linear` kernel, interleaved (`--gemms-only`: just those).
+`add_rms_norm`, `rms_norm` and `silu_mul` (`--kv-copies N` / `--kv-mb MB`: attention over N KV caches, or as many
+as hold MB, in turn, as a model's layers, so that a large batch's KV comes from DRAM, not the L2; each attention
+row also times a torch.sum over the same KV bytes, its streaming limit); and the ~100 M model's GEMMs (fp32 and
+bf16, batch 1/16/64 and a 128-row prefill) through torch's F.linear against the TVM `linear` kernel, interleaved
+(`--gemms-only`: just those). benchmarks/attention_ab.py times one checkout's attention against another's.
 Prints the median µs per call and the speed-up; the kernel table in passes/kernel_selection.py
 gives TVM only the kernels that win here (figures in docs/performance.md).
 
@@ -32,6 +35,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -43,7 +47,11 @@ import torch
 SHAPES = {  # name -> (hidden, heads, kv_heads, head_dim, ffn)
     "embedded": (256, 8, 4, 32, 704),
     "llama-100M": (576, 9, 3, 64, 1536),
+    "llama-3.2-1B": (2048, 32, 8, 64, 8192),  # GQA group 4, head_dim 64
+    "qwen2.5-0.5B": (896, 14, 2, 64, 4864),  # group 7
+    "llama-3-8B": (4096, 32, 8, 128, 14336),  # group 4, head_dim 128
 }
+DEFAULT_SHAPES = ("embedded", "llama-100M")  # the per-kernel table's models unless --shapes names others
 BLOCK_SIZE = 16
 CONTEXT = 160  # decode context: a 128-token prompt and 32 generated tokens
 CASES = [("decode", 1), ("decode", 16), ("decode", 64), ("prefill", 128)]
@@ -78,7 +86,7 @@ def _package(root: Path, hidden: int, heads: int, kv_heads: int, head_dim: int, 
     return tvm, tvm._ref, record
 
 
-def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int):
+def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32):
     from kiln.runtime.forward_batch import ForwardBatch
 
     seqs = [(CONTEXT - 1, 1)] * n if kind == "decode" else [(0, n)]
@@ -86,7 +94,7 @@ def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int):
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(seqs) * max_blocks, generator=g).to(torch.int32)  # scattered physical blocks
     tables = order.view(len(seqs), max_blocks)
-    kv = torch.randn(len(seqs) * max_blocks, 2, BLOCK_SIZE, kv_heads, head_dim, generator=g)
+    kv = torch.randn(len(seqs) * max_blocks, 2, BLOCK_SIZE, kv_heads, head_dim, generator=g).to(dtype)
     positions = [p for c, q in seqs for p in range(c, c + q)]
     slots = [int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
              for b, (c, q) in enumerate(seqs) for p in range(c, c + q)]
@@ -94,7 +102,7 @@ def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int):
     for _, q in seqs:
         starts.append(starts[-1] + q)
     t = starts[-1]
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g)  # the fused projection model.py slices
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)  # the fused projection model.py slices
     q = qkv[:, :heads * head_dim].unflatten(-1, (heads, head_dim))
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].unflatten(-1, (kv_heads, head_dim))
     v = qkv[:, (heads + kv_heads) * head_dim:].unflatten(-1, (kv_heads, head_dim))
@@ -107,36 +115,69 @@ def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int):
     return q, k, v, kv, batch
 
 
-def run(repeats: int, only: set[str] | None = None, kv_copies: int = 1) -> list[dict]:
-    """Each kernel (or those in `only`) at each CASE on both SHAPES: TVM and torch timed interleaved. With
-    `kv_copies` > 1 each paged_attention call takes the next of that many copies of the KV cache, as a model's
-    layers each read their own: a decode-64 cache is 10.5 MB (embedded), so 24 copies stream from DRAM."""
+def run(repeats: int, only: set[str] | None = None, kv_copies: int = 1, shapes=DEFAULT_SHAPES,
+        dtypes=("float32",), kv_mb: float = 0.0) -> list[dict]:
+    """Each kernel (or those in `only`) at each CASE on each of `shapes` and `dtypes`: TVM and torch timed
+    interleaved. With `kv_copies` > 1 each paged_attention call takes the next of that many copies of the KV cache,
+    as a model's layers each read their own: a decode-64 cache is 10.5 MB (embedded), so 24 copies stream from
+    DRAM; `kv_mb` raises the count per case until the copies hold that many MB (256: 8x a 32 MiB L3).
+
+    paged_attention is timed against its KV-streaming limit, interleaved with it: `kv stream` is a torch.sum over
+    the same bytes of the next cache (every block the step reads; a bf16 cache summed as fp32 words, so both
+    dtypes stream at the fp32 sum's pace rather than torch's bf16 reduction's)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        for model, (hidden, heads, kv_heads, head_dim, ffn) in SHAPES.items():
-            tvm, ref, _ = _package(Path(tmp), hidden, heads, kv_heads, head_dim,
-                                   kernels=("tvm.paged_attention", "tvm.add_rms_norm", "tvm.rms_norm", "tvm.silu_mul"))
-            rope = ref.rope_cache(head_dim, 4096, 10000.0)
-            for kind, n in CASES:
-                q, k, v, kv, batch = _batch(kind, n, heads, kv_heads, head_dim)
-                x, r = torch.randn(q.shape[0], hidden), torch.randn(q.shape[0], hidden)
-                w, gate_up = torch.randn(hidden), torch.randn(q.shape[0], 2 * ffn)
-                kvs = [kv] + [kv.clone() for _ in range(kv_copies - 1)]
-                calls = {  # kernel -> (args, keywords) as model.py passes them
-                    "paged_attention": ((q, k, v, kvs, batch, head_dim ** -0.5), {"rope_cache": rope}),
-                    "add_rms_norm": ((x, r, w, 1e-5), {}),
-                    "rms_norm": ((x, w, 1e-5), {}),
-                    "silu_mul": ((gate_up,), {}),
-                }
-                for kernel, (args, kw) in calls.items():
-                    if only and kernel not in only:
-                        continue
-                    call = _rotating if kernel == "paged_attention" else functools.partial
-                    us = _time_ab({lib.__name__: call(getattr(lib, kernel), *args, **kw) for lib in (tvm, ref)},
-                                  repeats)
-                    rows += [{"model": model, "kernel": kernel, "case": f"{kind} {n}", "impl": impl, "us": t}
-                             for impl, t in us.items()]
+        for model in shapes:
+            hidden, heads, kv_heads, head_dim, ffn = SHAPES[model]
+            for dtype in dtypes:
+                torch_dtype = getattr(torch, dtype)
+                kernels = tuple(k for k in ("tvm.paged_attention", "tvm.add_rms_norm", "tvm.rms_norm", "tvm.silu_mul")
+                                if not only or k.removeprefix("tvm.") in only)
+                tvm, ref, _ = _package(Path(tmp), hidden, heads, kv_heads, head_dim, dtype=dtype, kernels=kernels)
+                rope = ref.rope_cache(head_dim, 4096, 10000.0)
+                label = model if dtypes == ("float32",) else f"{model} {dtype}"
+                for kind, n in CASES:
+                    q, k, v, kv, batch = _batch(kind, n, heads, kv_heads, head_dim, torch_dtype)
+                    x, r = torch.randn(q.shape[0], hidden).to(torch_dtype), torch.randn(q.shape[0], hidden).to(torch_dtype)
+                    w, gate_up = torch.randn(hidden).to(torch_dtype), torch.randn(q.shape[0], 2 * ffn).to(torch_dtype)
+                    copies = max(kv_copies, math.ceil(kv_mb * 1e6 / (kv.numel() * kv.element_size())))
+                    kvs = [kv] + [kv.clone() for _ in range(copies - 1)]
+                    calls = {  # kernel -> (args, keywords) as model.py passes them
+                        "paged_attention": ((q, k, v, kvs, batch, head_dim ** -0.5), {"rope_cache": rope}),
+                        "add_rms_norm": ((x, r, w, 1e-5), {}),
+                        "rms_norm": ((x, w, 1e-5), {}),
+                        "silu_mul": ((gate_up,), {}),
+                    }
+                    for kernel, (args, kw) in calls.items():
+                        if only and kernel not in only:
+                            continue
+                        if kernel == "paged_attention":  # each reads other caches than the previous call did
+                            fns = {tvm.__name__: _rotating(tvm.paged_attention, *args, **kw),
+                                   ref.__name__: _rotating(ref.paged_attention, *args[:3], _turned(kvs, 1, 3),
+                                                           *args[4:], **kw),
+                                   "kv stream": _streaming(_turned(kvs, 2, 3))}
+                        else:
+                            fns = {lib.__name__: functools.partial(getattr(lib, kernel), *args, **kw) for lib in (tvm, ref)}
+                        us = _time_ab(fns, repeats)
+                        extra = ({"kv_MB": kv.numel() * kv.element_size() / 1e6, "kv_copies": copies}
+                                 if kernel == "paged_attention" else {})
+                        rows += [{"model": label, "kernel": kernel, "case": f"{kind} {n}", "impl": impl, "us": t, **extra}
+                                 for impl, t in us.items()]
     return rows
+
+
+def _turned(kv_caches: list, i: int, n: int) -> list:
+    """`kv_caches` starting i/n of the way along: candidates timed in turn over the same copies, each from its own
+    offset, read a cache the previous candidate read 1/n of the copies ago (out of the L3 with --kv-mb 256), not
+    the one it has just brought in."""
+    start = i * len(kv_caches) // n
+    return kv_caches[start:] + kv_caches[:start]
+
+
+def _streaming(kv_caches: list):
+    """A torch.sum over the next of `kv_caches` in turn (as fp32 words): the time to stream its bytes once."""
+    words = itertools.cycle([kv.view(torch.float32) for kv in kv_caches])
+    return lambda: torch.sum(next(words))
 
 
 def _rotating(fn, q, k, v, kv_caches: list, *args, **kw):
@@ -145,18 +186,19 @@ def _rotating(fn, q, k, v, kv_caches: list, *args, **kw):
     return lambda: fn(q, k, v, next(caches), *args, **kw)
 
 
-def _time_ab(fns: dict, repeats: int) -> dict:
+def _time_ab(fns: dict, repeats: int, clock=time.perf_counter) -> dict:
     """Median µs per call of each of `fns`, timed interleaved (one call of each per round, after 3 warm-up
-    rounds), so load that comes and goes on a shared machine hits every candidate alike."""
+    rounds), so load that comes and goes on a shared machine hits every candidate alike. `clock`:
+    time.process_time for CPU time (with one thread, time other jobs hold the core does not count)."""
     for _ in range(3):
         for fn in fns.values():
             fn()
     samples: dict = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(clock() - t0)
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
@@ -287,21 +329,28 @@ def streaming_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """torch (`cpu`) against TVM, and against oneDNN over prepacked weights where a bf16 GEMM row has it."""
+    """torch (`cpu`) against TVM, against oneDNN over prepacked weights where a bf16 GEMM row has it, and an
+    attention row against the KV-streaming limit where it has one."""
     out = ["| model | kernel | step | torch µs | TVM µs | oneDNN prepacked µs | speed-up (TVM; oneDNN) "
-           "| weight GB/s, torch / TVM / oneDNN |", "|---|---|---|---|---|---|---|---|"]
-    keyed, rate = {}, {}
+           "| weight GB/s, torch / TVM / oneDNN | KV MB × copies | KV stream µs | TVM × the KV-streaming limit |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    keyed, rate, kv = {}, {}, {}
     for r in rows:
         impl = r["impl"].rsplit(".", 1)[-1]
-        keyed.setdefault((r["model"], r["kernel"], r["case"]), {})[impl] = r["us"]
+        key = (r["model"], r["kernel"], r["case"])
+        keyed.setdefault(key, {})[impl] = r["us"]
         if "weight_GB_s" in r:
-            rate.setdefault((r["model"], r["kernel"], r["case"]), {})[impl] = r["weight_GB_s"]
+            rate.setdefault(key, {})[impl] = r["weight_GB_s"]
+        if "kv_MB" in r:
+            kv[key] = (r["kv_MB"], r["kv_copies"])
     for key, t in keyed.items():
         gbs = " / ".join(f"{rate[key][i]:.1f}" for i in ("cpu", "tvm", "onednn") if i in rate[key]) if key in rate else ""
         one = t.get("onednn")
         ups = f"{t['cpu'] / t['tvm']:.1f}x" + (f"; {t['cpu'] / one:.1f}x" if one else "")
+        limit = (f"{kv[key][0]:.2f} × {kv[key][1]} | {t['kv stream']:.1f} | {t['tvm'] / t['kv stream']:.2f}"
+                 if "kv stream" in t else " | | ")
         out.append(f"| {' | '.join(key)} | {t['cpu']:.1f} | {t['tvm']:.1f} | {f'{one:.1f}' if one else ''} "
-                   f"| {ups} | {gbs} |")
+                   f"| {ups} | {gbs} | {limit} |")
     return "\n".join(out)
 
 
@@ -459,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="--offline: timed rounds per batch size, artifacts alternating")
     ap.add_argument("--kv-copies", type=int, default=1,
                     help="paged_attention cycles over this many KV caches (a model's layers): 24 puts decode 64 in DRAM")
+    ap.add_argument("--kv-mb", type=float, default=0.0,
+                    help="at least as many KV cache copies as hold this many MB per case (256: 8x a 32 MiB L3)")
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"models of the per-kernel table: {', '.join(SHAPES)}")
+    ap.add_argument("--dtypes", default="float32", help="per-kernel table dtypes: float32, bfloat16 or both")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)  # the TVM library sizes its pool from this when it loads
@@ -492,9 +545,11 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
         return 0
     only = set(args.only.split(",")) if args.only else None
-    rows = ([] if args.gemms_only else run(args.repeats, only, args.kv_copies)) + ([] if only else gemm_rows(args.repeats))
+    rows = ([] if args.gemms_only else run(args.repeats, only, args.kv_copies, tuple(args.shapes.split(",")),
+                                          tuple(args.dtypes.split(",")), args.kv_mb))
+    rows += [] if only else gemm_rows(args.repeats)
     print(f"torch threads {torch.get_num_threads()}; decode context {CONTEXT}; KV block {BLOCK_SIZE}; "
-          f"{args.kv_copies} KV cache(s) in turn; fp32 unless the model says bf16")
+          f"KV caches in turn: at least {args.kv_copies}, at least {args.kv_mb:g} MB; fp32 unless the model says bf16")
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -19,6 +19,8 @@ pytest.importorskip("tvm")
 
 # (query heads, KV heads, head_dim, block size): GQA groups 1, 2, 4, 8; head_dim 32, 64, 128; blocks 16, 32
 SHAPES = [(4, 4, 32, 16), (8, 4, 64, 32), (8, 2, 128, 16), (16, 2, 64, 32), (8, 1, 32, 16), (9, 3, 64, 16)]
+# the shapes of real models: Qwen2.5-0.5B (group 7, head_dim 64), Llama-3-8B (group 4, head_dim 128), group 8 x 128
+MODEL_SHAPES = [(14, 2, 64, 16), (32, 8, 128, 16), (16, 2, 128, 16)]
 # (cached tokens, new tokens), decodes first: contexts crossing block boundaries, a fresh prefill longer than a
 # work item, a chunk continuing a cached prefix, a decode at a block's first slot
 MIXED = [(15, 1), (16, 1), (32, 1), (40, 1), (0, 37), (17, 20), (31, 2)]
@@ -169,6 +171,47 @@ def test_paged_attention_bf16(package):
     # the torch kernel on the same bf16 inputs lands as close
     torch_out = K._ref.paged_attention(q, k, v, kv_cache.clone(), batch, 0.125, rope_cache=rope_cache)
     torch.testing.assert_close(out.float(), torch_out.float(), rtol=2e-2, atol=2e-2)
+
+
+# decodes, then prefill chunks (fresh, and continuing a cached prefix) whose last work item has one token, so
+# single-token items come from both and sit among longer ones in query_start_loc order
+MODEL_MIXED = [(15, 1), (0, 37), (40, 1), (17, 21), (31, 2), (16, 1), (9, 33)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", MODEL_SHAPES, ids=lambda s: "h{}_kv{}_d{}_bs{}".format(*s))
+def test_paged_attention_at_model_shapes(package, shape, dtype):
+    """GQA groups up to 8 with head_dim up to 128 (the decode loop's per-row scratch) in fp32 and bf16 (a bf16
+    artifact's KV cache): decodes and chunked prefills with cached prefixes against the op reference. bf16
+    inputs are exact in fp32, so the reference runs on them in fp32 and the kernel's output is that, rounded once
+    to bf16 (within a bf16 ulp: 2**-7 relative). Single-token work items (decodes, and prefill chunks' last
+    tokens) run the kernel's decode loop, longer ones its prefill tiles."""
+    heads, kv_heads, head_dim, block_size = shape
+    K = package(*shape, dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    rope = dtype == "float32"  # bf16: q/k as given, so the reference sees the very bf16 values the kernel reads
+    batch, kv_cache, q, k, v, dense = _batch(MODEL_MIXED, *shape, torch_dtype, rope=rope, seed=7)
+    scale = head_dim ** -0.5
+    rope_cache = K.rope_cache(head_dim, 128, THETA) if rope else None
+    out = K.paged_attention(*_packed_qkv(q, k, v), kv_cache, batch, scale, rope_cache=rope_cache)
+    assert out.dtype == torch_dtype and out.shape == (q.shape[0], heads * head_dim)
+    work, num_decode_items = K._work_items(batch.query_start_loc)
+    assert num_decode_items > len([s for s in MODEL_MIXED if s[1] == 1])  # prefill chunks ended in single tokens
+    assert bool((work[:num_decode_items, 2] == 1).all()) and bool((work[num_decode_items:, 2] > 1).all())
+    if dtype == "float32":
+        torch.testing.assert_close(out, _reference(dense, scale, 0, True), rtol=0, atol=2e-5)
+    else:
+        ref = _reference([(c, dq.float(), dk.float(), dv.float(), n) for c, dq, dk, dv, n in dense], scale, 0, False)
+        torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES[:2], ids=lambda s: "h{}_kv{}_d{}_bs{}".format(*s))
+def test_paged_attention_at_model_shapes_with_a_window(package, shape):
+    K = package(*shape)
+    batch, kv_cache, q, k, v, dense = _batch(MODEL_MIXED, *shape, torch.float32, rope=False, seed=8)
+    scale = shape[2] ** -0.5
+    out = K.paged_attention(q, k, v, kv_cache, batch, scale, sliding_window=19)
+    torch.testing.assert_close(out, _reference(dense, scale, 19, False), rtol=0, atol=2e-5)
 
 
 def test_partial_rotary_ropes_in_torch_then_writes_and_attends_in_the_library(package, monkeypatch):
