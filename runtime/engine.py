@@ -16,7 +16,7 @@ from .constrained import ConstraintManager
 from .core_protocol import RequestLimits, SeqDelta
 from .core_stats import core_stats
 from .errors import RequestError
-from .executor import ExecutorError, apply_swaps, create_executor
+from .executor import ExecutorError, apply_swaps, create_executor, shutdown_on_error
 from .kv_cache import BlockManager, SwapSpace
 from .kv_offload import attach_offload
 from .lora import EngineLoRA
@@ -83,31 +83,28 @@ class EngineCore(EngineLoRA):
         self.runner = create_executor(self.artifact, sched, num_kv_blocks=num_kv_blocks, kv_cache_bytes=kv_cache_bytes,
                                       enforce_eager=enforce_eager, backend=executor,
                                       proposer=speculator_pool_share(self.speculative, self.artifact))
-        num_blocks = self.runner.num_blocks
-        self.limits = RequestLimits(cfg.vocab_size, cfg.max_model_len, kv.block_size, num_blocks)
-        self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
-        try:
+        with shutdown_on_error(self.runner):  # a refused option leaves no process (a mesh's ranks) running
+            num_blocks = self.runner.num_blocks
+            self.limits = RequestLimits(cfg.vocab_size, cfg.max_model_len, kv.block_size, num_blocks)
+            self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
             self.offload = attach_offload(self, kv.offload_bytes if kv_offload_bytes is None else kv_offload_bytes)
-        except BaseException:  # refused (ArtifactError): a mesh's ranks are not left running
-            self.runner.shutdown()
-            raise
-        self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
-        self.attach_lora()  # an artifact compiled with `lora { }`: its adapters and slots (lora.py)
-        self.sampler = Sampler(seed, device)
-        self.speculator = make_speculator(self.speculative, self.runner, self.sampler, self.artifact)
-        eos = set(cfg.eos_token_ids)
-        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = {self.tokenizer.eos_token_id}
-        self.stops = TokenStops(frozenset(eos), cfg.max_model_len)
-        self.requests: dict[str, Request] = {}
-        self._pending: list[SeqDelta] = []  # ended outside a step (failed): sent with the next deltas
-        self.num_nonfinite_logits = 0  # requests failed because their logits were not finite
-        self._seq_ids, self._arrivals = itertools.count(), itertools.count()
-        async_scheduling = sched.async_scheduling if async_scheduling is None else async_scheduling
-        self.async_scheduling = device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
-        self._inflight: overlap.InFlight | None = None
-        self.constraints = ConstraintManager(self, max_whitespace=grammar_max_whitespace,
-                                             compile_timeout=grammar_compile_timeout)
+            self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
+            self.attach_lora()  # an artifact compiled with `lora { }`: its adapters and slots (lora.py)
+            self.sampler = Sampler(seed, device)
+            self.speculator = make_speculator(self.speculative, self.runner, self.sampler, self.artifact)
+            eos = set(cfg.eos_token_ids)
+            if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+                eos = {self.tokenizer.eos_token_id}
+            self.stops = TokenStops(frozenset(eos), cfg.max_model_len)
+            self.requests: dict[str, Request] = {}
+            self._pending: list[SeqDelta] = []  # ended outside a step (failed): sent with the next deltas
+            self.num_nonfinite_logits = 0  # requests failed because their logits were not finite
+            self._seq_ids, self._arrivals = itertools.count(), itertools.count()
+            async_scheduling = sched.async_scheduling if async_scheduling is None else async_scheduling
+            self.async_scheduling = device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
+            self._inflight: overlap.InFlight | None = None
+            self.constraints = ConstraintManager(self, max_whitespace=grammar_max_whitespace,
+                                                 compile_timeout=grammar_compile_timeout)
 
     # Requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,

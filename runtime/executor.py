@@ -7,6 +7,7 @@ the single-process mesh). The engine sees the same interface either way; only th
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -46,6 +47,16 @@ class Executor(Protocol):
     def swap(self, batch: ScheduledBatch) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@contextmanager
+def shutdown_on_error(executor: Executor):
+    """Shuts `executor` down if the block raises (what is built on it refused), so its processes do not outlive it."""
+    try:
+        yield executor
+    except BaseException:
+        executor.shutdown()
+        raise
 
 
 def create_executor(artifact: Any, sched: SchedulerConfig, *, num_kv_blocks: int | None = None,
