@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, PerLayer, Program, TensorType, TupleType, at_layer
 from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
-from kiln.compiler.ops import OPS, REQUIRED
+from kiln.compiler.ops import OPS, REQUIRED, attention_sinks
 from kiln.compiler.placement import PlacementTable, local_slice, lora_local_rows, units_of
 from kiln.compiler.placement import R as REPLICATED
 from kiln.compiler.targets import get_target
@@ -377,6 +377,21 @@ def _attn_softcap_field(fn: _Function, vid: str, node: Node) -> str:
     return f", softcap={literal(float(cap))}" if cap else ""
 
 
+def _attn_sinks_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, sinks=<per-head sink logits>` for an attention with sinks (gpt-oss), else nothing."""
+    index = attention_sinks(len(node.inputs), node.attrs)
+    return f", sinks={fn.expr[node.inputs[index]]}" if index is not None else ""
+
+
+def _expert_activation_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, activation=..., alpha=..., limit=...` for experts whose activation is not plain SwiGLU, else nothing."""
+    activation = node.attrs.get("activation", "swiglu")
+    if activation == "swiglu":
+        return ""
+    return (f", activation={literal(activation)}, alpha={literal(float(node.attrs.get('alpha', 1.702)))}, "
+            f"limit={literal(float(node.attrs.get('limit', 7.0)))}")
+
+
 def _expert_map_field(fn: _Function, vid: str, node: Node) -> str:
     """`, local_experts=self.<map>` for a moe_experts whose experts are split over ranks, else nothing."""
     down = fn.graph.node(node.inputs[-1])
@@ -408,6 +423,8 @@ def _dp_counts_field(fn: _Function, vid: str, node: Node) -> str:
 # Fields a kernel template may name besides inputs and attributes, and how codegen derives each.
 CONTEXT_FIELDS: dict[str, ContextField] = {
     "attn_softcap": _attn_softcap_field,  # an attention's score soft-cap (Gemma 2), as a keyword
+    "attn_sinks": _attn_sinks_field,  # an attention's per-head sink logits (gpt-oss), as a keyword
+    "expert_activation": _expert_activation_field,  # experts' activation when not SwiGLU (gpt-oss), as keywords
     "dp_counts": _dp_counts_field,  # data-parallel attention: the ranks' row counts of this step
     "expert_map": _expert_map_field,  # experts split over ranks: this rank's global -> local expert map
     "expert_owners": _expert_owners_field,  # moe_experts_a2a: every rank's experts (EXPERTS of model.py)

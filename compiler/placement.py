@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.compiler.ir import DTYPE_BYTES, Graph, Node, Program, TensorType, TupleType
+from kiln.compiler.ops import attention_sinks, split_expert_inputs
 
 AXES = ("world", "ep", "etp")  # all ranks; expert-parallel groups; tensor parallelism inside one expert group
 EXPERT_ORDERS = ("contiguous", "round_robin")
@@ -618,6 +619,10 @@ def _attention(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
         return _same([q, k, v], "attention")
     if qh is None or kh is None or len(qh.segments) != 1 or len(kh.segments) != 1:
         raise PlacementError(f"attention q and k/v must both be sharded by heads, got {q}, {k}")
+    sinks = attention_sinks(len(ins), node.attrs)
+    if sinks is not None:  # one logit per query head: it would have to follow the query heads' sharding
+        raise PlacementError("attention sinks (gpt-oss) with tensor-parallel heads are not supported yet: serve "
+                             "this model with tp = 1 (or data-parallel attention)")
     for scale in ins[3:]:  # per-KV-head fp8 scales follow the KV heads
         if scale != sharded(Shard(0, kh.segments, kh.axis)):
             raise PlacementError(f"attention KV scales must be sharded as the KV heads ({k}), got {scale}")
@@ -700,12 +705,16 @@ def _router(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
 
 
 def _moe_experts(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
-    x, weights, ids, *mats = ins
+    x, weights, ids, *rest = ins
+    mats, biases = split_expert_inputs(rest, t[3:])
     if not (x == weights == ids) or x.kind not in ("R", "T"):
         raise PlacementError(f"moe_experts reads its rows, routing weights and ids placed alike, got "
                              f"{x}, {weights}, {ids}")
-    if all(m.kind == "R" for m in mats):
+    if all(m.kind == "R" for m in rest):
         return x
+    if biases:
+        raise PlacementError("expert biases (gpt-oss) with sharded experts are not supported yet: serve this model "
+                             "with tp = ep = 1")
     if x.kind != "R":
         raise PlacementError("sharded experts read every rank's rows: gather the token-sharded rows first")
     down = mats[-1]

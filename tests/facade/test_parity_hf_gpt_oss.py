@@ -1,0 +1,149 @@
+"""gpt-oss end to end against Hugging Face transformers: a random tiny GptOssForCausalLM checkpoint
+(examples/make_tiny_checkpoint.py "gpt_oss": 4 layers alternating sliding window 8 and full attention, per-head
+attention sinks drawn with std 1, q/k/v/o biases, YaRN x8 over an original context of 64, 4 biased experts top-2
+under the clamped SwiGLU with limit 1, so clamps fire) -> `kiln recipe from-hf` -> `kiln compile` (cpu) ->
+`kiln.LLM`: fp32 prompt logprobs within 1e-4 of HF and greedy tokens identical (tests/conftest.py
+check_hf_parity), on prompts up to 40 tokens, so the window matters.
+
+MXFP4: the same checkpoint with its experts quantized to MXFP4 in OpenAI's layout (`*_blocks` uint8
+[E, out, in/32, 16], `*_scales` e8m0 uint8 [E, out, in/32], `quantization_config.quant_method = mxfp4`): kiln
+dequantizes at conversion; the converted weights equal the dequantized reference exactly and the logprobs match
+HF running that reference (transformers' own MXFP4 path needs the `kernels` package and a GPU, or dequantizes
+with the same formula: checked against it where it loads).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import kiln
+
+
+def test_gpt_oss_matches_hf(compile_hf, check_hf_parity):
+    ckpt, art, res = compile_hf("gpt_oss")
+    recipe = (art / "recipe.dsl").read_text()
+    assert "sliding_layers=[true, false, true, false]" in recipe and 'rope_scaling="yarn"' in recipe
+    assert "swiglu_limit=1.0" in recipe
+    # the sink attention declines the TVM kernel and runs the torch one, which has the sink logit
+    assert "cpu.paged_attention" in res.manifest["kernels"] and "tvm.paged_attention" not in res.manifest["kernels"]
+    check_hf_parity(art, ckpt, vocab=512, lens=(5, 17, 40), new_tokens=16)
+
+
+def test_gpt_oss_sinks_and_clamps_matter(tiny_checkpoint_lib, tiny_checkpoint):
+    """The tiny checkpoint exercises what the test claims: zeroing the sinks or lifting the clamp changes HF's
+    logits well beyond the parity tolerance (a kiln that ignored either would fail the parity test)."""
+    ckpt = tiny_checkpoint("gpt_oss")
+    model = tiny_checkpoint_lib.load_hf_model(ckpt)
+    ids = torch.randint(5, 512, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(ids).logits
+        saved = [layer.self_attn.sinks.clone() for layer in model.model.layers]
+        for layer in model.model.layers:
+            layer.self_attn.sinks.zero_()
+        no_sinks = model(ids).logits
+        for layer, s in zip(model.model.layers, saved, strict=True):
+            layer.self_attn.sinks.copy_(s)
+        for layer in model.model.layers:
+            layer.mlp.experts.limit = 1e9
+        no_clamp = model(ids).logits
+    assert (base - no_sinks).abs().max() > 1e-2
+    assert (base - no_clamp).abs().max() > 1e-2
+
+
+def _mxfp4_checkpoint(src, dst):
+    """`src` with its experts quantized to MXFP4 in OpenAI's layout, and `dst_ref`: `src` with the experts
+    replaced by their exact dequantization (what an MXFP4 model computes with)."""
+    from kiln.compiler.quant import mxfp4_dequantize, mxfp4_quantize
+    from safetensors.torch import load_file, save_file
+
+    ref = dst.parent / f"{dst.name}-ref"
+    for d in (dst, ref):
+        shutil.copytree(src, d)
+    tensors = load_file(src / "model.safetensors")
+    packed, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_quantize(t.transpose(-1, -2))  # [E, in, out] -> the [E, out, in] format
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+            dequantized[name] = mxfp4_dequantize(blocks, scales).transpose(-1, -2).float().contiguous()
+        else:
+            packed[name] = dequantized[name] = t
+    save_file(packed, dst / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, ref / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return ref, dequantized
+
+
+def test_mxfp4_round_trip_matches_transformers_dequantization():
+    """kiln's MXFP4 decoding is transformers' (integrations/mxfp4.py convert_moe_packed_tensors), value for value;
+    the test helper's quantization rounds to the nearest grid value and keeps values already on the grid."""
+    from kiln.compiler.quant import mxfp4_dequantize, mxfp4_quantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 8, 64, generator=g) * torch.logspace(-3, 2, 8)[None, :, None]  # [E, out, in]
+    blocks, scales = mxfp4_quantize(w)
+    assert blocks.shape == (3, 8, 2, 16) and scales.shape == (3, 8, 2)
+    ours = mxfp4_dequantize(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    torch.testing.assert_close(ours.float(), theirs.transpose(1, 2), atol=0, rtol=0)
+    step = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)  # e2m1's widest gap is 2 steps
+    assert ((ours.float() - w).abs() <= step).all()  # nearest: within half the widest gap
+    assert torch.equal(mxfp4_dequantize(*mxfp4_quantize(ours.float())), ours)  # values on the grid stay
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized(tiny_checkpoint, hf_reference, tmp_path):
+    from safetensors.torch import load_file
+
+    from kiln.cli import main
+
+    ckpt, ref = tmp_path / "mxfp4", None
+    ref, dequantized = _mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), ckpt)
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
+    assert "quantize" not in recipe.read_text()  # served dequantized: no weight scheme to apply
+    kiln.compile(recipe, tmp_path / "art", progress=False)
+    weights = {}
+    for f in sorted((tmp_path / "art" / "weights" / "rank0").glob("*.safetensors")):
+        weights.update(load_file(f))
+    for i in range(4):
+        want = dequantized[f"model.layers.{i}.mlp.experts.gate_up_proj"].transpose(-1, -2)
+        assert torch.equal(weights[f"decoder.{i}.w_gate_up"], want)
+        want = dequantized[f"model.layers.{i}.mlp.experts.down_proj"].transpose(-1, -2)
+        assert torch.equal(weights[f"decoder.{i}.w_down"], want)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(5, 512, (40,), generator=g).tolist()
+    params = kiln.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    out = kiln.LLM(str(tmp_path / "art")).generate([prompt], params)[0]
+    ref_lp, ref_tokens = hf_reference(ref, prompt, 16)
+    ours = torch.tensor([out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j > 0])
+    torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
+    assert out.outputs[0].token_ids == ref_tokens
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecations inside the interpreter
+def test_gpt_oss_h200_artifact_matches_hf(compile_hf, hf_reference, tmp_path):
+    """The h200 target: the sink attention is selected as the torch kernel (the Triton attention has no sink
+    logit), the rest as for any model; under Triton's CPU interpreter, one prompt of 12 tokens across the window
+    of 8, 4 greedy tokens."""
+    from kiln.cli import main
+
+    ckpt, _, _ = compile_hf("gpt_oss")
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
+    res = kiln.compile(recipe, tmp_path / "h200", target="h200", progress=False)
+    kernels = set(res.manifest["kernels"])
+    assert "torch.paged_attention" in kernels and "triton.paged_attention" not in kernels
+    prompt = list(range(40, 52))
+    params = kiln.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    out = kiln.LLM(str(tmp_path / "h200")).generate([prompt], params)[0]
+    ref_lp, ref_tokens = hf_reference(ckpt, prompt, 4)
+    ours = torch.tensor([out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j > 0])
+    torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
+    assert out.outputs[0].token_ids == ref_tokens
