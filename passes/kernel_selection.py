@@ -70,17 +70,12 @@ def _vocab_parallel(node: Node, ins: tuple) -> bool:
     return node.attrs.get("placement") == "P"
 
 
-def _no_sinks(node: Node, ins: tuple) -> bool:
-    """An attention without sink logits: gpt-oss's (a learned per-head logit in the softmax) runs the torch kernel
-    on every target; neither the TVM nor the Triton attention has the extra logit."""
-    return attention_sinks(len(node.inputs), node.attrs) is None
-
-
 def _tvm_attention(node: Node, ins: tuple) -> bool:
     """tvm.paged_attention: fp32 or bf16 K/V in the activation dtype (an fp8 cache stays on torch), scores not
-    soft-capped (Gemma 2's attention runs the torch kernel, which caps them), no sinks (gpt-oss's neither)."""
-    return (not node.attrs.get("kv_dtype") and not node.attrs.get("softcap") and _no_sinks(node, ins)
-            and _dtype_in("f32", "bf16")(node, ins))
+    soft-capped (Gemma 2's attention runs the torch kernel, which caps them), no sink logits (gpt-oss's runs the
+    torch kernel too: the TVM kernel has no sink term in its softmax)."""
+    return (not node.attrs.get("kv_dtype") and not node.attrs.get("softcap")
+            and attention_sinks(len(node.inputs), node.attrs) is None and _dtype_in("f32", "bf16")(node, ins))
 
 
 # The cpu target's torch kernels (kernels/cpu.py); the GPU tables below derive from it.
@@ -164,7 +159,6 @@ def _on_gpu(entry: Entry) -> Entry:
 _GPU_TABLE = {op: _TRITON_KERNELS.get(op, _on_gpu(kernel)) for op, kernel in _CPU_TORCH.items()}
 _GPU_TABLE["embedding"] = (KernelChoice("torch.vocab_parallel_embedding", _vocab_parallel), "triton.embedding")
 _GPU_TABLE["all_reduce_add_rms_norm"] = "triton.all_reduce_add_rms_norm"
-_GPU_TABLE["attention"] = (KernelChoice("triton.paged_attention", _no_sinks), "torch.paged_attention")
 register_kernels("h100", _GPU_TABLE)
 register_kernels("h200", _GPU_TABLE)
 
