@@ -230,8 +230,9 @@ def check_sources(entry: _Entry, ckpt: Checkpoint) -> None:
         want = (*want[:-2], want[-1], want[-2])
     if len(sources) == 1:
         if shapes[0] != want:
+            stored = f" (its {_fmt(spec.shape)} stored transposed)" if spec.transposed else ""
             raise WeightError(f"checkpoint tensor '{sources[0]}' has shape {_fmt(shapes[0])}, but {_where(entry)} "
-                              f"expects {_fmt(want)}", spec.loc)
+                              f"expects {_fmt(want)}{stored}", spec.loc)
         return
     for src, shape in zip(sources, shapes, strict=True):
         others = tuple(d for k, d in enumerate(shape) if k != dim)

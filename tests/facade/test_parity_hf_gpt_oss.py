@@ -147,3 +147,63 @@ def test_gpt_oss_h200_artifact_matches_hf(compile_hf, hf_reference, tmp_path):
     ours = torch.tensor([out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j > 0])
     torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
     assert out.outputs[0].token_ids == ref_tokens
+
+
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_gpt_oss_config_defaults(tmp_path):
+    """OpenAI-style configs leave keys to GptOssConfig's defaults: every other layer slides from the first (window
+    128), YaRN x32 over 4096 positions without truncation, rope base 150k, swiglu alpha 1.702 / limit 7."""
+    from kiln.recipe_from_hf import checkpoint_model_args
+
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS))
+    family, args = checkpoint_model_args(tmp_path)
+    assert family == "gpt_oss"
+    assert args["sliding_layers"] == (True, False, True) and args["sliding_window"] == 128
+    assert (args["rope_scaling"], args["rope_factor"], args["rope_original_max_position"], args["rope_theta"],
+            args["rope_truncate"]) == ("yarn", 32.0, 4096, 150000.0, False)
+    assert (args["experts"], args["top_k"], args["ffn"], args["head_dim"]) == (4, 2, 32, 16)
+    assert "swiglu_limit" not in args  # the model's default, 7.0, as GptOssConfig's
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"attention_bias": False}, "attention_bias = false"),
+    ({"layer_types": ["sliding_attention"]}, "must list 3 entries"),
+    ({"sliding_window": None}, "must be a positive window"),
+])
+def test_gpt_oss_variants_kiln_cannot_compute_are_refused(extra, message, tmp_path):
+    from kiln.dsl.errors import KilnError
+
+    from kiln.recipe_from_hf import recipe_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps({**GPT_OSS, **extra}))
+    with pytest.raises(KilnError, match=message):
+        recipe_from_hf(tmp_path)
+
+
+def test_transposed_param_reads_the_checkpoint_tensor_swapped(tmp_path):
+    """`from "t" transposed`: the declared shape is the checkpoint's with the last two dims swapped; a tensor stored
+    unswapped is a located error naming the shape it needs."""
+    from kiln.codegen.errors import WeightError
+    from kiln.codegen.weights import convert_weights
+    from kiln.compiler.instantiate import instantiate_model
+    from kiln.dsl import load_file as load_dsl
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "m.dsl").write_text(
+        'model m() {\n  param w: [3, 4] from "w" transposed\n  param e: [5, 4] from "e"\n'
+        '  param lm: [5, 3] from "lm"\n  forward(tokens) { return logits(linear(embedding(tokens, e), w), lm) }\n}\n')
+    (model,) = load_dsl(tmp_path / "m.dsl").models
+    program = instantiate_model(model, {})
+    assert program.params["w"].transposed
+    w, rest = torch.arange(12.0).reshape(4, 3), {"e": torch.ones(5, 4), "lm": torch.ones(5, 3)}
+    save_file({"w": w, **rest}, tmp_path / "model.safetensors")
+    convert_weights(program, tmp_path, tmp_path / "art", progress=False)
+    got = load_file(next((tmp_path / "art" / "weights" / "rank0").glob("*.safetensors")))
+    assert torch.equal(got["w"], w.t())
+    save_file({"w": w.t().contiguous(), **rest}, tmp_path / "model.safetensors")
+    with pytest.raises(WeightError, match=r"'w' has shape \[3, 4\], but param 'w' expects \[4, 3\] \(its \[3, 4\] stored transposed\)"):
+        convert_weights(program, tmp_path, tmp_path / "art2", progress=False)
