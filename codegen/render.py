@@ -125,6 +125,11 @@ def _kv_count(graph: Graph) -> int:
     return sum(graph.count(op) for op in KV_CACHE_OPS)
 
 
+def expert_down(graph: Graph, node: Node) -> str:
+    """A moe_experts' down-projection stack (its last 3-D input: expert biases, gpt-oss's, may follow it)."""
+    return [i for i in node.inputs[3:] if _type_of(graph, i).rank == 3][-1]
+
+
 def _type_of(graph: Graph, vid: str) -> TensorType:
     t = graph.node(vid).out
     if not isinstance(t, TensorType):
@@ -256,9 +261,10 @@ class _Model:
             for _, node in self.program.graphs[g].items():
                 if node.op not in ("moe_experts", "moe_experts_a2a"):
                     continue
-                down = self.program.graphs[g].node(node.inputs[-1])
+                down_vid = expert_down(self.program.graphs[g], node)
+                down = self.program.graphs[g].node(down_vid)
                 spec = self.program.params[down.attrs["name"]]
-                shard = (self.placements.of(self.program.graphs[g], node.inputs[-1]) or REPLICATED).shard(0)
+                shard = (self.placements.of(self.program.graphs[g], down_vid) or REPLICATED).shard(0)
                 if shard is None or spec.name in self.expert_maps:
                     continue
                 seg = shard.segments[0]
@@ -394,14 +400,14 @@ def _expert_activation_field(fn: _Function, vid: str, node: Node) -> str:
 
 def _expert_map_field(fn: _Function, vid: str, node: Node) -> str:
     """`, local_experts=self.<map>` for a moe_experts whose experts are split over ranks, else nothing."""
-    down = fn.graph.node(node.inputs[-1])
+    down = fn.graph.node(expert_down(fn.graph, node))
     attr = fn.model.expert_maps.get(down.attrs.get("name")) if down.op == "param" else None
     return f", local_experts=self.{attr}" if attr else ""
 
 
 def _expert_owners_field(fn: _Function, vid: str, node: Node) -> str:
     """moe_experts_a2a: every rank's experts (global ids in local order), from which it routes each pair."""
-    down = fn.graph.node(node.inputs[-1])
+    down = fn.graph.node(expert_down(fn.graph, node))
     return f"EXPERTS[{json.dumps(down.attrs['name'])}]"
 
 

@@ -620,10 +620,9 @@ def _attention(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
     if qh is None or kh is None or len(qh.segments) != 1 or len(kh.segments) != 1:
         raise PlacementError(f"attention q and k/v must both be sharded by heads, got {q}, {k}")
     sinks = attention_sinks(len(ins), node.attrs)
-    if sinks is not None:  # one logit per query head: it would have to follow the query heads' sharding
-        raise PlacementError("attention sinks (gpt-oss) with tensor-parallel heads are not supported yet: serve "
-                             "this model with tp = 1 (or data-parallel attention)")
-    for scale in ins[3:]:  # per-KV-head fp8 scales follow the KV heads
+    if sinks is not None and ins[sinks] != sharded(Shard(0, qh.segments, qh.axis)):  # one logit per query head
+        raise PlacementError(f"attention sinks must be sharded as the query heads ({q}), got {ins[sinks]}")
+    for scale in ins[3:5] if node.attrs.get("kv_dtype") else ():  # per-KV-head fp8 scales follow the KV heads
         if scale != sharded(Shard(0, kh.segments, kh.axis)):
             raise PlacementError(f"attention KV scales must be sharded as the KV heads ({k}), got {scale}")
     head_dim = t[0].shape[2]
@@ -712,9 +711,11 @@ def _moe_experts(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
                              f"{x}, {weights}, {ids}")
     if all(m.kind == "R" for m in rest):
         return x
-    if biases:
-        raise PlacementError("expert biases (gpt-oss) with sharded experts are not supported yet: serve this model "
-                             "with tp = ep = 1")
+    if biases:  # whole experts per rank only: a rank holding part of an expert's width would add b_down again
+        down = mats[-1]
+        if down.shard(2) is not None or any(b != sharded(*(s for s in down.shards if s.dim == 0)) for b in biases):
+            raise PlacementError(f"expert biases must be split with whole experts ({down}), got "
+                                 f"{', '.join(map(str, biases))}")
     if x.kind != "R":
         raise PlacementError("sharded experts read every rank's rows: gather the token-sharded rows first")
     down = mats[-1]

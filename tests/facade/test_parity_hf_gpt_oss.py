@@ -209,3 +209,17 @@ def test_transposed_param_reads_the_checkpoint_tensor_swapped(tmp_path):
     save_file({"w": w.t().contiguous(), **rest}, tmp_path / "model.safetensors")
     with pytest.raises(WeightError, match=r"'w' has shape \[3, 4\], but param 'w' expects \[4, 3\] \(its \[3, 4\] stored transposed\)"):
         convert_weights(program, tmp_path, tmp_path / "art2", progress=False)
+
+
+def test_gpt_oss_experts_split_by_width_are_refused(tiny_checkpoint, tmp_path):
+    """tp = 2 alone splits every expert's width over the ranks, and each would add the expert's down bias: refused
+    at the recipe's parallel line, naming the fix (whole experts per rank: tests/parallel's tp = 2; ep = 2 case)."""
+    from kiln.dsl.errors import KilnError
+
+    from kiln.recipe_from_hf import recipe_from_hf
+
+    recipe = tmp_path / "r.dsl"
+    text = recipe_from_hf(tiny_checkpoint("gpt_oss"), out_file=recipe)
+    recipe.write_text(text.replace("  serve ", "  parallel  { tp = 2 }\n  serve ", 1))
+    with pytest.raises(KilnError, match=r"expert biases \(gpt-oss\) need whole experts on each rank.*set ep to"):
+        kiln.compile(recipe, tmp_path / "art", progress=False)
