@@ -176,6 +176,7 @@ __all__ = ["AWQ_PACK_ORDER", "FP8_DTYPE", "FP8_GRANULARITIES", "FP8_MAX", "INT4_
 # ---------------------------------------------------------------- MXFP4
 
 MXFP4_BLOCK = 32
+MXFP4_CHUNK_ROWS = 1 << 20  # blocks decoded at a time
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -185,11 +186,15 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     holds the same numbers."""
     assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8 and blocks.shape[:-1] == scales.shape, \
         f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} {scales.dtype}"
-    lut = torch.tensor(FP4_VALUES, dtype=torch.bfloat16)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # low nibble first
-    values = values.reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
-    out = torch.ldexp(values.float(), scales.to(torch.int32)[..., None] - 127).to(torch.bfloat16)
-    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1] * 2)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    rows, width = blocks[..., 0].numel(), blocks.shape[-1]
+    flat_blocks, flat_scales = blocks.reshape(rows, width), scales.reshape(rows, 1)
+    out = torch.empty(rows, 2 * width, dtype=torch.bfloat16)
+    for r in range(0, rows, MXFP4_CHUNK_ROWS):  # bounded temporaries: a gpt-oss-120b layer is 1e9 values
+        b, e = flat_blocks[r:r + MXFP4_CHUNK_ROWS], flat_scales[r:r + MXFP4_CHUNK_ROWS].to(torch.int32) - 127
+        values = torch.stack([lut[(b & 0x0F).long()], lut[(b >> 4).long()]], dim=-1).reshape(len(b), 2 * width)
+        out[r:r + MXFP4_CHUNK_ROWS] = torch.ldexp(values, e).to(torch.bfloat16)  # low nibble first
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * width * 2)
 
 
 def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
