@@ -64,7 +64,7 @@ def test_sink_paged_attention_matches_reference_and_hf(K, window, new, partition
 
 
 @pytest.mark.parametrize("lib", ["cpu", "triton"])
-def test_clamped_swiglu_experts_match_reference_and_hf(K, lib):
+def test_clamped_swiglu_experts_match_reference_and_hf(K, lib, monkeypatch):
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
@@ -89,5 +89,15 @@ def test_clamped_swiglu_experts_match_reference_and_hf(K, lib):
                                              **{**attrs, "limit": 1e9})
     assert not torch.allclose(ref, unclamped, atol=1e-3)  # the clamps bite
     kernels = K._ref if lib == "cpu" else K
+    if lib == "triton":
+        monkeypatch.setattr(K._ref, "moe_experts", None)  # the grouped-GEMM kernels, never their torch fallback
     out = kernels.moe_experts(x, weights, ids, w_gate_up, w_down, b_gate_up, b_down, **attrs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = OPS["moe_experts"].reference(None, x, weights, ids, w_gate_up, w_down)  # no biases, SwiGLU halves
+    out = kernels.moe_experts(x, weights, ids, w_gate_up, w_down)
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
+    # bf16: the kernel rounds where torch rounds (GEMM + bias, each activation step), so within a few bf16 steps
+    bf = [t.to(torch.bfloat16) for t in (x, w_gate_up, w_down, b_gate_up, b_down)]
+    out = kernels.moe_experts(bf[0], weights, ids, *bf[1:], **attrs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0)  # |ref| <= 1.3: a bf16 step is 2^-7 there
