@@ -170,7 +170,8 @@ def dequant_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
 
 __all__ = ["AWQ_PACK_ORDER", "FP8_DTYPE", "FP8_GRANULARITIES", "FP8_MAX", "INT4_FORMATS", "awq_unpack",
            "dequant_awq", "dequant_gptq", "expand_block_scale", "fp8_cast", "fp8_dequantize", "fp8_fake_quantize",
-           "fp8_quantize", "fp8_quantize_per_token", "fp8_scaled_matmul", "fp8_static_matmul"]
+           "fp8_quantize", "fp8_quantize_per_token", "fp8_scaled_matmul", "fp8_static_matmul", "mxfp4_dequantize",
+           "mxfp4_quantize"]
 
 
 # ---------------------------------------------------------------- MXFP4
