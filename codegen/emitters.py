@@ -3,7 +3,8 @@
 A template is a `str.format` string over:
   {0}, {1}, ...  the node's inputs (local names or expressions), {args} all of them comma-separated;
   {eps}, ...     the node's attributes as Python literals (op-table defaults filled in);
-  {kv_cache}, {rope_cache}, {fused_rope}, {scale}, {attn_softcap}, {expert_map}, {gathered_size}, {dp_counts}
+  {kv_cache}, {rope_cache}, {fused_rope}, {scale}, {attn_softcap}, {attn_sinks}, {expert_map},
+  {expert_activation}, {gathered_size}, {dp_counts}
                  context fields
                  codegen derives for the node (see render.CONTEXT_FIELDS).
 Collective kernels take the rank's communicator (`self.comm`, bound by the runtime; parallel artifacts only).
@@ -34,7 +35,7 @@ EMITTERS: dict[str, str] = {
     "cpu.concat": "K.concat({0}, {1})",
     "cpu.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                            "sliding_window={sliding_window}{kv_scales}{fused_rope}{attn_softcap})"),
+                            "sliding_window={sliding_window}{kv_scales}{fused_rope}{attn_softcap}{attn_sinks})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
     "cpu.deinterleave": "K.deinterleave({0})",
     "cpu.dequant_fp8": "K.dequant_fp8({0}, {1}, granularity={granularity}, block={block}, dtype={dtype})",
@@ -48,8 +49,9 @@ EMITTERS: dict[str, str] = {
     "cpu.moe_topk_grouped": ("K.moe_topk_grouped({args}, top_k={top_k}, n_group={n_group}, topk_group={topk_group}, "
                              "routed_scaling={routed_scaling}, renormalize={renormalize}, scoring={scoring}, "
                              "group_score={group_score})"),
-    "cpu.moe_experts": "K.moe_experts({args}{expert_map})",
-    "cpu.moe_experts_a2a": "K.moe_experts_a2a({args}, comm=self.comm, experts_by_rank={expert_owners})",
+    "cpu.moe_experts": "K.moe_experts({args}{expert_map}{expert_activation})",
+    "cpu.moe_experts_a2a": ("K.moe_experts_a2a({args}, comm=self.comm, experts_by_rank={expert_owners}"
+                          "{expert_activation})"),
     # the adapters' rows of each token (batch.lora: slots and token segments, None without adapters)
     "cpu.lora": "K.lora({0}, {1}, batch.lora, {target}, layer)",
     # collectives (parallel programs): through the rank's communicator
@@ -89,8 +91,8 @@ EMITTERS.update({
     "triton.silu_mul": "K.silu_mul({0})",
     "triton.rope": "K.rope({0}, batch.positions, {rope_cache})",
     "triton.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
-                               "sliding_window={sliding_window}{kv_scales}{fused_rope}{attn_softcap})"),
-    "triton.moe_experts": "K.moe_experts({args}{expert_map})",
+                               "sliding_window={sliding_window}{kv_scales}{fused_rope}{attn_softcap}{attn_sinks})"),
+    "triton.moe_experts": "K.moe_experts({args}{expert_map}{expert_activation})",
     "triton.all_reduce_add_rms_norm": "K.all_reduce_add_rms_norm({0}, {1}, {2}, self.comm, eps={eps})",
     "triton.mla_attention": ("K.mla_attention({0}, {1}, {2}, {3}, {4}, {kv_cache}, batch, scale={scale}, "
                              "absorb={absorb}{kv_scales})"),

@@ -284,8 +284,9 @@ def _without_kv_quantization(program: Program) -> Program:
                 g = g or graph.copy()
                 attrs = {k: v for k, v in node.attrs.items() if k != "kv_dtype"}
                 plain = 3 if node.op == "attention" else 5
-                g.replace(vid, node.with_(inputs=node.inputs[:plain], attrs=attrs))
-                for scale in node.inputs[plain:]:
+                sinks = node.inputs[5:] if node.op == "attention" else ()  # gpt-oss's sink logits stay
+                g.replace(vid, node.with_(inputs=(*node.inputs[:plain], *sinks), attrs=attrs))
+                for scale in node.inputs[plain:plain + 2]:
                     if not g.users(scale):
                         g.remove(scale)
         if g is not None:

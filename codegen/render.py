@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 from kiln.compiler.ir import Attrs, Graph, Node, PerLayer, Program, TensorType, TupleType, at_layer
 from kiln.compiler.kv_layout import KV_CACHE_OPS, kv_cache_nodes
-from kiln.compiler.ops import OPS, REQUIRED
+from kiln.compiler.ops import OPS, REQUIRED, attention_sinks
 from kiln.compiler.placement import PlacementTable, local_slice, lora_local_rows, units_of
 from kiln.compiler.placement import R as REPLICATED
 from kiln.compiler.targets import get_target
@@ -123,6 +123,11 @@ def packed_params(program: Program) -> list[str]:
 # Ops that own a paged KV cache (one tensor per node per layer): MHA/GQA K/V, or MLA's latent [c_kv | k_pe].
 def _kv_count(graph: Graph) -> int:
     return sum(graph.count(op) for op in KV_CACHE_OPS)
+
+
+def expert_down(graph: Graph, node: Node) -> str:
+    """A moe_experts' down-projection stack (its last 3-D input: expert biases, gpt-oss's, may follow it)."""
+    return [i for i in node.inputs[3:] if _type_of(graph, i).rank == 3][-1]
 
 
 def _type_of(graph: Graph, vid: str) -> TensorType:
@@ -256,9 +261,10 @@ class _Model:
             for _, node in self.program.graphs[g].items():
                 if node.op not in ("moe_experts", "moe_experts_a2a"):
                     continue
-                down = self.program.graphs[g].node(node.inputs[-1])
+                down_vid = expert_down(self.program.graphs[g], node)
+                down = self.program.graphs[g].node(down_vid)
                 spec = self.program.params[down.attrs["name"]]
-                shard = (self.placements.of(self.program.graphs[g], node.inputs[-1]) or REPLICATED).shard(0)
+                shard = (self.placements.of(self.program.graphs[g], down_vid) or REPLICATED).shard(0)
                 if shard is None or spec.name in self.expert_maps:
                     continue
                 seg = shard.segments[0]
@@ -377,16 +383,31 @@ def _attn_softcap_field(fn: _Function, vid: str, node: Node) -> str:
     return f", softcap={literal(float(cap))}" if cap else ""
 
 
+def _attn_sinks_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, sinks=<per-head sink logits>` for an attention with sinks (gpt-oss), else nothing."""
+    index = attention_sinks(len(node.inputs), node.attrs)
+    return f", sinks={fn.expr[node.inputs[index]]}" if index is not None else ""
+
+
+def _expert_activation_field(fn: _Function, vid: str, node: Node) -> str:
+    """`, activation=..., alpha=..., limit=...` for experts whose activation is not plain SwiGLU, else nothing."""
+    activation = node.attrs.get("activation", "swiglu")
+    if activation == "swiglu":
+        return ""
+    return (f", activation={literal(activation)}, alpha={literal(float(node.attrs.get('alpha', 1.702)))}, "
+            f"limit={literal(float(node.attrs.get('limit', 7.0)))}")
+
+
 def _expert_map_field(fn: _Function, vid: str, node: Node) -> str:
     """`, local_experts=self.<map>` for a moe_experts whose experts are split over ranks, else nothing."""
-    down = fn.graph.node(node.inputs[-1])
+    down = fn.graph.node(expert_down(fn.graph, node))
     attr = fn.model.expert_maps.get(down.attrs.get("name")) if down.op == "param" else None
     return f", local_experts=self.{attr}" if attr else ""
 
 
 def _expert_owners_field(fn: _Function, vid: str, node: Node) -> str:
     """moe_experts_a2a: every rank's experts (global ids in local order), from which it routes each pair."""
-    down = fn.graph.node(node.inputs[-1])
+    down = fn.graph.node(expert_down(fn.graph, node))
     return f"EXPERTS[{json.dumps(down.attrs['name'])}]"
 
 
@@ -408,6 +429,8 @@ def _dp_counts_field(fn: _Function, vid: str, node: Node) -> str:
 # Fields a kernel template may name besides inputs and attributes, and how codegen derives each.
 CONTEXT_FIELDS: dict[str, ContextField] = {
     "attn_softcap": _attn_softcap_field,  # an attention's score soft-cap (Gemma 2), as a keyword
+    "attn_sinks": _attn_sinks_field,  # an attention's per-head sink logits (gpt-oss), as a keyword
+    "expert_activation": _expert_activation_field,  # experts' activation when not SwiGLU (gpt-oss), as keywords
     "dp_counts": _dp_counts_field,  # data-parallel attention: the ranks' row counts of this step
     "expert_map": _expert_map_field,  # experts split over ranks: this rank's global -> local expert map
     "expert_owners": _expert_owners_field,  # moe_experts_a2a: every rank's experts (EXPERTS of model.py)

@@ -45,6 +45,9 @@ def rank_weights_dir(rank: int) -> str:
     """Where rank `rank`'s shards live in the artifact (rank 0: WEIGHTS_DIR)."""
     return f"weights/rank{rank}"
 INDEX_FILE = "model.safetensors.index.json"
+# An MXFP4 tensor X (OpenAI's gpt-oss experts) is stored as X_blocks (uint8, two e2m1 values a byte, 32 a block)
+# and X_scales (uint8 e8m0, one a block), in [out, in] order; the float X of the model is [in, out].
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 INIT_STD = 0.02
 
 
@@ -108,12 +111,32 @@ class Checkpoint:
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.file_of
+        return name in self.file_of or self.mxfp4(name)
+
+    def mxfp4(self, name: str) -> bool:
+        """Whether `name` is stored in MXFP4 (`<name>_blocks` + `<name>_scales`, gpt-oss's experts) instead."""
+        return name not in self.file_of and f"{name}{MXFP4_BLOCKS}" in self.file_of \
+            and f"{name}{MXFP4_SCALES}" in self.file_of
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if self.mxfp4(name):  # blocks [..., out, G, 16] -> the float tensor, as its model holds it: [..., in, out]
+            *lead, out, groups, nbytes = self._raw_shape(f"{name}{MXFP4_BLOCKS}")
+            return (*lead, groups * nbytes * 2, out)
+        return self._raw_shape(name)
+
+    def _raw_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.file_of[name]).get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
+        if self.mxfp4(name):
+            from kiln.compiler.quant import mxfp4_dequantize
+
+            blocks, scales = self.get(f"{name}{MXFP4_BLOCKS}"), self.get(f"{name}{MXFP4_SCALES}")
+            if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+                raise CheckpointError(f"{self.path}: '{name}{MXFP4_BLOCKS}' {_fmt(blocks.shape)} {blocks.dtype} and "
+                                      f"'{name}{MXFP4_SCALES}' {_fmt(scales.shape)} {scales.dtype} are no MXFP4 pair "
+                                      "(uint8 blocks [..., G, 16] and uint8 e8m0 scales [..., G])")
+            return mxfp4_dequantize(blocks, scales).transpose(-1, -2)  # bf16, exact
         file = self.file_of[name]
         try:
             return self._open(file).get_tensor(name)
@@ -203,10 +226,13 @@ def check_sources(entry: _Entry, ckpt: Checkpoint) -> None:
         else:
             shapes.append(ckpt.shape(src))
     want, dim = spec.shape, spec.concat_dim
+    if spec.transposed:  # `from "a" transposed`: the checkpoint holds the last two dims swapped
+        want = (*want[:-2], want[-1], want[-2])
     if len(sources) == 1:
         if shapes[0] != want:
+            stored = f" (its {_fmt(spec.shape)} stored transposed)" if spec.transposed else ""
             raise WeightError(f"checkpoint tensor '{sources[0]}' has shape {_fmt(shapes[0])}, but {_where(entry)} "
-                              f"expects {_fmt(want)}", spec.loc)
+                              f"expects {_fmt(want)}{stored}", spec.loc)
         return
     for src, shape in zip(sources, shapes, strict=True):
         others = tuple(d for k, d in enumerate(shape) if k != dim)
@@ -272,6 +298,8 @@ def _load(entry: _Entry, ckpt: Checkpoint) -> torch.Tensor:
              else float_source(ckpt, src, spec)
              for src, names in zip(entry.spec.sources_for(entry.layer), _source_tensors(entry), strict=True)]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=entry.spec.concat_dim)
+    if spec.transposed:
+        t = t.transpose(-1, -2)
     if spec.offset:  # `from "..." + c`: Gemma's norms scale by 1 + w; added in fp32, then cast to the param dtype
         t = (t.float() + spec.offset).to(t.dtype)
     return t.contiguous()

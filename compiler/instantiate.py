@@ -70,7 +70,7 @@ class _Lowering:
             source = (_fill_config(p.source.value, self.config),) if p.source is not None else ()
             fallback = (_fill_config(p.fallback.value, self.config),) if p.fallback is not None else ()
             self.params[name] = ParamSpec(name, shape, self.dtype, source, block=block, loc=p.loc, fallback=fallback,
-                                          offset=p.offset)
+                                          offset=p.offset, transposed=p.transposed)
             scope[p.name] = name
 
     # ------------------------------------------------------------ graphs

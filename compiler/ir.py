@@ -267,6 +267,7 @@ class ParamSpec:
     loc: Loc | None = field(default=None, compare=False)
     fallback: tuple[str, ...] = ()  # sources read instead when the checkpoint lacks `source` (`from "a" else "b"`)
     offset: float = 0.0  # added to the checkpoint tensor at conversion (`from "a" + 1.0`: Gemma's 1 + w norms)
+    transposed: bool = False  # the checkpoint tensors hold the last two dims swapped (`from "a" transposed`)
 
     @property
     def local_name(self) -> str:

@@ -390,13 +390,27 @@ register_op(OpDef("rope", 1, 1, infer=_infer_rope, reference=_ref_rope, cost=_el
                       "its MAX_MODEL_LEN: docs/rope.md)."))
 
 
+def attention_sinks(num_inputs: int, attrs: Attrs) -> int | None:
+    """The input index of an attention's per-head sink logits (gpt-oss), None without: inputs are q, k, v, then
+    k_scale, v_scale when kv_dtype is set, then the sinks when given."""
+    plain = 5 if attrs.get("kv_dtype") else 3
+    return plain if num_inputs == plain + 1 else None
+
+
 def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
     q, k, v = ins[:3]
-    _check(len(ins) == (5 if a.get("kv_dtype") else 3),
-           f"attention takes q, k, v (and k_scale, v_scale with kv_dtype set), got {len(ins)} inputs")
+    plain = 5 if a.get("kv_dtype") else 3
+    _check(len(ins) in (plain, plain + 1),
+           f"attention takes q, k, v (and k_scale, v_scale with kv_dtype set), then optional sinks, got {len(ins)} "
+           "inputs")
+    sinks = attention_sinks(len(ins), a)
+    if sinks is not None:
+        s = ins[sinks]
+        _check(s.rank == 1 and _same(s.shape[0], q.shape[1]),
+               f"attention sinks must be one logit per query head [{q.shape[1]}], got {s}")
     if a.get("kv_dtype"):
         _check(a["kv_dtype"] == "fp8e4m3", f"attention kv_dtype={a['kv_dtype']!r}; only fp8e4m3 is supported")
-        for s in ins[3:]:
+        for s in ins[3:5]:
             _check(s.shape == (k.shape[1],) and s.dtype == "f32", f"KV scales must be f32[{k.shape[1]}] (per kv head), got {s}")
     _check(q.rank == 3 and k.rank == 3 and v.rank == 3, f"attention expects [T, heads, head_dim], got {q}, {k}, {v}")
     if a.get("rope") is not None:  # fuse_rope_kv_write: q and k arrive un-roped
@@ -414,9 +428,11 @@ def _infer_attention(ins: list[TensorType], a: Attrs) -> TensorType:
     return TensorType((q.shape[0], hq * q.shape[2]), q.dtype)
 
 
-def _ref_attention(ctx: RefContext, q, k, v, k_scale=None, v_scale=None, sliding_window: int = 0,
+def _ref_attention(ctx: RefContext, q, k, v, *extra, sliding_window: int = 0,
                    scale: float | None = None, kv_dtype: str | None = None, rope: Attrs | None = None,
                    softcap: float = 0.0):
+    k_scale, v_scale = extra[:2] if kv_dtype is not None else (None, None)
+    sinks = extra[-1] if len(extra) == (3 if kv_dtype is not None else 1) else None
     if rope is not None:  # the rope it absorbed (fuse_rope_kv_write), with the rope op's own attributes
         rope_attrs = {**{k_: d for k_, d in OPS["rope"].attrs.items() if d is not REQUIRED}, **rope}
         q, k = _ref_rope(ctx, q, **rope_attrs), _ref_rope(ctx, k, **rope_attrs)
@@ -436,7 +452,12 @@ def _ref_attention(ctx: RefContext, q, k, v, k_scale=None, v_scale=None, sliding
     if sliding_window:
         mask &= pos[None, :] > pos[:, None] - sliding_window
     s = s.masked_fill(~mask[None], float("-inf"))
-    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v.float()).to(q.dtype)
+    if sinks is not None:  # gpt-oss: one more logit per head in the softmax's denominator, attending to nothing
+        sink = sinks.float()[:, None, None].expand(hq, t, 1)
+        p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        p = s.softmax(-1)
+    o = torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
     return o.reshape(t, hq * d)
 
 
@@ -446,10 +467,12 @@ def _attention_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
     return Cost(4 * q.numel() + rope_flops, sum(_nbytes(t) for t in ins) + _nbytes(out))  # per token of context; see report
 
 
-register_op(OpDef("attention", 3, 5, infer=_infer_attention, reference=_ref_attention, cost=_attention_cost,
+register_op(OpDef("attention", 3, 6, infer=_infer_attention, reference=_ref_attention, cost=_attention_cost,
                   attrs={"sliding_window": 0, "scale": None, "kv_dtype": None, "rope": None, "softcap": 0.0},
                   doc="Causal attention over this step's tokens and the sequence's cached K/V (GQA). "
-                      "softcap > 0 caps the scaled scores to softcap·tanh(s / softcap) (Gemma 2). With "
+                      "softcap > 0 caps the scaled scores to softcap·tanh(s / softcap) (Gemma 2). A last input "
+                      "`sinks` [heads] (gpt-oss) adds exp(sinks[h]) to head h's softmax denominator: a learned "
+                      "logit that takes probability mass and contributes no value. With "
                       "kv_dtype='fp8e4m3' the cache stores K/V in e4m3 with per-KV-head scales (inputs 4, 5). "
                       "With rope={rope attributes} (fuse_rope_kv_write) q and k arrive un-roped and are rotated "
                       "as rope(x, **rope) would, before k is cached: one kernel ropes q/k and writes K/V."))
@@ -891,8 +914,23 @@ register_op(OpDef(
         "Returns (weights f32 [T, k], ids i32 [T, k])."))
 
 
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
+def split_expert_inputs(inputs: Sequence[Any], types: Sequence[TensorType]) -> tuple[list[Any], list[Any]]:
+    """A moe_experts' weight inputs (after x, weights, ids) as (matrices, biases): the 3-D stacks, then the 2-D
+    per-expert biases of a fused gate_up and of down, when given."""
+    mats = [i for i, t in zip(inputs, types, strict=True) if t.rank == 3]
+    return mats, list(inputs[len(mats):])
+
+
 def _infer_moe_experts(ins: list[TensorType], a: Attrs) -> TensorType:
-    x, weights, ids, *mats = ins
+    x, weights, ids, *rest = ins
+    mats, biases = split_expert_inputs(rest, rest)
+    _check(a.get("activation", "swiglu") in EXPERT_ACTIVATIONS,
+           f"moe_experts activation {a.get('activation')!r}; known: {', '.join(EXPERT_ACTIVATIONS)}")
+    _check(a.get("activation", "swiglu") == "swiglu" or len(mats) == 2,
+           "moe_experts activation='clamped_swiglu' reads a fused, interleaved w_gate_up [E, 2F, H]")
     _check(x.rank == 2 and isinstance(x.shape[1], int), f"moe_experts input must be [T, hidden], got {x}")
     _check(ids.dtype == MOE_IDS_DTYPE,
            f"moe_experts ids must be {MOE_IDS_DTYPE} (the router contract), got {ids}")
@@ -902,7 +940,8 @@ def _infer_moe_experts(ins: list[TensorType], a: Attrs) -> TensorType:
            f"moe_experts routing weights {weights} and ids {ids} must both be [T, top_k] over input {x}")
     hidden = x.shape[1]
     down = mats[-1]
-    _check(all(m.rank == 3 for m in mats), f"expert weights must be 3-D [experts, out, in], got {', '.join(map(str, mats))}")
+    _check(len(mats) in (2, 3) and all(m.rank == 3 for m in rest[:len(mats)]),
+           f"expert weights must be 3-D [experts, out, in] (then 2-D biases), got {', '.join(map(str, rest))}")
     experts = down.shape[0]
     _check(all(m.shape[0] == experts for m in mats), f"expert weights disagree on the expert count: "
                                                        f"{', '.join(map(str, mats))}")
@@ -911,16 +950,31 @@ def _infer_moe_experts(ins: list[TensorType], a: Attrs) -> TensorType:
     if len(mats) == 2:
         _check(mats[0].shape == (experts, 2 * ffn, hidden),
                f"fused expert gate_up {mats[0]} must be [{experts}, {2 * ffn}, {hidden}] for down {down}")
+        if biases:
+            _check(len(biases) == 2 and biases[0].shape == (experts, 2 * ffn) and biases[1].shape == (experts, hidden),
+                   f"expert biases {', '.join(map(str, biases))} must be b_gate_up [{experts}, {2 * ffn}] and "
+                   f"b_down [{experts}, {hidden}]")
     else:
+        _check(not biases, "expert biases go with a fused w_gate_up")
         for m in mats[:2]:
             _check(m.shape == (experts, ffn, hidden),
                    f"expert gate/up {m} must be [{experts}, {ffn}, {hidden}] for down {down}")
     return x
 
 
+def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on an interleaved gate/up row (gate at even, up at odd columns): gate clamped
+    above at `limit`, up to ±limit, (up + 1) · gate · sigmoid(alpha · gate)."""
+    gate, up = h[..., 0::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def _ref_moe_experts(ctx: RefContext | None, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     *mats: torch.Tensor) -> torch.Tensor:
-    """Σ_k weights[t, k] · down_e(silu(gate_e(x_t)) · up_e(x_t)), e = ids[t, k]; experts in ascending order."""
+                     *rest: torch.Tensor, activation: str = "swiglu", alpha: float = 1.702,
+                     limit: float = 7.0) -> torch.Tensor:
+    """Σ_k weights[t, k] · down_e(act(gate_up_e(x_t))), e = ids[t, k]; experts in ascending order."""
+    mats = [m for m in rest if m.dim() == 3]
+    b_gate_up, b_down = rest[len(mats):] or (None, None)
     if len(mats) == 3:
         mats = (torch.cat([mats[0], mats[1]], dim=1), mats[2])
     gate_up, down = mats
@@ -930,15 +984,17 @@ def _ref_moe_experts(ctx: RefContext | None, x: torch.Tensor, weights: torch.Ten
         token, slot = torch.nonzero(ids == e, as_tuple=True)
         if token.numel() == 0:
             continue
-        h = F.linear(x[token], gate_up[e])
+        h = F.linear(x[token], gate_up[e], None if b_gate_up is None else b_gate_up[e])
         f = h.shape[-1] // 2
-        y = F.linear(F.silu(h[:, :f]) * h[:, f:], down[e])
+        act = clamped_swiglu(h, alpha, limit) if activation == "clamped_swiglu" else F.silu(h[:, :f]) * h[:, f:]
+        y = F.linear(act, down[e], None if b_down is None else b_down[e])
         out.index_add_(0, token, (y.float() * weights[token, slot, None].float()).to(x.dtype))
     return out
 
 
 def _moe_experts_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
-    x, weights, ids, *mats = ins
+    x, weights, ids, *rest = ins
+    mats, _ = split_expert_inputs(rest, rest)
     tokens, top_k, experts = x.shape[0], ids.shape[1], mats[-1].shape[0]
     tokens = tokens if isinstance(tokens, int) else 1
     per_expert = sum(m.numel() // experts for m in mats)
@@ -948,15 +1004,22 @@ def _moe_experts_cost(ins: list[TensorType], out: ValueType, a: Attrs) -> Cost:
                 bytes=wbytes + _nbytes(x) + _nbytes(weights) + _nbytes(ids) + _nbytes(out))
 
 
+MOE_EXPERT_ATTRS = {"activation": "swiglu", "alpha": 1.702, "limit": 7.0}
+
 register_op(OpDef(
-    "moe_experts", 5, 6, infer=_infer_moe_experts, reference=_ref_moe_experts, cost=_moe_experts_cost,
+    "moe_experts", 5, 7, infer=_infer_moe_experts, reference=_ref_moe_experts, cost=_moe_experts_cost,
+    attrs=dict(MOE_EXPERT_ATTRS),
     doc="Routed SwiGLU experts: moe_experts(x, weights, ids, w_gate_up [E, 2F, H], w_down [E, H, F]) or with "
         "separate w_gate, w_up [E, F, H] (what checkpoints store; fuse_expert_gate_up merges them). "
-        "Σ_k weights[:, k] · down_e(silu(gate_e(x)) · up_e(x)) for e = ids[:, k]."))
+        "Σ_k weights[:, k] · down_e(silu(gate_e(x)) · up_e(x)) for e = ids[:, k]. A fused w_gate_up may be "
+        "followed by biases b_gate_up [E, 2F], b_down [E, H] (gpt-oss). activation='clamped_swiglu' (gpt-oss): "
+        "gate/up rows interleaved (gate even, up odd), (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g) with "
+        "g = min(gate, limit)."))
 
 
 register_op(OpDef(
-    "moe_experts_a2a", 5, 6, infer=_infer_moe_experts, reference=_ref_moe_experts, cost=_moe_experts_cost,
+    "moe_experts_a2a", 5, 7, infer=_infer_moe_experts, reference=_ref_moe_experts, cost=_moe_experts_cost,
+    attrs=dict(MOE_EXPERT_ATTRS),
     doc="moe_experts under data-parallel attention with every expert group one rank: each rank's own rows go, "
         "pair by (token, expert) pair, to the rank holding the expert and come back computed (all_to_all), "
         "instead of every rank gathering all rows and reduce-scattering partial sums. Same meaning."))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.compiler.ir import DTYPE_BYTES, Graph, Node, Program, TensorType, TupleType
+from kiln.compiler.ops import attention_sinks, split_expert_inputs
 
 AXES = ("world", "ep", "etp")  # all ranks; expert-parallel groups; tensor parallelism inside one expert group
 EXPERT_ORDERS = ("contiguous", "round_robin")
@@ -618,7 +619,10 @@ def _attention(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
         return _same([q, k, v], "attention")
     if qh is None or kh is None or len(qh.segments) != 1 or len(kh.segments) != 1:
         raise PlacementError(f"attention q and k/v must both be sharded by heads, got {q}, {k}")
-    for scale in ins[3:]:  # per-KV-head fp8 scales follow the KV heads
+    sinks = attention_sinks(len(ins), node.attrs)
+    if sinks is not None and ins[sinks] != sharded(Shard(0, qh.segments, qh.axis)):  # one logit per query head
+        raise PlacementError(f"attention sinks must be sharded as the query heads ({q}), got {ins[sinks]}")
+    for scale in ins[3:5] if node.attrs.get("kv_dtype") else ():  # per-KV-head fp8 scales follow the KV heads
         if scale != sharded(Shard(0, kh.segments, kh.axis)):
             raise PlacementError(f"attention KV scales must be sharded as the KV heads ({k}), got {scale}")
     head_dim = t[0].shape[2]
@@ -700,12 +704,18 @@ def _router(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
 
 
 def _moe_experts(node: Node, ins: list[Placement], t: list[Any]) -> Placement:
-    x, weights, ids, *mats = ins
+    x, weights, ids, *rest = ins
+    mats, biases = split_expert_inputs(rest, t[3:])
     if not (x == weights == ids) or x.kind not in ("R", "T"):
         raise PlacementError(f"moe_experts reads its rows, routing weights and ids placed alike, got "
                              f"{x}, {weights}, {ids}")
-    if all(m.kind == "R" for m in mats):
+    if all(m.kind == "R" for m in rest):
         return x
+    if biases:  # whole experts per rank only: a rank holding part of an expert's width would add b_down again
+        down = mats[-1]
+        if down.shard(2) is not None or any(b != sharded(*(s for s in down.shards if s.dim == 0)) for b in biases):
+            raise PlacementError(f"expert biases must be split with whole experts ({down}), got "
+                                 f"{', '.join(map(str, biases))}")
     if x.kind != "R":
         raise PlacementError("sharded experts read every rank's rows: gather the token-sharded rows first")
     down = mats[-1]

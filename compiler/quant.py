@@ -5,6 +5,9 @@ Conventions (those of the checkpoints kiln loads):
 * FP8 is float8 e4m3fn (max 448). A weight is `w ≈ w_q.float() * scale` with `scale` per tensor ([1]),
   per output channel ([N]) or per 128×128 block ([ceil(N/B), ceil(K/B)], DeepSeek's `weight_scale_inv`,
   which despite its name multiplies). Scales are absmax / 448, so the largest magnitude maps to 448.
+* MXFP4 (OCP microscaling, OpenAI's gpt-oss experts): blocks of 32 e2m1 values (two a byte, the low nibble
+  first) sharing one e8m0 scale 2^(s - 127); a [..., out, in] weight is stored as `_blocks` uint8
+  [..., out, in/32, 16] and `_scales` uint8 [..., out, in/32] (transformers' integrations/mxfp4.py).
 * INT4 weight-only keeps the layouts AutoAWQ (GEMM) and AutoGPTQ/GPTQModel publish; `dequant_awq` and
   `dequant_gptq` give the [N, K] float weight (out_features × in_features, as nn.Linear stores it).
 
@@ -167,4 +170,46 @@ def dequant_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
 
 __all__ = ["AWQ_PACK_ORDER", "FP8_DTYPE", "FP8_GRANULARITIES", "FP8_MAX", "INT4_FORMATS", "awq_unpack",
            "dequant_awq", "dequant_gptq", "expand_block_scale", "fp8_cast", "fp8_dequantize", "fp8_fake_quantize",
-           "fp8_quantize", "fp8_quantize_per_token", "fp8_scaled_matmul", "fp8_static_matmul"]
+           "fp8_quantize", "fp8_quantize_per_token", "fp8_scaled_matmul", "fp8_static_matmul", "mxfp4_dequantize",
+           "mxfp4_quantize"]
+
+
+# ---------------------------------------------------------------- MXFP4
+
+MXFP4_BLOCK = 32
+MXFP4_CHUNK_ROWS = 1 << 20  # blocks decoded at a time
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., out, G, 16] uint8 e2m1 pairs and [..., out, G] uint8 e8m0 scales -> bf16 [..., out, G * 32]. Exact:
+    every e2m1 value times a power of two is a bf16 (the exponent range is fp32's), so any float dtype after it
+    holds the same numbers."""
+    assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8 and blocks.shape[:-1] == scales.shape, \
+        f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} {scales.dtype}"
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    rows, width = blocks[..., 0].numel(), blocks.shape[-1]
+    flat_blocks, flat_scales = blocks.reshape(rows, width), scales.reshape(rows, 1)
+    out = torch.empty(rows, 2 * width, dtype=torch.bfloat16)
+    for r in range(0, rows, MXFP4_CHUNK_ROWS):  # bounded temporaries: a gpt-oss-120b layer is 1e9 values
+        b, e = flat_blocks[r:r + MXFP4_CHUNK_ROWS], flat_scales[r:r + MXFP4_CHUNK_ROWS].to(torch.int32) - 127
+        values = torch.stack([lut[(b & 0x0F).long()], lut[(b >> 4).long()]], dim=-1).reshape(len(b), 2 * width)
+        out[r:r + MXFP4_CHUNK_ROWS] = torch.ldexp(values, e).to(torch.bfloat16)  # low nibble first
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * width * 2)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float [..., out, in] weight (in a multiple of 32) -> (blocks, scales) as `mxfp4_dequantize` reads them:
+    each block's scale is the power of two that brings its absmax to at most 6, values rounded to the nearest
+    e2m1. For tests and tools (a tiny checkpoint in the gpt-oss layout); kiln serves such weights dequantized."""
+    *lead, out, k = w.shape
+    assert k % MXFP4_BLOCK == 0, f"MXFP4 needs the last dim a multiple of {MXFP4_BLOCK}, got {tuple(w.shape)}"
+    g = w.float().reshape(*lead, out, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = g.abs().amax(dim=-1, keepdim=True).clamp(min=2.0 ** -126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    lut = torch.tensor(FP4_VALUES[:8])
+    mag = (g.abs() / torch.exp2(exp))[..., None]
+    codes = (mag - lut).abs().argmin(dim=-1) + 8 * (g < 0).long()  # sign bit 8
+    codes = codes.to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp[..., 0] + 127).to(torch.uint8)

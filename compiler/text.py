@@ -87,7 +87,8 @@ def print_program(program: Program) -> str:
              f"  config {json.dumps(dict(program.config), sort_keys=True)}"]
     for p in program.params.values():
         extra = {"block": p.block, "concat_dim": p.concat_dim or None, "quant": p.quant, "sharding": p.sharding,
-                 "fallback": list(p.fallback) or None, "offset": p.offset or None}
+                 "fallback": list(p.fallback) or None, "offset": p.offset or None,
+                 "transposed": p.transposed or None}
         attrs = ", ".join(f"{k}={_value(v)}" for k, v in extra.items() if v is not None)
         attrs = f" {{{attrs}}}" if attrs else ""
         lines.append(f"  param {p.name}: {TensorType(p.shape, p.dtype)} from {json.dumps(list(p.source))}{attrs}")
@@ -239,7 +240,8 @@ def parse_program(text: str) -> Program:
                 concat_dim=extra.get("concat_dim", 0),
                 quant=Attrs(extra["quant"]) if "quant" in extra else None,
                 sharding=Attrs(extra["sharding"]) if "sharding" in extra else None,
-                fallback=tuple(extra.get("fallback", ())), offset=float(extra.get("offset", 0.0)))
+                fallback=tuple(extra.get("fallback", ())), offset=float(extra.get("offset", 0.0)),
+                transposed=bool(extra.get("transposed", False)))
         elif line.startswith("block "):
             bm = re.fullmatch(r"block\s+(\w+)\s*=\s*(\w+)\s+x\s+(\d+)\s*(\{.*\})?", line)
             if not bm:

@@ -150,6 +150,7 @@ class ParamDecl:
     loc: Loc
     fallback: Str | None = None  # `from "a" else "b"`: read b when the checkpoint has no a
     offset: float = 0.0  # `from "a" + 1.0`: added to the checkpoint tensor at weight conversion
+    transposed: bool = False  # `from "a" transposed`: the checkpoint tensor's last two dims swapped at conversion
 
 
 @dataclass(frozen=True, slots=True)

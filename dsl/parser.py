@@ -249,11 +249,11 @@ class _ToAst(Transformer):
     block_body = forward_body = recipe_body = section_body = model_body
 
     def param(self, meta, c):
-        name, shape, source, fallback, offset, cond = c
+        name, shape, source, fallback, offset, transposed, cond = c
         src = ast.Str(_unquote(source), self._tok(source)) if source is not None else None
         alt = ast.Str(_unquote(fallback), self._tok(fallback)) if fallback is not None else None
         off = float(str(offset).replace("_", "")) if offset is not None else 0.0
-        return ast.ParamDecl(str(name), shape, src, cond, self._tok(name), alt, off)
+        return ast.ParamDecl(str(name), shape, src, cond, self._tok(name), alt, off, transposed is not None)
 
     def shape(self, meta, c):
         return tuple(i for i in c if _is_node(i))

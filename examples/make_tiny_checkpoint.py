@@ -127,6 +127,14 @@ ARCHS: dict[str, tuple[str, dict]] = {
         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "use_sliding_window": False, "num_experts": 4,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    # 4 layers alternating sliding (window 8) and full; attention sinks (random, std 1); YaRN x8 over an original
+    # context of 64 (truncate false, as OpenAI's); 4 biased experts top-2 of width 32 (gate/up interleaved, stored
+    # [E, in, out]); swiglu_limit 1 so some of the tiny model's gates and ups reach the clamps
+    "gpt_oss": ("GptOssConfig", {
+        "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "intermediate_size": 32, "swiglu_limit": 1.0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0}}),
 }
 
 CORPUS = """\
@@ -264,8 +272,10 @@ def _randomize_non_matmul_weights(model: torch.nn.Module, std: float) -> None:
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):  # input/post-attention/final norms, Qwen3 q_norm/k_norm
             param.copy_(norm_base + 0.5 * torch.randn_like(param))
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_bias")):  # gpt-oss's experts: gate_up_proj_bias, down_proj_bias
             param.normal_(0.0, std)
+        elif name.endswith(".sinks"):  # gpt-oss's per-head sink logits: large enough to take real mass
+            param.normal_(0.0, 1.0)
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias steers expert choice
             buf.normal_(0.0, std)
@@ -302,7 +312,8 @@ def build_tiny_checkpoint(
     mixtral and qwen3_moe (4 experts, top-2; stored one tensor per expert), deepseek_v3 and deepseek_v2 (MLA;
     3 layers, the first dense, then 4 routed experts top-2 in 2 groups + 1 shared expert), gemma3 (4 layers,
     window 8, layer 2 global with linear rope x8; Gemma tokens and chat template), gemma2 (alternating
-    layers, soft-capped attention and logits), granite (Llama with embedding, residual and attention
+    layers, soft-capped attention and logits), gpt_oss (4 layers alternating sliding window 8 and full, attention
+    sinks, YaRN, 4 biased experts top-2 under the clamped SwiGLU), granite (Llama with embedding, residual and attention
     multipliers and a logits divisor) and phi4_mini (Phi-3 with partial rotary 0.75 and LongRoPE, original
     context 32 of 128).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).

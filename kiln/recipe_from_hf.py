@@ -28,7 +28,8 @@ _INT_KEYS = frozenset({
     "n_routed_experts", "n_shared_experts", "n_group", "topk_group", "num_nextn_predict_layers",
     "sliding_window_pattern"})
 _FLOAT_KEYS = frozenset({"rope_theta", "rms_norm_eps", "routed_scaling_factor", "rope_local_base_freq",
-                         "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"})
+                         "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                         "swiglu_alpha", "swiglu_limit"})
 _BOOL_KEYS = frozenset({"tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob",
                         "rope_interleave"})
 
@@ -498,6 +499,40 @@ def _gemma2(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "gemma2", args
 
 
+# transformers' GptOssConfig defaults (OpenAI's configs give most keys; these fill the ones left out)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """gpt-oss (models/gpt_oss.dsl): attention sinks, sliding (`layer_types`, else every other layer from the
+    first) and full layers, YaRN rope, biased router and experts with the clamped SwiGLU. MXFP4 experts
+    (`quantization_config.quant_method = mxfp4`) are dequantized at conversion (codegen/weights.py)."""
+    if not cfg.get("attention_bias", True):
+        raise UnsupportedCheckpoint("gpt-oss with attention_bias = false is not supported (OpenAI's have biases)")
+    rp = _rope_parameters(cfg) or dict(_GPT_OSS_ROPE)
+    args = _common({**cfg, "rope_parameters": rp, "rope_scaling": None}, 150000.0)
+    args["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    args["norm_eps"] = float(cfg.get("rms_norm_eps") or 1e-5)
+    args["max_position"] = int(cfg.get("max_position_embeddings") or 131072)
+    args.update(_experts(cfg))
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise _config_error(cfg, "layer_types", f"must list {layers} entries of {' or '.join(_LAYER_TYPES)}")
+    window = cfg.get("sliding_window", 128)
+    if "sliding_attention" in types and not window:
+        raise _config_error(cfg, "sliding_window", "must be a positive window for the sliding_attention layers")
+    args["sliding_window"] = int(window or 0)
+    args["sliding_layers"] = tuple(t == "sliding_attention" for t in types)  # a DSL list evaluates to a tuple
+    for key in ("swiglu_alpha", "swiglu_limit"):
+        if cfg.get(key) is not None:
+            args[key] = float(cfg[key])
+    return "gpt_oss", args
+
+
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -512,6 +547,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], tuple[str, dict[str, Any]]]]
     "Gemma3ForCausalLM": _gemma3,
     "Gemma3ForConditionalGeneration": _gemma3,  # its text_config and language-model tensors (_map_checkpoint)
     "Gemma2ForCausalLM": _gemma2,
+    "GptOssForCausalLM": _gpt_oss,
 }
 
 
@@ -550,7 +586,7 @@ def _weight_quantization(cfg: dict[str, Any]) -> str | None:
     quantize line would read packed tensors as float weights."""
     qc = cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
-    if method is None:
+    if method is None or method == "mxfp4":  # gpt-oss's MXFP4 experts: dequantized at conversion, served float
         return None
     if method in _QUANT_METHODS:
         return _QUANT_METHODS[method](qc)

@@ -22,14 +22,18 @@ def _projection(role: str, bias: bool) -> Pat:
     return P("linear", *ins, name=role, through=PROJECTION_TO_HEADS)
 
 
-def _attention(bias: bool) -> Pat:
-    return P("attention", *(_projection(r, bias) for r in ROLES), name="attention")
+def _attention(bias: bool, sinks: bool = False) -> Pat:
+    return P("attention", *(_projection(r, bias) for r in ROLES), *_SINKS[sinks], name="attention")
 
 
-def _quantized(op: str, bias: bool) -> Rewrite:
-    return Rewrite(f"qkv_{op}" + ("_bias" if bias else ""),
+# an attention's optional last input, its per-head sink logits (gpt-oss): kept as it is
+_SINKS = {False: (), True: (V("sinks"),)}
+
+
+def _quantized(op: str, bias: bool, sinks: bool) -> Rewrite:
+    return Rewrite(f"qkv_{op}" + ("_bias" if bias else "") + ("_sinks" if sinks else ""),
                    P("attention", *(quantized_projection(op, r, bias, PROJECTION_TO_HEADS) for r in ROLES),
-                     name="attention"),
+                     *_SINKS[sinks], name="attention"),
                    replace=lambda m, b: fuse_quantized_linears(m, b, op, ROLES, bias, fused="qkv"),
                    extra_check=lambda m: fusible_quantized(m, op, ROLES, bias))
 
@@ -44,10 +48,14 @@ REWRITES = (
     Rewrite("qkv_bias", _attention(bias=True),
             replace=lambda m, b: fuse_linears(m, b, ROLES, bias=True, fused="qkv"),
             extra_check=lambda m: fusible_linears(m, ROLES, bias=True)),
+    # the same for an attention with sinks, attention(q, k, v, sinks) (gpt-oss), with or without biases
+    *(Rewrite("qkv" + ("_bias" if bias else "") + "_sinks", _attention(bias=bias, sinks=True),
+              replace=lambda m, b, bias=bias: fuse_linears(m, b, ROLES, bias=bias, fused="qkv"),
+              extra_check=lambda m, bias=bias: fusible_linears(m, ROLES, bias=bias)) for bias in (False, True)),
     # the same over quantized weights (linear_fusion's docstring: which schemes concatenate exactly):
     # attention(..linear(x, dequant(wq_*)).., ..k.., ..v..) -> y = linear(x, dequant(wqkv_*)); slices of y
     # attention(..linear_fp8(x, wq_fp8, wq_scale).., ..k.., ..v..) -> y = linear_fp8(x, wqkv_fp8, wqkv_scale); ...
-    *(_quantized(op, bias) for op in QUANT_WEIGHT_OPS for bias in (False, True)),
+    *(_quantized(op, bias, sinks) for op in QUANT_WEIGHT_OPS for bias in (False, True) for sinks in (False, True)),
 )
 
 

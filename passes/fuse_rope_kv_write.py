@@ -18,13 +18,19 @@ def _rope_attention(m: Match, b: Builder) -> str:
     # Every attribute of the rope node travels, whatever rope grows (scalings, yarn's magnitude): codegen builds
     # the fused attention's cos/sin table from them exactly as it would for the rope node.
     attrs = {**dict(m.node("attention").attrs), "rope": dict(m.node("rq").attrs)}
-    return b.add("attention", (m["q"], m["k"], m["v"]), hint=m.root, **attrs)
+    sinks = (m["sinks"],) if "sinks" in m.bindings else ()  # gpt-oss's per-head sink logits stay last
+    return b.add("attention", (m["q"], m["k"], m["v"], *sinks), hint=m.root, **attrs)
 
 
 REWRITES = (
     # attention(rope(q), rope(k), v) -> attention(q, k, v) {rope={the rope's attributes}}
     Rewrite("rope_kv_write",
             P("attention", P("rope", V("q"), name="rq"), P("rope", V("k"), name="rk"), V("v"), name="attention"),
+            replace=_rope_attention, extra_check=_fusable),
+    # attention(rope(q), rope(k), v, sinks) -> attention(q, k, v, sinks) {rope=...} (gpt-oss)
+    Rewrite("rope_kv_write_sinks",
+            P("attention", P("rope", V("q"), name="rq"), P("rope", V("k"), name="rk"), V("v"), V("sinks"),
+              name="attention"),
             replace=_rope_attention, extra_check=_fusable),
 )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kiln.compiler import Graph, Node, Pass, PassContext, PassError, Program, register_pass
 from kiln.compiler.ir import TensorType, TupleType
+from kiln.compiler.ops import attention_sinks
 
 INLINE = "inline"  # structural ops the generated executor emits inline: no kernel launch
 _STRUCTURAL = ("input", "param", "block", "getitem", "view", "slice")
@@ -71,8 +72,10 @@ def _vocab_parallel(node: Node, ins: tuple) -> bool:
 
 def _tvm_attention(node: Node, ins: tuple) -> bool:
     """tvm.paged_attention: fp32 or bf16 K/V in the activation dtype (an fp8 cache stays on torch), scores not
-    soft-capped (Gemma 2's attention runs the torch kernel, which caps them)."""
-    return not node.attrs.get("kv_dtype") and not node.attrs.get("softcap") and _dtype_in("f32", "bf16")(node, ins)
+    soft-capped (Gemma 2's attention runs the torch kernel, which caps them), no sink logits (gpt-oss's runs the
+    torch kernel too: the TVM kernel has no sink term in its softmax)."""
+    return (not node.attrs.get("kv_dtype") and not node.attrs.get("softcap")
+            and attention_sinks(len(node.inputs), node.attrs) is None and _dtype_in("f32", "bf16")(node, ins))
 
 
 # The cpu target's torch kernels (kernels/cpu.py); the GPU tables below derive from it.

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kiln.compiler import Attrs, Graph, Node, Pass, PassContext, PassError, Program, register_pass
 from kiln.compiler.ir import TensorType
-from kiln.compiler.ops import OPS
+from kiln.compiler.ops import OPS, attention_sinks
 from kiln.compiler.options import RecipeOptions
 from kiln.compiler.placement import (
     LINEAR_OPS,
@@ -297,18 +297,22 @@ class _Planner:
                 heads = q.shards[0].segments[0].units
                 w = self.program.params[names[4]]
                 self._set(names[4], sharded(Shard(0, (Segment(heads, w.shape[0] // heads),))))
-        elif op == "attention" and len(ins) == 5:
-            k = self.pl.get(ins[1])
-            for name in names[3:]:
+        elif op == "attention":
+            k, q = self.pl.get(ins[1]), self.pl.get(ins[0])
+            sinks = attention_sinks(len(ins), node.attrs)
+            for name in names[3:5] if node.attrs.get("kv_dtype") else ():  # per-KV-head fp8 scales
                 if name and k is not None and k.kind == "S":
                     self._set(name, sharded(Shard(0, k.shards[0].segments)))
+            if sinks is not None and names[sinks] and q is not None and q.kind == "S":  # one per query head
+                self._set(names[sinks], sharded(Shard(0, q.shards[0].segments, q.shards[0].axis)))
 
     def _experts(self, node: Node, names: list[str | None]) -> None:
         self.saw_experts = True
         mesh = self.mesh
-        mats = names[3:]
-        if not all(mats):
+        if not all(names[3:]):
             raise PlacementPlanError(f"graph {self.name!r}: moe_experts reads expert weights that are not params")
+        mats = [n for n in names[3:] if len(self.program.params[n].shape) == 3]
+        biases = names[3 + len(mats):]
         down = self.program.params[mats[-1]]
         experts, ffn = down.shape[0], down.shape[2]
         if experts % mesh.ep:
@@ -325,6 +329,12 @@ class _Planner:
             inner = width * (rows // ffn)  # [gate | up] fused: two segments
             self._set(name, sharded(*outer, *((Shard(1, inner, axis),) if mesh.etp > 1 else ())))
         self._set(mats[-1], sharded(*outer, *((Shard(2, width, axis),) if mesh.etp > 1 else ())))
+        if biases and mesh.etp > 1:  # a rank holding part of an expert's width would add its down bias again
+            self.fail(f"{biases[-1]}: expert biases (gpt-oss) need whole experts on each rank, but "
+                      f"{self._axis_words('etp')} split each expert's width; set ep to the number of ranks "
+                      f"(tp x dp = {mesh.world})", "parallel.ep")
+        for name in biases if outer else ():  # [experts, rows]: split with the experts
+            self._set(name, sharded(*outer))
 
     # ------------------------------------------------------------ which projections are column-parallel
     def _column_plan(self) -> dict[str, list[_Seg]]:

@@ -69,13 +69,17 @@ def kv_rewrites(scales: str) -> tuple[Rewrite, ...]:
     def replace(m: Match, b: Builder) -> str:
         node = m.node("attention")
         k_scale, v_scale = _scales(m, b, scales)
-        return b.add("attention", (m["q"], m["k"], m["v"], k_scale, v_scale), hint=m.root,
+        sinks = (m["sinks"],) if "sinks" in m.bindings else ()  # gpt-oss's per-head sink logits stay last
+        return b.add("attention", (m["q"], m["k"], m["v"], k_scale, v_scale, *sinks), hint=m.root,
                      **{**dict(node.attrs), "kv_dtype": KV_DTYPE})
 
     return (
         # attention(q, k, v) -> attention(q, k, v, k_scale, v_scale) {kv_dtype="fp8e4m3"}
         Rewrite("kv_fp8", P("attention", V("q"), V("k"), V("v"), name="attention"), replace=replace,
                 extra_check=lambda m: not m.node("attention").attrs.get("kv_dtype")),
+        # attention(q, k, v, sinks) -> attention(q, k, v, k_scale, v_scale, sinks) {kv_dtype="fp8e4m3"} (gpt-oss)
+        Rewrite("kv_fp8_sinks", P("attention", V("q"), V("k"), V("v"), V("sinks"), name="attention"),
+                replace=replace, extra_check=lambda m: not m.node("attention").attrs.get("kv_dtype")),
         # mla_attention(q_nope, q_pe, c_kv, k_pe, w_kv_b) -> mla_attention(..., kv_scale) {kv_dtype="fp8e4m3"}
         Rewrite("kv_fp8_mla", P("mla_attention", V("q_nope"), V("q_pe"), V("c_kv"), V("k_pe"), V("w_kv_b"),
                                 name="attention"),

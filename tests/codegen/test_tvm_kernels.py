@@ -246,6 +246,21 @@ def test_unsupported_calls_run_the_torch_kernel(package, monkeypatch):
     assert K.silu is K._ref.silu  # kernels the library has none of: the torch ones
 
 
+def test_attention_with_sinks_runs_the_torch_kernel(package, monkeypatch):
+    """gpt-oss's per-head sink logits: the TVM attention has no sink term, so the call goes to kernels/cpu.py,
+    which adds it (different from the same call without sinks)."""
+    K = package(8, 2, 64, 16)
+    calls = []
+    real = K._ref.paged_attention
+    monkeypatch.setattr(K._ref, "paged_attention", lambda *a, **kw: calls.append(kw.get("sinks")) or real(*a, **kw))
+    batch, kv_cache, q, k, v, dense = _batch(MIXED, 8, 2, 64, 16, torch.float32, rope=False)
+    sinks = torch.linspace(-1.0, 3.0, 8)
+    plain = K.paged_attention(q, k, v, kv_cache.clone(), batch, 0.125)
+    out = K.paged_attention(q, k, v, kv_cache, batch, 0.125, sinks=sinks)
+    assert len(calls) == 1 and calls[0] is sinks
+    assert not torch.allclose(out, plain, atol=1e-3)
+
+
 def _fallback_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "kiln.runtime.tvm_kernels"]
 

@@ -21,7 +21,7 @@ pytest.importorskip("tvm")
 
 BF16_MARGIN = 2.0
 BF16_ULP_AT_8 = 2.0 ** -5
-ARCHS = ["llama_tied", "qwen3"]  # a tied LM head (packed table gathers) and per-head q/k norms
+ARCHS = ["llama_tied", "qwen3", "gpt_oss"]  # a tied LM head (packed table gathers), per-head q/k norms, sinks + MoE
 VOCAB = 512
 NEW_TOKENS = 24
 

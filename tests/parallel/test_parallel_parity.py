@@ -35,6 +35,8 @@ CASES = [
     ("deepseek_v3", "dp = 2; ep = 2", {}),  # data-parallel attention around expert-parallel MoE
     ("deepseek_v3", "dp = 2; ep = 2; dense = replicated", {}),  # shared experts per rank, routed by all_to_all
     ("llama", "dp = 2; dense = replicated", {}),  # plain data parallelism: every rank the whole model
+    ("gpt_oss", "tp = 2; ep = 2", {}),  # sinks sharded with the query heads; whole biased experts per rank
+    ("gpt_oss", "dp = 2; ep = 2", {}),  # data-parallel attention (sinks whole), experts reached by all_to_all
 ]
 
 
