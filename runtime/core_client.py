@@ -248,6 +248,8 @@ class AsyncCoreClient:
         self._input.close(linger=100)
         self._output.close()
         curve.stop_authenticator(self._async_ctx)
-        self._sync_ctx.term()
-        self._async_ctx.term()
+        # destroy, not term: a socket some other thread still holds (a utility call cut short) is closed with linger 0
+        # instead of term() waiting on it forever; the Goodbye above keeps its 100 ms to leave
+        self._sync_ctx.destroy(linger=0)
+        self._async_ctx.destroy(linger=0)
         shutil.rmtree(self._workdir, ignore_errors=True)

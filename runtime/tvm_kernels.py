@@ -14,8 +14,8 @@ registers; torch's oneDNN bf16 GEMM emulates it there and measured 3-8x slower t
 On a CPU with `avx512_bf16` or `amx_bf16`: oneDNN's native bf16 kernels over weights reordered once, when the model
 is built, into oneDNN's blocked layout (`onednn`: `torch.ops.mkldnn._reorder_linear_weight` and `_linear_pointwise`,
 the prepacked path torch's inductor freezes weights into). Results are bit-identical to `F.linear` over the weights
-as stored, which re-lays the weight out on every call: 1.25-2x the time at every row count, 2x at decode batch 1
-(docs/performance.md, "bf16 GEMMs on a CPU with avx512_bf16"). `torch` (`F.linear`, nothing packed) is left for a
+as stored, which re-lays the weight out on every call: 1.3-1.8x the prepacked time at one row, 1.2-1.4x at 16, ~1.05-1.1x at
+64 (docs/performance.md, "bf16 GEMMs on a CPU with avx512_bf16"). `torch` (`F.linear`, nothing packed) is left for a
 torch without those ops. `KILN_CPU_BF16_GEMM=tvm|onednn|torch` overrides the choice.
 
 Threads: TVM keeps its own pthread pool (one per calling thread), sized when the first parallel kernel runs
