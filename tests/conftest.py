@@ -104,6 +104,25 @@ def hf_reference(tiny_checkpoint_lib):
 
 
 @pytest.fixture(scope="session")
+def check_prompt_parity(hf_reference):
+    """`check_prompt_parity(artifact, ckpt, prompt, new_tokens)`: `kiln.LLM(artifact)` on one prompt: fp32 prompt
+    logprobs within 1e-4 of HF's, its `new_tokens` greedy tokens identical to HF's."""
+    import torch
+
+    import kiln
+
+    def check(artifact, ckpt, prompt: list[int], new_tokens: int) -> None:
+        params = kiln.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+        out = kiln.LLM(str(artifact)).generate([prompt], params)[0]
+        ref_lp, ref_tokens = hf_reference(ckpt, prompt, new_tokens)
+        ours = torch.tensor([out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j > 0])
+        torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
+        assert out.outputs[0].token_ids == ref_tokens, f"{artifact}: greedy tokens differ from HF"
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def check_hf_parity(hf_reference):
     """`check_hf_parity(artifact, ckpt, vocab)`: prompts of 5, 17 and 40 random tokens, run as one batch by
     `kiln.LLM`: fp32 prompt logprobs within 1e-4 of HF, 32 greedy tokens identical to HF's, and each prompt

@@ -24,11 +24,10 @@ def test_gemma3_matches_hf(compile_hf, check_hf_parity):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecations inside the interpreter
-def test_gemma3_h200_artifact_matches_hf(compile_hf, hf_reference, tmp_path):
+def test_gemma3_h200_artifact_matches_hf(compile_hf, check_prompt_parity, tmp_path):
     """The h200 target's kernels (Triton attention with per-layer windows, rope fused into the KV write with the
     layer's table, Triton norms; torch for the rest) under Triton's CPU interpreter: one prompt of 12 tokens
     (across the window of 8), 4 greedy tokens (interpreted Triton is slow)."""
-    import torch
 
     from kiln.cli import main
 
@@ -37,13 +36,7 @@ def test_gemma3_h200_artifact_matches_hf(compile_hf, hf_reference, tmp_path):
     assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
     res = kiln.compile(recipe, tmp_path / "h200", target="h200", progress=False)
     assert {"triton.paged_attention", "triton.rms_norm", "torch.gelu_tanh", "torch.scale"} <= set(res.manifest["kernels"])
-    prompt = list(range(40, 52))
-    params = kiln.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    out = kiln.LLM(str(tmp_path / "h200")).generate([prompt], params)[0]
-    ref_lp, ref_tokens = hf_reference(ckpt, prompt, 4)
-    ours = torch.tensor([out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j > 0])
-    torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
-    assert out.outputs[0].token_ids == ref_tokens
+    check_prompt_parity(tmp_path / "h200", ckpt, list(range(40, 52)), 4)
 
 
 def test_gemma3_chat_template_renders_as_hf(compile_hf):

@@ -96,7 +96,7 @@ def test_mxfp4_round_trip_matches_transformers_dequantization():
 
 
 @pytest.mark.filterwarnings("ignore")  # transformers: no `kernels` package, MXFP4 dequantized on CPU
-def test_gpt_oss_mxfp4_experts_load_dequantized(tiny_checkpoint, tiny_checkpoint_lib, hf_reference, tmp_path):
+def test_gpt_oss_mxfp4_experts_load_dequantized(tiny_checkpoint, tiny_checkpoint_lib, check_prompt_parity, tmp_path):
     """transformers loads the MXFP4 checkpoint on CPU by dequantizing it (its MXFP4 kernels need the `kernels`
     package and a GPU): kiln's converted experts equal its weights and our dequantization exactly, and kiln's
     logprobs and greedy tokens match it running that checkpoint."""
@@ -120,17 +120,11 @@ def test_gpt_oss_mxfp4_experts_load_dequantized(tiny_checkpoint, tiny_checkpoint
             assert torch.equal(getattr(layer.mlp.experts, theirs).detach(), want)
             assert torch.equal(weights[f"decoder.{i}.{ours}"], want.transpose(-1, -2))
     g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(5, 512, (40,), generator=g).tolist()
-    params = kiln.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    out = kiln.LLM(str(tmp_path / "art")).generate([prompt], params)[0]
-    ref_lp, ref_tokens = hf_reference(ckpt, prompt, 16)
-    ours = torch.tensor([out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j > 0])
-    torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
-    assert out.outputs[0].token_ids == ref_tokens
+    check_prompt_parity(tmp_path / "art", ckpt, torch.randint(5, 512, (40,), generator=g).tolist(), 16)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy deprecations inside the interpreter
-def test_gpt_oss_h200_artifact_matches_hf(compile_hf, hf_reference, tmp_path):
+def test_gpt_oss_h200_artifact_matches_hf(compile_hf, check_prompt_parity, tmp_path):
     """The h200 target: the Triton attention with its sink logits (and the rope fused into the KV write), the
     experts on torch (biases, clamped SwiGLU); under Triton's CPU interpreter, one prompt of 12 tokens across the
     window of 8, 4 greedy tokens (decode steps: the Triton decode kernel)."""
@@ -142,13 +136,7 @@ def test_gpt_oss_h200_artifact_matches_hf(compile_hf, hf_reference, tmp_path):
     res = kiln.compile(recipe, tmp_path / "h200", target="h200", progress=False)
     kernels = set(res.manifest["kernels"])
     assert "triton.paged_attention" in kernels and "torch.paged_attention" not in kernels
-    prompt = list(range(40, 52))
-    params = kiln.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    out = kiln.LLM(str(tmp_path / "h200")).generate([prompt], params)[0]
-    ref_lp, ref_tokens = hf_reference(ckpt, prompt, 4)
-    ours = torch.tensor([out.prompt_logprobs[j][t].logprob for j, t in enumerate(prompt) if j > 0])
-    torch.testing.assert_close(ours, ref_lp, atol=1e-4, rtol=0)
-    assert out.outputs[0].token_ids == ref_tokens
+    check_prompt_parity(tmp_path / "h200", ckpt, list(range(40, 52)), 4)
 
 
 GPT_OSS = {"architectures": ["GptOssForCausalLM"], "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 3,
