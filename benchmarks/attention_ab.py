@@ -14,7 +14,6 @@ other jobs hold the core does not count) and each kernel's multiple of the limit
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import subprocess
@@ -51,17 +50,6 @@ def _site(checkout: Path, root: Path) -> Path:
     return site
 
 
-def _load(kdir: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, kdir / "__init__.py", submodule_search_locations=[str(kdir)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    tvm = importlib.import_module(f"{name}.tvm")
-    if tvm.LIBRARY is None:
-        raise SystemExit(f"the TVM library in {kdir} did not load")
-    return tvm
-
-
 def _packages(root: Path, site: Path, tag: str, heads: int, kv_heads: int, head_dim: int, dtype: str):
     from kiln.codegen.tvm_build import write_cpu_kernels
 
@@ -70,7 +58,7 @@ def _packages(root: Path, site: Path, tag: str, heads: int, kv_heads: int, head_
     base, this = root / f"baseline_{tag}", root / f"this_{tag}"
     subprocess.run([sys.executable, "-c", BUILD.format(site=str(site), out=str(base), params=params)], check=True)
     write_cpu_kernels(this, params, ("tvm.paged_attention",), kiln_version="ab")
-    return _load(base, f"_ab_baseline_{tag}"), _load(this, f"_ab_this_{tag}")
+    return ck.import_package(base, f"_ab_baseline_{tag}"), ck.import_package(this, f"_ab_this_{tag}")
 
 
 def run(baseline: Path, shapes: list[str], dtypes: list[str], kv_mb: float, repeats: int) -> list[dict]:

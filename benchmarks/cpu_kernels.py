@@ -69,21 +69,27 @@ def _package(root: Path, hidden: int, heads: int, kv_heads: int, head_dim: int, 
     tag = f"{hidden}_{dtype}_{len(kernels)}" + (f"_{gemms}" if gemms else "")
     kdir = root / f"kernels_{tag}"
     record = write_cpu_kernels(kdir, params, kernels, kiln_version="bench")
-    name = f"_kiln_bench_kernels_{tag}"
-    spec = importlib.util.spec_from_file_location(name, kdir / "__init__.py", submodule_search_locations=[str(kdir)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
     saved = list(tvm_kernels._bf16_choice)
     if gemms:
         tvm_kernels._bf16_choice[:] = [gemms]
     try:
-        tvm = importlib.import_module(f"{name}.tvm")
+        tvm = import_package(kdir, f"_kiln_bench_kernels_{tag}")
     finally:
         tvm_kernels._bf16_choice[:] = saved
-    if tvm.LIBRARY is None:
-        raise SystemExit(f"the TVM library did not load: {record}")
     return tvm, tvm._ref, record
+
+
+def import_package(kdir: Path, name: str):
+    """The kernel package written at `kdir` (write_cpu_kernels), imported as `name`: its `tvm` module, whose
+    library must have loaded."""
+    spec = importlib.util.spec_from_file_location(name, kdir / "__init__.py", submodule_search_locations=[str(kdir)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    tvm = importlib.import_module(f"{name}.tvm")
+    if tvm.LIBRARY is None:
+        raise SystemExit(f"the TVM library in {kdir} did not load (why: its tvm_cpu/build.json)")
+    return tvm
 
 
 def _batch(kind: str, n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32):

@@ -38,20 +38,17 @@ def _quantized(op: str, bias: bool, sinks: bool) -> Rewrite:
                    extra_check=lambda m: fusible_quantized(m, op, ROLES, bias))
 
 
+def _plain(bias: bool, sinks: bool) -> Rewrite:
+    return Rewrite("qkv" + ("_bias" if bias else "") + ("_sinks" if sinks else ""), _attention(bias, sinks),
+                   replace=lambda m, b: fuse_linears(m, b, ROLES, bias=bias, fused="qkv"),
+                   extra_check=lambda m: fusible_linears(m, ROLES, bias=bias))
+
+
 REWRITES = (
     # attention(..linear(x, wq).., ..linear(x, wk).., ..linear(x, wv)..)
-    #   -> y = linear(x, wqkv); attention(..slice(y, 0, nq).., ..slice(y, nq, nq+nk).., ..slice(y, nq+nk, n)..)
-    Rewrite("qkv", _attention(bias=False),
-            replace=lambda m, b: fuse_linears(m, b, ROLES, bias=False, fused="qkv"),
-            extra_check=lambda m: fusible_linears(m, ROLES, bias=False)),
-    # the same with biases bq, bk, bv -> bqkv (Qwen2)
-    Rewrite("qkv_bias", _attention(bias=True),
-            replace=lambda m, b: fuse_linears(m, b, ROLES, bias=True, fused="qkv"),
-            extra_check=lambda m: fusible_linears(m, ROLES, bias=True)),
-    # the same for an attention with sinks, attention(q, k, v, sinks) (gpt-oss), with or without biases
-    *(Rewrite("qkv" + ("_bias" if bias else "") + "_sinks", _attention(bias=bias, sinks=True),
-              replace=lambda m, b, bias=bias: fuse_linears(m, b, ROLES, bias=bias, fused="qkv"),
-              extra_check=lambda m, bias=bias: fusible_linears(m, ROLES, bias=bias)) for bias in (False, True)),
+    #   -> y = linear(x, wqkv); attention(..slice(y, 0, nq).., ..slice(y, nq, nq+nk).., ..slice(y, nq+nk, n)..);
+    # with biases bq, bk, bv -> bqkv (Qwen2); with the attention's per-head sinks last (gpt-oss), kept as they are
+    *(_plain(bias, sinks) for sinks in (False, True) for bias in (False, True)),
     # the same over quantized weights (linear_fusion's docstring: which schemes concatenate exactly):
     # attention(..linear(x, dequant(wq_*)).., ..k.., ..v..) -> y = linear(x, dequant(wqkv_*)); slices of y
     # attention(..linear_fp8(x, wq_fp8, wq_scale).., ..k.., ..v..) -> y = linear_fp8(x, wqkv_fp8, wqkv_scale); ...

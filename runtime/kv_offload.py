@@ -117,14 +117,6 @@ class OffloadTier:
         bm.prefix_cache.on_evict = self.offload
 
     @property
-    def host(self) -> list[torch.Tensor]:
-        return self.store.host
-
-    @property
-    def _digest(self) -> dict[int, Future[bytes]]:
-        return self.store._digest
-
-    @property
     def ledger(self) -> TransferLedger:
         return self.bm.ledger
 

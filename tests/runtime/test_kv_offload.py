@@ -150,8 +150,8 @@ def test_a_restore_aborted_mid_copy_frees_its_block_only_when_the_copy_ended():
 def test_a_host_block_that_changed_is_not_restored():
     bm, kv, tier = _pool()
     _offload(bm, kv, 42)
-    tier._digest[tier._slot_of[42]].result()  # (its digest, taken on the tier's thread)
-    tier.host[0][tier._slot_of[42]] += 1.0  # the host copy is not what was offloaded
+    tier.store._digest[tier._slot_of[42]].result()  # (its digest, taken on the tier's thread)
+    tier.store.host[0][tier._slot_of[42]] += 1.0  # the host copy is not what was offloaded
     assert tier.restore([42], []) == []
     assert tier.counts["failed"] == 1 and not bm.prefix_cache.holds(42) and len(bm._free) == bm.num_blocks
     assert tier.lookup([42]) == 0  # the bad copy is dropped: recomputed, the block is offloaded afresh
@@ -166,13 +166,13 @@ def test_offload_digests_off_the_step_and_a_reused_slot_waits_for_its_digest(mon
     digest = tier.store._content_digest
 
     def slow(slot: int) -> bytes:
-        read.append((threading.current_thread().name, tier.host[0][slot, 0].item()))
+        read.append((threading.current_thread().name, tier.store.host[0][slot, 0].item()))
         assert gate.wait(30)
         return digest(slot)
 
     monkeypatch.setattr(tier.store, "_content_digest", slow)
     _offload(bm, kv, 1)  # returns with its digest still being computed (the gate is closed)
-    pending = tier._digest[tier._slot_of[1]]
+    pending = tier.store._digest[tier._slot_of[1]]
     assert not pending.done()
     timer = threading.Timer(0.05, gate.set)
     timer.start()
