@@ -208,7 +208,12 @@ def test_fp8_kv_cache_generation_and_pool(ckpt, work, base, tokens, base_lp):
     ids = torch.tensor(out.token_ids)[:, None]
     own = log_probs(art, full)[len(prompt) - 1:-1].gather(1, ids)[:, 0]  # this artifact, one prefill
     ref = log_probs(base, full)[len(prompt) - 1:-1].gather(1, ids)[:, 0]  # fp32 KV
-    torch.testing.assert_close(ours, own, rtol=0, atol=1e-4)  # decode reads the fp8 cache as prefill does
+    # Decode reads the fp8 cache as prefill does. The two paths compute a K/V row by GEMMs of different row
+    # counts (1 vs 40), whose fp32 results may differ in the last bit by CPU; an element that lands on the other
+    # side of an fp8 rounding boundary moves a log-prob by ~1e-3 (CI's host: 1.2e-3 on 2 of 16 tokens). Reading
+    # the fp32 context instead moves them by 0.18 at most here (`ref` below); a misread scale or layout by more.
+    diff = (ours - own).abs()
+    assert float(diff.max()) < 1e-2 and float(diff.median()) < 1e-4, diff
     assert float((ours - ref).abs().mean()) < 0.15
 
 
