@@ -408,8 +408,8 @@ def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def sampler_rows(repeats: int) -> list[dict]:
     """The sampler's top-p on [B, V] logits (rows as peaked as an LM's: randn * 6), whole-row sort (before)
-    against runtime/sampler.py's apply_top_p (after), interleaved; and the greedy path's row max for scale."""
-    from kiln.runtime.sampler import apply_top_p
+    against runtime/core/sampler.py's apply_top_p (after), interleaved; and the greedy path's row max for scale."""
+    from kiln.runtime.core.sampler import apply_top_p
 
     rows = []
     g = torch.Generator().manual_seed(0)

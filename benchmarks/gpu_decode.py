@@ -314,7 +314,7 @@ def graph_time(setup: Setup, model, fb, kv) -> float | None:
     None on CPU (no graphs) or when capture fails."""
     if not setup.cuda:
         return None
-    from kiln.runtime.graph_runner import CUDAGraphRunner
+    from kiln.runtime.worker.graph_runner import CUDAGraphRunner
 
     try:
         runner = CUDAGraphRunner(model, kv, [fb.num_seqs], fb.block_tables.shape[1], BLOCK, scratch_block=0,
@@ -433,7 +433,7 @@ def kv_capacity(setup: Setup, name: str, cfg: dict, work: Path) -> dict:
     from kiln.codegen.artifact import build_manifest
     from kiln.codegen.weights import total_weight_bytes
     from kiln.runtime.config import kv_cache_config_from_manifest
-    from kiln.runtime.memory_plan import resolve_num_blocks
+    from kiln.runtime.worker.memory_plan import resolve_num_blocks
 
     programs = {kv_name: compile_program(f"{name}-kv-{kv_name}", cfg, work, quantize)
                 for kv_name, quantize in (("bf16", ""), ("fp8", "kv_cache = fp8"))}

@@ -90,9 +90,9 @@ def digest_cost(blocks: int = 64, repeats: int = 5) -> None:
     """Per block, best of `repeats` passes over `blocks`: the offload's device -> host copy (every layer's slice)
     against the tier's digest of it (`HostKV._content_digest`), one torch thread, two KV layouts."""
     import torch
-    from kiln.runtime.kv_cache import BlockManager
-    from kiln.runtime.kv_offload import OffloadTier
-    from kiln.runtime.prefix_cache import PrefixCache
+    from kiln.runtime.core.kv_cache import BlockManager
+    from kiln.runtime.core.kv_offload import OffloadTier
+    from kiln.runtime.core.prefix_cache import PrefixCache
 
     torch.set_num_threads(1)
     print("| layout | block bytes | copy µs / block | BLAKE2b digest µs / block |\n|---|---|---|---|")

@@ -4,7 +4,7 @@ The head is random in SafeAILab's EAGLE-1/2 layout, made for the artifact's chec
 `fc` passes the target's feature through (plus noise) and the decoder layer adds a small random term, so its
 drafts are about the target's own next token again (accepted where the model repeats itself). What it measures
 is the proposer's cost per step next to the target's, at each batch size. `--compare FILE` also runs the
-proposer of another version of runtime/speculative/eagle.py (`git show REV:runtime/speculative/eagle.py >
+proposer of another version of runtime/core/speculative/eagle.py (`git show REV:runtime/core/speculative/eagle.py >
 FILE`), alternating with the current one (off, eagle, compared, off, ...), `--repeats` times on fresh engines.
 Reported: the median tokens/s (wall time) and CPU ms a token (this process's CPU time: steadier than wall time
 on a shared machine, but it counts threads that spin as well as those that work).
@@ -58,12 +58,12 @@ def make_head(ckpt: Path, out: Path, seed: int = 0) -> Path:
 
 def use_proposer(file: Path | None) -> None:
     """Runs method eagle with the EagleProposer of `file` (None: the current one) from now on."""
-    from kiln.runtime import speculative
+    from kiln.runtime.core import speculative
 
     if file is None:
         speculative.PROPOSERS["eagle"] = "eagle:EagleProposer"
         return
-    name = "kiln.runtime.speculative.eagle_compared"
+    name = "kiln.runtime.core.speculative.eagle_compared"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4, help="draft tokens a step (speculative.tokens)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compare", type=Path, help="another version of runtime/speculative/eagle.py, run alternately")
+    ap.add_argument("--compare", type=Path, help="another version of runtime/core/speculative/eagle.py, run alternately")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
 

@@ -57,7 +57,7 @@ class _Seq:
 
 def processor_round(backend, compiled, batch: int, steps: int, constrained: bool) -> float:
     """Mean seconds per processor call over `steps` steps."""
-    from kiln.runtime.structured_output import StructuredOutputProcessor
+    from kiln.runtime.core.structured_output import StructuredOutputProcessor
 
     vocab = backend.vocab_size
     proc = StructuredOutputProcessor(backend, vocab, max_rows=batch)
@@ -87,9 +87,9 @@ def processor_round(backend, compiled, batch: int, steps: int, constrained: bool
 
 def engine_round(artifact: Path, backend, compiled, batch: int, steps: int, constrained: bool) -> float:
     """Mean seconds per LLMEngine.step() over `steps` decode steps of a full batch."""
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.core.structured_output import StructuredOutputProcessor
     from kiln.runtime.sampling_params import SamplingParams
-    from kiln.runtime.structured_output import StructuredOutputProcessor
 
     engine = LLMEngine(artifact, max_num_seqs=max(batch, 1), prefix_cache=None)
     proc = StructuredOutputProcessor(backend, engine.model_config.vocab_size, max_rows=batch)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
 
-    from kiln.runtime.structured_output import GrammarBackend, GrammarSpec, eos_token_ids
+    from kiln.runtime.core.structured_output import GrammarBackend, GrammarSpec, eos_token_ids
     from kiln.runtime.tokenizer import Tokenizer
 
     name, artifact = ensure_artifact("embedded")

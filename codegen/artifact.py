@@ -284,7 +284,7 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
                     "source": list(s.source)} for s in program.params.values()],
         "kernels": kernels_used(program),
         "passes": _jsonable(list(pass_log)),
-        # GPU targets: the cuda_graph_plan pass's capture plan (runtime/graph_runner.py follows it)
+        # GPU targets: the cuda_graph_plan pass's capture plan (runtime/worker/graph_runner.py follows it)
         **({"cuda_graphs": _cuda_graphs_section(program, max_model_len)} if PLAN in program.meta else {}),
         # draft heads (named forwards, e.g. DeepSeek MTP) for speculative decoding, only when there are some;
         # `speculative.method` (the recipe's) turns decoding with one on by default
@@ -302,12 +302,12 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
 
 LORA_DIR = "lora"
 DRAFT_DIR = "draft"  # speculative { method = draft }: the draft model's own artifact (kiln/driver.py compiles it)
-EAGLE_DIR = "eagle"  # speculative { method = eagle }: the EAGLE head's checkpoint (runtime/speculative/eagle.py)
+EAGLE_DIR = "eagle"  # speculative { method = eagle }: the EAGLE head's checkpoint (runtime/core/speculative/eagle.py)
 
 
 def lora_targets(program: Program) -> list[dict[str, Any]]:
     """The linears the lora_injection pass adapted (its `lora` nodes), in graph order: the runtime's adapter
-    slots are shaped by them (runtime/lora.py)."""
+    slots are shaped by them (runtime/worker/lora.py)."""
     out: list[dict[str, Any]] = []
     mesh = mesh_of(program)
     for block in program.blocks.values():

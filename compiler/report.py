@@ -184,7 +184,7 @@ def _pool_lines(cap: Capacity, target: Target, speculative: str | None = None) -
     lines = _target_pool_lines(cap, target)
     if speculative in ("draft", "eagle") and cap.kv_pool.source != "num_blocks":
         lines.append(f"                         (less at load: the {speculative} proposer's own KV pool and weights "
-                     "share this budget — runtime/memory_plan.py — and are not in this prediction)")
+                     "share this budget — runtime/worker/memory_plan.py — and are not in this prediction)")
     return lines
 
 

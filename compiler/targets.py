@@ -82,7 +82,7 @@ class Target:
             refuse("kv_cache.offload keeps the blocks the prefix cache evicts: it needs scheduler.prefix_cache = "
                    "radix", "kv_cache.offload")
         if options.kv_cache.offload is not None and options.parallel.dp > 1:
-            # tensor parallelism is served (every rank offloads its slice of the same blocks, runtime/distributed/
+            # tensor parallelism is served (every rank offloads its slice of the same blocks, runtime/worker/distributed/
             # kv_offload.py); under data-parallel attention a block's KV is on one rank, its sequence's
             refuse(f"kv_cache.offload with data-parallel attention (parallel.dp = {options.parallel.dp}) is not "
                    "implemented yet: each block's KV is on the one rank running its sequence, so a restore would "

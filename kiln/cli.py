@@ -92,7 +92,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from kiln.runtime.disagg.curve import generate
+    from kiln.runtime.ipc.curve import generate
 
     written = generate(args.directory, force=args.force)
     print("\n".join(f"wrote {path}" for path in written))

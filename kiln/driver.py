@@ -130,7 +130,7 @@ def _compile_draft(options: RecipeOptions, recipe_file: Path, out: Path, progres
 
 
 def _store_eagle(ckpt: Path, program: Program, out: Path, loc, options: RecipeOptions) -> None:
-    """An EAGLE head's checkpoint read as the runtime will serve it (runtime/speculative/eagle.py, eagle3.py),
+    """An EAGLE head's checkpoint read as the runtime will serve it (runtime/core/speculative/eagle.py, eagle3.py),
     checked against the target, written to `out` (config.json, model.safetensors, without a copy of the target's
     embedding). EAGLE-1/2: the target must return its last hidden state and have an embedding, final norm and LM
     head of the head's width; kiln.json keeps the target's final-norm epsilon, which the head's input is
@@ -139,8 +139,8 @@ def _store_eagle(ckpt: Path, program: Program, out: Path, loc, options: RecipeOp
     from safetensors.torch import save_file
 
     from kiln.codegen.render import decoder_layers
-    from kiln.runtime.speculative.eagle import is_eagle3, read_checkpoint
-    from kiln.runtime.speculative.eagle3 import check_target, read_eagle3_checkpoint
+    from kiln.runtime.core.speculative.eagle import is_eagle3, read_checkpoint
+    from kiln.runtime.core.speculative.eagle3 import check_target, read_eagle3_checkpoint
 
     entry, params = program.entry, program.params
     embed = params.get("embed")
@@ -185,12 +185,12 @@ def _store_eagle(ckpt: Path, program: Program, out: Path, loc, options: RecipeOp
 def check_lora_adapters(recipe: A.RecipeDecl, recipe_file: Path, options: RecipeOptions,
                         program: Program) -> dict[str, Path]:
     """The recipe's `lora { adapters = { name: "hf:DIR" } }` as directories, each read as the runtime will
-    serve it (runtime/lora.py: the PEFT config, target modules, ranks) against the compiled targets; an adapter
+    serve it (runtime/worker/lora.py: the PEFT config, target modules, ranks) against the compiled targets; an adapter
     that would be refused at serve time is an error at its place in the recipe now."""
     import torch
 
     from kiln.codegen.artifact import lora_targets
-    from kiln.runtime.lora import LoRAError, LoRATarget, read_adapter
+    from kiln.runtime.worker.lora import LoRAError, LoRATarget, read_adapter
 
     sec = next((s for s in recipe.sections if s.name == "lora"), None)
     entry = next((e for e in sec.entries if isinstance(e, A.Setting) and e.key == "adapters"), None) if sec else None

@@ -25,7 +25,7 @@ threads.prefer_passive_openmp()  # before anything loads torch (threads.py says 
 
 if TYPE_CHECKING:
     from .artifact import LoadedArtifact, load_artifact
-    from .engine import EngineCore
+    from .core.engine import EngineCore
     from .forward_batch import ForwardBatch
     from .llm import LLM
     from .llm_engine import LLMEngine

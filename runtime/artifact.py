@@ -73,7 +73,7 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
 
     A parallel artifact (manifest `parallel`): `rank`'s model, from its own shards (weights/rank{rank}/, checked
     against `parallel.ranks[rank]`); no other rank's file is opened. Its communicator is bound by the
-    executor that runs the ranks (runtime/distributed/), before the first forward."""
+    executor that runs the ranks (runtime/worker/distributed/), before the first forward."""
     art = Path(path).resolve()
     manifest = read_manifest(art)
     device = torch.device(device)

@@ -120,7 +120,7 @@ def scheduler_config_from_manifest(manifest: dict) -> SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding (runtime/speculative/): `method` proposes up to `num_tokens` drafts a step.
+    """Speculative decoding (runtime/core/speculative/): `method` proposes up to `num_tokens` drafts a step.
 
     Methods: a draft head compiled into the artifact (manifest `drafts`, e.g. DeepSeek's "mtp"; `model_method` is
     its model.py method), "ngram" (prompt lookup of the last `ngram_max` down to `ngram_min` tokens), "draft" (the

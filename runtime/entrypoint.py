@@ -151,7 +151,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
-    """The control and KV planes' security (runtime/disagg/curve.py), for `kiln serve` and `kiln router`."""
+    """The control and KV planes' security (runtime/ipc/curve.py), for `kiln serve` and `kiln router`."""
     p.add_argument("--curve-keys", metavar="DIR",
                    help="authenticate and encrypt every TCP control and KV socket with the CURVE keys in DIR (`kiln "
                    "keys generate DIR`; the same DIR on every machine); also KILN_CURVE_KEYS=DIR (default: none)")
@@ -161,8 +161,8 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 def _effort_budgets(text: str) -> dict[str, int]:
+    from .api.reasoning_parsers import parse_effort_budgets
     from .errors import RequestError
-    from .reasoning_parsers import parse_effort_budgets
 
     try:
         return parse_effort_budgets(text)
@@ -194,12 +194,12 @@ def serve_address(manifest: dict, host: str | None, port: int | None) -> tuple[s
 
 def launched_worker(artifact: str) -> int | None:
     """Under a torchrun-style launch (RANK, WORLD_SIZE set) every rank runs the same command: rank 0 is the engine,
-    and a rank > 0 becomes that artifact's rank worker here (runtime/distributed/worker.py); None on rank 0."""
+    and a rank > 0 becomes that artifact's rank worker here (runtime/worker/distributed/worker.py); None on rank 0."""
     import os
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or int(os.environ["RANK"]) == 0:
         return None
-    from .distributed.worker import main
+    from .worker.distributed.worker import main
 
     return main([str(artifact)])
 
@@ -219,9 +219,9 @@ def disaggregate_section(manifest: dict, args: argparse.Namespace) -> dict | Non
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from .api.server import serve
     from .artifact import read_manifest
-    from .disagg import curve
-    from .server import serve
+    from .ipc import curve
 
     status = launched_worker(args.artifact)
     if status is not None:
@@ -234,9 +234,9 @@ def run_serve(args: argparse.Namespace) -> int:
         from .errors import RequestError
         raise RequestError(f"--data-parallel-size {args.replicas}: give at least 1")
     if args.role is not None:  # one core on the network, for `kiln router` (runtime/disagg/remote.py)
+        from .api.server import core_config
         from .disagg.remote import serve_core
         from .disagg.service import resolve_transport
-        from .server import core_config
 
         transport = args.kv_transport or (manifest.get("disaggregate") or {}).get("transport", "tcp")
         config = core_config(args.artifact, max_waiting=args.max_waiting, num_threads=args.num_threads,

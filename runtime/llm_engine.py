@@ -4,10 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .api.output_processor import OutputProcessor
 from .artifact import LoadedArtifact
-from .engine import EngineCore
+from .core.engine import EngineCore
 from .errors import RequestError
-from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

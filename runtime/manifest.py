@@ -93,7 +93,7 @@ class KVCacheSection(_Section):
     num_blocks: PosInt | None = None
     # the KV pool's byte budget the compile chose for the target (cpu); None: sized from device memory at load
     pool_bytes: PosInt | None = None
-    offload_bytes: PosInt | None = None  # the CPU offload tier (runtime/kv_offload.py); absent: none
+    offload_bytes: PosInt | None = None  # the CPU offload tier (runtime/core/kv_offload.py); absent: none
 
     @field_validator("block_size")
     @classmethod
@@ -188,7 +188,7 @@ class DraftSection(_Section):
     chains: bool = False  # the head also returns its hidden state: applied again for drafts 2..k
 
 
-# speculative methods that need no draft head in the artifact (runtime/speculative/)
+# speculative methods that need no draft head in the artifact (runtime/core/speculative/)
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
 
 
@@ -215,7 +215,7 @@ class LoRATargetSection(_Section):
 
 
 class LoRASection(_Section):
-    """Multi-LoRA serving (runtime/lora.py): the device slots, the largest rank, the adapted linears, and the
+    """Multi-LoRA serving (runtime/worker/lora.py): the device slots, the largest rank, the adapted linears, and the
     adapters compiled into the artifact (name -> their directory in it)."""
 
     max_loras: PosInt

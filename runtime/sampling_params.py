@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .api.reasoning_parsers import ThinkingConfig
 from .errors import RequestError
 from .grammar_spec import GrammarSpec
-from .reasoning_parsers import ThinkingConfig
 
 _GREEDY_EPS = 1e-5
 # What the sampler's int64 tensors (and torch.Generator seeds) hold. Floats are bounded below by far more than

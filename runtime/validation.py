@@ -2,8 +2,8 @@
 sent) and again by the engine core (the trust boundary), against the same `RequestLimits`."""
 from __future__ import annotations
 
-from .core_protocol import RequestLimits
 from .errors import RequestError
+from .ipc.protocol import RequestLimits
 from .sampling_params import SamplingParams
 
 

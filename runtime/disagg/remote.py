@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from ..errors import KilnRuntimeError
-from . import curve
+from ..ipc import curve
 
 ROLES = ("prefill", "decode", "both")
 _LOCAL_ONLY = ("0.0.0.0", "::", "")
@@ -51,7 +51,7 @@ def serve_core(config, role: str, host: str, port: int, *, kv_transport: str = "
     core's KV receiver on `kv_host` (default H), `kv_port` (default: a free one)) and waits until it exits (1) or
     this process is told to stop (SIGTERM, SIGINT: 0). With `keys` (exported as KILN_CURVE_KEYS to the core) its
     sockets are CURVE; without, a socket beyond loopback is refused unless `insecure`."""
-    from ..core_client import CoreProcess
+    from ..ipc.client import CoreProcess
     from .router import PLUGIN
 
     if role not in ROLES:
@@ -104,8 +104,8 @@ class Probed(msgspec.Struct):
 
 async def probe(url: str, timeout: float = 30.0) -> Probed:
     """Connects to the core at `url` as a client of its own: what it serves, its role and its KV layout."""
-    from ..core_client import AsyncCoreClient, EngineDeadError
-    from ..core_protocol import UtilityCall, UtilityResult
+    from ..ipc.client import AsyncCoreClient, EngineDeadError
+    from ..ipc.protocol import UtilityCall, UtilityResult
 
     client = AsyncCoreClient(url, name=f"probe-{uuid.uuid4().hex[:8]}")
     try:
@@ -175,7 +175,7 @@ def build_router(prefill: list[str], decode: list[str], replicas: list[str], *, 
                  probe_timeout: float = 30.0, lease_s: float = 30.0):
     """The router's engine over remote cores (started by the server's lifespan); raises KilnRuntimeError when a
     core is not there, has another role, or will not pair (the KV layout)."""
-    from ..async_engine import AsyncLLMEngine
+    from ..api.async_engine import AsyncLLMEngine
     from .router import ReplicaRouter
     from .service import DisaggAsyncEngine
 
@@ -243,7 +243,7 @@ def add_router_args(sub) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     from .. import threads
-    from ..server import run_app
+    from ..api.server import run_app
 
     threads.configure_api_server()
     keys = curve.use(args.curve_keys)  # the router's clients of the cores read KILN_CURVE_KEYS

@@ -26,11 +26,11 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from ..core.kv_cache import cdiv
+from ..core.lease import LeaseState, TransferLedger
+from ..core.sequence import Sequence, SequenceStatus
 from ..errors import KilnRuntimeError
-from ..kv_cache import cdiv
 from ..sampling_params import SamplingParams
-from ..sequence import Sequence, SequenceStatus
-from .lease import LeaseState, TransferLedger
 from .transport import (
     BlockFrame,
     DoneFrame,

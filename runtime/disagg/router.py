@@ -44,10 +44,16 @@ from typing import Any
 import msgspec
 
 from .. import threads
-from ..async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput, RequestGroup, RequestObserver
-from ..core_protocol import CoreStats
+from ..api.async_engine import (
+    AsyncLLMEngine,
+    EngineOverloadedError,
+    PromptInput,
+    RequestGroup,
+    RequestObserver,
+)
+from ..core.prefix_cache import block_hashes
 from ..errors import KilnRuntimeError
-from ..prefix_cache import block_hashes
+from ..ipc.protocol import CoreStats
 from ..sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -199,7 +205,7 @@ class Replica:
 
 
 class ReplicaRouter:
-    """Stands where an AsyncLLMEngine stands for the API server (runtime/server.py): `add_requests` picks a replica
+    """Stands where an AsyncLLMEngine stands for the API server (runtime/api/server.py): `add_requests` picks a replica
     and returns that replica's RequestGroup (its aborts go to that replica); stats are summed over live replicas."""
 
     def __init__(self, engines: list[AsyncLLMEngine], *, policy: str = "kv", prefill_weight: float = 1.0,
@@ -439,7 +445,7 @@ def start_replicas(stack: contextlib.ExitStack, config, num_replicas: int, disag
     else of the CPUs this process may use, its threads that slice's share unless `config.num_threads` is set) and
     returns the router over them (started by the server's lifespan)."""
     from ..artifact import read_manifest
-    from ..core_client import CoreProcess
+    from ..ipc.client import CoreProcess
 
     if num_replicas < 1:
         raise KilnRuntimeError(f"--data-parallel-size must be at least 1, got {num_replicas}")

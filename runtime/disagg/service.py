@@ -22,9 +22,9 @@ from typing import Any
 import msgspec
 
 from .. import threads
-from ..async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput
-from ..core_protocol import AddResult, decode_params, encode_params
+from ..api.async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput
 from ..errors import KilnRuntimeError, RequestError
+from ..ipc.protocol import AddResult, decode_params, encode_params
 from ..sampling_params import SamplingParams
 from .roles import TRANSFER_BUCKETS, DecodeRole, PrefillRole, RemotePrefill
 from .transport import Transport, ZmqTransport
@@ -403,7 +403,7 @@ def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout:
     may use, its threads that slice's share unless `config.num_threads` is set) under `stack`, and returns the
     router's engine over them (started by the server's lifespan)."""
     from ..artifact import open_tokenizer
-    from ..core_client import CoreProcess
+    from ..ipc.client import CoreProcess
 
     num_prefill = int(disaggregate.get("prefill", 1))
     transport = resolve_transport(disaggregate.get("transport", "auto"))

@@ -202,7 +202,7 @@ class ZmqTransport(Transport):
     def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0, keys=None) -> None:
         import zmq
 
-        from . import curve
+        from ..ipc import curve
         keys = keys or curve.from_env()
         self._zmq = zmq
         self.ctx = zmq.Context.instance()

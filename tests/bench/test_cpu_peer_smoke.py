@@ -106,13 +106,13 @@ def test_tiny_run_writes_a_complete_positive_report(cpu_peer, tmp_path, capsys):
 
 def test_py_spy_stacks_are_aggregated_per_thread(cpu_peer):
     raw = ("thread (11): MainThread;run (asyncio/base_events.py:600);select (selectors.py:468) 6\n"
-           "thread (12): kiln-engine;step (/x/kiln/runtime/engine.py:90);paged_attention (/a/kernels/cpu.py:40) 3\n"
-           "thread (12): kiln-engine;step (/x/kiln/runtime/engine.py:90);linear (/a/kernels/cpu.py:10) 1\n"
+           "thread (12): kiln-engine;step (/x/kiln/runtime/core/engine.py:90);paged_attention (/a/kernels/cpu.py:40) 3\n"
+           "thread (12): kiln-engine;step (/x/kiln/runtime/core/engine.py:90);linear (/a/kernels/cpu.py:10) 1\n"
            "garbage line without a count\n")
     s = cpu_peer.summarize_stacks(raw)
     assert s["tids"] == {11: "MainThread", 12: "kiln-engine"}
     engine = s["threads"]["thread (12): kiln-engine"]
     assert engine["samples"] == 4 and engine["share"] == pytest.approx(0.4)
-    assert engine["inclusive"][0] == ["runtime/engine.py:step", 1.0]
+    assert engine["inclusive"][0] == ["runtime/core/engine.py:step", 1.0]
     assert engine["self"] == [["/a/kernels/cpu.py:paged_attention", 0.75], ["/a/kernels/cpu.py:linear", 0.25]]
     assert s["threads"]["thread (11): MainThread"]["self"] == [["selectors.py:select", 1.0]]

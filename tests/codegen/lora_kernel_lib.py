@@ -1,10 +1,10 @@
 """Shared by the Triton LoRA kernel tests (interpreter: test_triton_lora.py; CUDA: tests/gpu/test_lora_triton_gpu.py):
-slot weights laid out as runtime/lora.py's LoRAManager lays them out, the batch its `prepare` builds, and a
+slot weights laid out as runtime/worker/lora.py's LoRAManager lays them out, the batch its `prepare` builds, and a
 per-token float64 reference."""
 from __future__ import annotations
 
 import torch
-from kiln.runtime.lora import LoRABatch
+from kiln.runtime.worker.lora import LoRABatch
 
 TARGET = "decoder.wqkv"
 

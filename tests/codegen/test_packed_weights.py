@@ -15,7 +15,7 @@ import pytest
 import torch
 from kiln.runtime import artifact as artifact_mod
 from kiln.runtime.artifact import load_artifact
-from kiln.runtime.memory_plan import profile_batch
+from kiln.runtime.worker.memory_plan import profile_batch
 
 pytest.importorskip("tvm")
 

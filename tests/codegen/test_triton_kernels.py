@@ -193,7 +193,7 @@ def test_attention_falls_back_to_torch_for_unsupported_head_dim(K, R):
 
 
 def _reference_sample(logits, temperature, top_k, top_p, noise):
-    from kiln.runtime.sampler import apply_top_k, apply_top_p
+    from kiln.runtime.core.sampler import apply_top_k, apply_top_p
 
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)

@@ -121,7 +121,7 @@ def test_serving_loads_the_library_through_tvm_ffi_without_the_compiler(compile_
     script = textwrap.dedent(f"""
         import sys, torch
         from kiln.runtime.artifact import load_artifact
-        from kiln.runtime.memory_plan import profile_batch
+        from kiln.runtime.worker.memory_plan import profile_batch
         loaded = load_artifact({str(art)!r}, load_tokenizer=False)
         K = sys.modules[type(loaded.model).__module__].K
         kv = loaded.kv_cache_config

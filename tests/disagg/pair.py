@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 
+from kiln.runtime.core.engine import EngineCore
 from kiln.runtime.disagg.roles import DecodeRole, PrefillRole
 from kiln.runtime.disagg.transport import InProcTransport, Transport
-from kiln.runtime.engine import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
 
 

@@ -101,8 +101,8 @@ class Cluster:
 
 def core_utility(url: str, method: str, *args, timeout: float = 10.0, keys=None):
     """Runs a utility of the core at `url` (host:port) as a client of its own (CURVE with `keys`)."""
-    from kiln.runtime.core_client import AsyncCoreClient
-    from kiln.runtime.core_protocol import UtilityCall, UtilityResult
+    from kiln.runtime.ipc.client import AsyncCoreClient
+    from kiln.runtime.ipc.protocol import UtilityCall, UtilityResult
 
     async def call():
         client = AsyncCoreClient("tcp://" + url, name=f"test-{uuid.uuid4().hex[:8]}", keys=keys)

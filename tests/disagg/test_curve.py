@@ -1,4 +1,4 @@
-"""CURVE on the control and KV planes (runtime/disagg/curve.py): `kiln keys generate` and the checks on a key
+"""CURVE on the control and KV planes (runtime/ipc/curve.py): `kiln keys generate` and the checks on a key
 directory (exit 2, nothing started); a core or router that would listen beyond loopback without keys is refused;
 a KV receiver admits only authorized senders; a remote prefill/decode pair and `kiln router`, all with
 `--curve-keys`, answer what co-located serving answers, while clients without keys, with an unauthorized key or
@@ -14,12 +14,12 @@ import uuid
 
 import httpx
 import pytest
-from kiln.runtime.core_client import AsyncCoreClient
-from kiln.runtime.core_protocol import AddRequests, NewRequest, encode_params
-from kiln.runtime.disagg import curve
+from kiln.runtime.core.engine import EngineCore
 from kiln.runtime.disagg.transport import TransportClosed, ZmqTransport
-from kiln.runtime.engine import EngineCore
 from kiln.runtime.errors import KilnRuntimeError
+from kiln.runtime.ipc import curve
+from kiln.runtime.ipc.client import AsyncCoreClient
+from kiln.runtime.ipc.protocol import AddRequests, NewRequest, encode_params
 from kiln.runtime.sampling_params import SamplingParams
 from pair import run_colocated
 from remote_cluster import Cluster, core_utility

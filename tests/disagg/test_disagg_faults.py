@@ -10,6 +10,7 @@ import random
 import time
 
 import pytest
+from kiln.runtime.core.engine import EngineCore
 from kiln.runtime.disagg.transport import (
     DoneFrame,
     FaultInjector,
@@ -18,7 +19,6 @@ from kiln.runtime.disagg.transport import (
     decode,
     encode,
 )
-from kiln.runtime.engine import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
 from pair import Pair, collect, run_colocated
 

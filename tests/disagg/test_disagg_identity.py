@@ -8,9 +8,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from kiln.runtime.core.engine import EngineCore
 from kiln.runtime.disagg.roles import KVLayout
 from kiln.runtime.disagg.service import connect, make_receiver
-from kiln.runtime.engine import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
 from pair import Pair, collect, run_colocated
 

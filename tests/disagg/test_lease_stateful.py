@@ -1,6 +1,6 @@
 """Stateful property test of the decode side's lease ledger over interleavings of reserve / begin_write /
 end_write / done / commit / abort / expire / free, with ordinary sequences competing for the same pool, and the
-CPU offload tier (runtime/kv_offload.py) over the same ledger: evictions offload, restores (start / copy one block
+CPU offload tier (runtime/core/kv_offload.py) over the same ledger: evictions offload, restores (start / copy one block
 / finish / abort) lease their destination blocks like a transfer.
 
 The model tracks every write in progress (a transfer's frame or a restore's copy) independently of the ledger;
@@ -15,10 +15,10 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kiln.runtime.disagg.lease import LeaseState, TransferLedger
-from kiln.runtime.kv_cache import BlockManager
-from kiln.runtime.kv_offload import OffloadTier
-from kiln.runtime.prefix_cache import PrefixCache
+from kiln.runtime.core.kv_cache import BlockManager
+from kiln.runtime.core.kv_offload import OffloadTier
+from kiln.runtime.core.lease import LeaseState, TransferLedger
+from kiln.runtime.core.prefix_cache import PrefixCache
 
 NUM_BLOCKS = 12
 HOST_BLOCKS = 5

@@ -6,9 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kiln.runtime.core_protocol import SeqDelta
 from kiln.runtime.disagg import service
 from kiln.runtime.disagg.service import DisaggAsyncEngine
+from kiln.runtime.ipc.protocol import SeqDelta
 
 
 class _Histogram:

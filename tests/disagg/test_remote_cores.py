@@ -218,9 +218,9 @@ def test_kv_layout_mismatch_is_refused(artifact_dir, tmp_path):
 
 def test_addresses_and_pairing_rules():
     """Without processes: core addresses, and what `kiln router` refuses before it connects anything."""
-    from kiln.runtime.core_protocol import CoreInfo, RequestLimits
     from kiln.runtime.disagg.remote import Probed, build_router, check_cores, core_url
     from kiln.runtime.errors import KilnRuntimeError
+    from kiln.runtime.ipc.protocol import CoreInfo, RequestLimits
 
     assert core_url("10.0.0.2:7100") == core_url("tcp://10.0.0.2:7100") == "tcp://10.0.0.2:7100"
     for bad in ("10.0.0.2", "http://10.0.0.2:7100", "h:port"):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kiln.runtime.async_engine import EngineOverloadedError, PromptInput, RequestGroup, RequestObserver
-from kiln.runtime.core_protocol import CoreStats, RequestLimits
+from kiln.runtime.api.async_engine import EngineOverloadedError, PromptInput, RequestGroup, RequestObserver
+from kiln.runtime.core.prefix_cache import PrefixCache, block_hashes
 from kiln.runtime.disagg.router import Load, ReplicaIndex, ReplicaRouter
 from kiln.runtime.errors import RequestError
-from kiln.runtime.prefix_cache import PrefixCache, block_hashes
+from kiln.runtime.ipc.protocol import CoreStats, RequestLimits
 from kiln.runtime.sampling_params import SamplingParams
 
 BS = 4
@@ -235,7 +235,7 @@ def test_round_robin_policy_ignores_cache_and_load():
 
 
 def test_prefix_cache_events_overflow_asks_for_a_snapshot(monkeypatch):
-    import kiln.runtime.prefix_cache as prefix_cache
+    import kiln.runtime.core.prefix_cache as prefix_cache
     monkeypatch.setattr(prefix_cache, "MAX_EVENTS", 3)
     cache = PrefixCache()
     cache.record_events()

@@ -285,7 +285,7 @@ def served_recipe_artifact(tmp_path_factory):
     (["--host", "127.0.0.1", "--port", "9001"], "127.0.0.1", 9001),
 ])
 def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifact, monkeypatch, flags, host, port):
-    import kiln.runtime.server as server
+    import kiln.runtime.api.server as server
 
     seen = {}
     monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
@@ -297,7 +297,7 @@ def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifac
 def test_recipe_reasoning_effort_and_kv_reserve_reach_the_server_and_engine(served_recipe_artifact, monkeypatch):
     import json
 
-    import kiln.runtime.server as server
+    import kiln.runtime.api.server as server
     from kiln.runtime.config import scheduler_config_from_manifest
 
     manifest = json.loads((served_recipe_artifact / "manifest.json").read_text())
@@ -340,7 +340,7 @@ def test_bad_reasoning_effort_and_kv_reserve_in_a_recipe_are_located(tmp_path, c
 
 
 def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
-    import kiln.runtime.server as server
+    import kiln.runtime.api.server as server
 
     import kiln
 

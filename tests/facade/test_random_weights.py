@@ -60,10 +60,10 @@ def test_kiln_generate_text_without_a_tokenizer_is_a_clear_error(random_artifact
 
 def test_served_random_artifact_returns_token_ids(random_artifact):
     from fastapi.testclient import TestClient
-    from kiln.runtime.async_engine import AsyncLLMEngine
-    from kiln.runtime.core_client import CoreProcess
-    from kiln.runtime.core_protocol import CoreConfig
-    from kiln.runtime.server import build_app
+    from kiln.runtime.api.async_engine import AsyncLLMEngine
+    from kiln.runtime.api.server import build_app
+    from kiln.runtime.ipc.client import CoreProcess
+    from kiln.runtime.ipc.protocol import CoreConfig
 
     with CoreProcess.start(CoreConfig(artifact=str(random_artifact), num_threads=1), timeout=60) as core, \
             TestClient(build_app(AsyncLLMEngine.from_process(core))) as client:

@@ -71,7 +71,7 @@ def test_cpu_report_predicts_what_the_runtime_allocates(tmp_path, kv, blocks):
     """On the cpu target `kiln compile --report` states the pool `kiln serve` / kiln.LLM allocate: blocks and
     tokens, from the same decision recorded in the manifest (was: 23 GB / 3.7M tokens planned, 0.25 GiB
     allocated)."""
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.core.engine import LLMEngine
 
     p = tmp_path / "small.dsl"
     p.write_text(SMALL.replace("TARGET", "cpu").replace(" KV", kv))
@@ -93,7 +93,7 @@ def test_gpu_report_predicts_the_runtime_formula(tmp_path, target):
     memory, the manifest's graph reserve and the IR's activation estimate."""
     from kiln.compiler.report import kv_pool_plan
     from kiln.compiler.targets import get_target
-    from kiln.runtime.memory_plan import plan_kv_cache
+    from kiln.runtime.worker.memory_plan import plan_kv_cache
 
     p = tmp_path / "small.dsl"
     p.write_text(SMALL.replace("TARGET", target).replace(" KV", "; memory_fraction = 0.5"))

@@ -1,12 +1,12 @@
-"""The CPU offload tier over a CUDA KV pool (runtime/kv_offload.py): host slots are pinned, a block offloaded from
+"""The CPU offload tier over a CUDA KV pool (runtime/core/kv_offload.py): host slots are pinned, a block offloaded from
 the device and restored into another device block holds the same bytes, and a later offload into the reused host
 slot (a device-to-host copy, ordered on the stream after the restore's host-to-device copy) does not change it."""
 from __future__ import annotations
 
 import torch
-from kiln.runtime.kv_cache import BlockManager
-from kiln.runtime.kv_offload import OffloadTier
-from kiln.runtime.prefix_cache import PrefixCache
+from kiln.runtime.core.kv_cache import BlockManager
+from kiln.runtime.core.kv_offload import OffloadTier
+from kiln.runtime.core.prefix_cache import PrefixCache
 
 
 def _publish_and_evict(bm: BlockManager, kv: list[torch.Tensor], block_hash: int) -> torch.Tensor:

@@ -109,7 +109,7 @@ def test_paged_attention(K, dtype, case, window):
 
 
 def test_sample(K):
-    from kiln.runtime.sampler import apply_top_k, apply_top_p
+    from kiln.runtime.core.sampler import apply_top_k, apply_top_p
 
     g = torch.Generator(device=DEV).manual_seed(3)
     B, V = 64, 128256

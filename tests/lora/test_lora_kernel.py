@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 from kiln.codegen.render import template_env
-from kiln.runtime.lora import LoRABatch
+from kiln.runtime.worker.lora import LoRABatch
 
 L, S, R, K, ROWS = 2, 3, 4, 16, (8, 4, 4)  # layers, slots, max_rank, in_features, fused q/k/v rows
 N, M = sum(ROWS), len(ROWS)

@@ -8,7 +8,7 @@ TP = 2 equals TP = 1 with the same adapters (fp32 prompt logprobs within 1e-4, g
 equals HF peft. The single-process mesh runs the TP = 2 and TP = 4 (KV heads replicated) parity, and the
 refusal when another rank cannot read an adapter; `kiln serve`'s processes (an engine core with a gloo worker)
 run the same parity over run-time load / unload through the server's endpoints (the rank commands are the
-same code on both meshes: runtime/distributed/commands.py)."""
+same code on both meshes: runtime/worker/distributed/commands.py)."""
 from __future__ import annotations
 
 import sys
@@ -112,7 +112,7 @@ def test_quantized_base_on_the_mesh_takes_adapters(adapters, compile_tp, monkeyp
 
 
 def test_a_rank_that_cannot_read_the_adapter_refuses_the_load_everywhere(adapters, compile_tp, monkeypatch):
-    from kiln.runtime.lora import LoRAError
+    from kiln.runtime.worker.lora import LoRAError
 
     monkeypatch.setenv("KILN_EXECUTOR", "local")
     with kiln.LLM(str(compile_tp("tp = 2")), num_kv_blocks=64) as llm:

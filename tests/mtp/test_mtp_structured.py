@@ -12,7 +12,7 @@ PATTERNS = ("[ab]{6,30}", "[0-9]{2,5}(-[a-z]{1,4}){2,5}")
 
 
 def _run(art, speculative):
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.grammar_spec import GrammarSpec
     from kiln.runtime.sampling_params import SamplingParams
 
@@ -52,10 +52,10 @@ def test_verification_rows_are_masked(mtp_artifact):
     from types import SimpleNamespace
 
     import torch
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.core.sequence import Sequence
     from kiln.runtime.grammar_spec import GrammarSpec
     from kiln.runtime.sampling_params import SamplingParams
-    from kiln.runtime.sequence import Sequence
 
     _, art, _ = mtp_artifact(True, repeat_head=True)
     engine = LLMEngine(art, speculative="mtp", num_kv_blocks=64)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import types
 
 import pytest
-from kiln.runtime.core_process import EngineCoreProc
-from kiln.runtime.executor import ExecutorError
+from kiln.runtime.core.process import EngineCoreProc
+from kiln.runtime.worker.executor import ExecutorError
 
 
 class _Stopped(Exception):

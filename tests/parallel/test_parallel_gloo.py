@@ -1,7 +1,7 @@
 """Parallel artifacts served by rank worker processes over torch.distributed gloo (the default executor).
 
 `kiln.LLM` / `kiln serve` on a tp/ep/dp artifact spawn one worker per rank > 0 (`python -m
-kiln.runtime.distributed.worker`), each loading only weights/rank{r}/. Checked against the single-device
+kiln.runtime.worker.distributed.worker`), each loading only weights/rank{r}/. Checked against the single-device
 artifact of the same checkpoint: fp32 prompt logprobs within 1e-4 and 32 greedy tokens identical; two runs
 bit-identical; a rank that dies or hangs fails the requests in flight within a bound and nothing is left running.
 Every process a test starts is stopped in `finally`.
@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from kiln.runtime.executor import ExecutorError
+from kiln.runtime.worker.executor import ExecutorError
 
 import kiln
 
@@ -52,7 +52,7 @@ def _workers_of(pid: int) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if ppid == pid and b"kiln.runtime.distributed.worker" in cmd:
+        if ppid == pid and b"kiln.runtime.worker.distributed.worker" in cmd:
             out.append(int(entry))
     return sorted(out)
 

@@ -1,4 +1,4 @@
-"""The CPU offload tier on a tensor-parallel mesh (runtime/distributed/kv_offload.py): every rank offloads and
+"""The CPU offload tier on a tensor-parallel mesh (runtime/worker/distributed/kv_offload.py): every rank offloads and
 restores its own slice of the same blocks, the copies sent as KV_OFFLOAD commands in lockstep with rank 0's
 scheduler, and a restore commits only when every rank's slices check out.
 
@@ -15,9 +15,9 @@ import random
 
 import pytest
 import torch
-from kiln.runtime.engine import EngineCore
+from kiln.runtime.core.engine import EngineCore
+from kiln.runtime.core.prefix_cache import block_hashes
 from kiln.runtime.errors import ArtifactError
-from kiln.runtime.prefix_cache import block_hashes
 from kiln.runtime.sampling_params import SamplingParams
 
 NEW = 6
@@ -188,7 +188,7 @@ def test_a_rank_that_cannot_allocate_the_tier_fails_the_start_with_its_count(art
     host memory refuses the tier at load (the mesh is stopped), not at the first restore's collective."""
     import threading
 
-    from kiln.runtime.distributed import kv_offload
+    from kiln.runtime.worker.distributed import kv_offload
 
     class NoRoomOnOtherRanks(kv_offload.HostKV):
         def __init__(self, kv_caches, num_blocks):

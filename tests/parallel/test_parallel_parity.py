@@ -1,6 +1,6 @@
 """Every model family kiln supports, compiled for a device mesh, against Hugging Face transformers.
 
-The ranks run as the single-process mesh (runtime/distributed/executor.py LocalMeshExecutor): every rank's
+The ranks run as the single-process mesh (runtime/worker/distributed/executor.py LocalMeshExecutor): every rank's
 model is built from its own weights/rank{r}/ shards and runs the sharded program, the collectives meeting in
 this process. The same artifacts over gloo worker processes are test_parallel_gloo.py's. fp32: prompt
 logprobs within 1e-4 of HF and 32 greedy tokens identical (check_hf_parity), prompts batched and alone.

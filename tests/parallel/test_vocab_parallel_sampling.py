@@ -14,7 +14,7 @@ import pytest
 import torch
 from kiln.codegen.render import template_env
 from kiln.passes.vocab_parallel_sampling import VocabParallelSampling
-from kiln.runtime.distributed.comm import ThreadComm, ThreadMesh
+from kiln.runtime.worker.distributed.comm import ThreadComm, ThreadMesh
 
 import kiln
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.engine import LLMEngine
+from kiln.runtime.core.engine import LLMEngine
 from kiln.runtime.errors import ArtifactError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))

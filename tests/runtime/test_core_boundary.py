@@ -1,5 +1,5 @@
 """The boundary between the engine core and its front-ends (issue 11): the API server and the in-process LLM
-use the core through its public names and the protocol only; runtime/engine.py stays one screenful of phases."""
+use the core through its public names and the protocol only; runtime/core/engine.py stays one screenful of phases."""
 from __future__ import annotations
 
 import ast
@@ -7,12 +7,13 @@ from pathlib import Path
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 
-# The engine core: what runs in the engine-core process (core_process.py) behind the protocol.
-CORE = {"engine", "scheduler", "kv_cache", "model_runner", "sampler", "speculative", "overlap", "memory_plan",
-        "core_process", "sequence", "prefix_cache", "graph_runner", "forward_batch", "stops", "threads"}
+# The engine core: what runs in the engine-core process (core/process.py) behind the protocol.
+CORE = {"core/engine", "core/scheduler", "core/kv_cache", "worker/model_runner", "core/sampler", "core/speculative",
+        "core/overlap", "worker/memory_plan", "core/process", "core/sequence", "core/prefix_cache",
+        "worker/graph_runner", "forward_batch", "core/stops", "threads"}
 # The front-ends: the API server process, and the in-process LLM / LLMEngine over the same core.
-FRONT_END = ["server", "async_engine", "core_client", "output_processor", "entrypoint", "protocol", "metrics",
-             "tokenizer", "llm", "llm_engine", "tool_parsers", "reasoning_parsers", "outputs"]
+FRONT_END = ["api/server", "api/async_engine", "ipc/client", "api/output_processor", "entrypoint", "api/protocol",
+             "api/metrics", "tokenizer", "llm", "llm_engine", "api/tool_parsers", "api/reasoning_parsers", "outputs"]
 
 
 def _private(name: str) -> bool:
@@ -20,7 +21,7 @@ def _private(name: str) -> bool:
 
 
 def _trees(module: str) -> list[ast.Module]:
-    """A runtime module's syntax tree; a package's (runtime/speculative/): each of its files'."""
+    """A runtime module's syntax tree; a package's (runtime/core/speculative/): each of its files'."""
     path = RUNTIME / f"{module}.py"
     files = [path] if path.exists() else sorted((RUNTIME / module).glob("*.py"))
     return [ast.parse(f.read_text()) for f in files]
@@ -46,7 +47,7 @@ def violations(source: str, core_private: set[str], inherited: set[str]) -> list
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             module = (node.module or "").split(".")[-1]
-            if module in CORE:
+            if module in {c.split("/")[-1] for c in CORE}:
                 out += [f"line {node.lineno}: from {'.' * node.level}{node.module} import {a.name}"
                         for a in node.names if _private(a.name)]
         elif isinstance(node, ast.Attribute) and _private(node.attr):
@@ -59,7 +60,7 @@ def violations(source: str, core_private: set[str], inherited: set[str]) -> list
 
 
 def test_front_end_uses_no_private_name_of_the_core():
-    engine_private = _private_members("engine")
+    engine_private = _private_members("core/engine")
     core_private = set().union(*(_private_members(m) for m in CORE))
     assert {"_inflight", "_pending", "_isolate", "_commit", "_swap_ids"} <= core_private  # the scan sees them
     found = {}
@@ -84,7 +85,7 @@ def test_the_check_catches_what_it_forbids():
 
 
 def test_engine_reads_as_its_phases():
-    source = (RUNTIME / "engine.py").read_text()
+    source = (RUNTIME / "core" / "engine.py").read_text()
     assert len(source.splitlines()) <= 300
     step = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "step")
     text = ast.get_source_segment(source, step)

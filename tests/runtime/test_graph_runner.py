@@ -7,10 +7,10 @@ import pytest
 import torch
 from kiln.runtime import LLMEngine
 from kiln.runtime.config import CUDAGraphConfig
+from kiln.runtime.core.kv_cache import cdiv
 from kiln.runtime.forward_batch import ForwardBatch
-from kiln.runtime.graph_runner import CUDAGraphRunner
-from kiln.runtime.kv_cache import cdiv
-from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.worker.graph_runner import CUDAGraphRunner
+from kiln.runtime.worker.model_runner import ModelRunner
 
 BUCKETS = (1, 2, 4, 8)
 

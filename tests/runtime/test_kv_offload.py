@@ -1,5 +1,5 @@
-"""The CPU offload tier (runtime/kv_offload.py): evicted prefix-cache blocks go to host memory and come back on a
-prefix hit instead of being recomputed, through the transfer path's leases and digests (disagg/lease.py).
+"""The CPU offload tier (runtime/core/kv_offload.py): evicted prefix-cache blocks go to host memory and come back on a
+prefix hit instead of being recomputed, through the transfer path's leases and digests (core/lease.py).
 
 Identity: greedy fp32 on a tiny random HF llama, a workload that evicts a session's prefix and then returns to it:
 every request's tokens equal with and without the tier, and the returning request's equal HF's; with the tier it
@@ -11,15 +11,15 @@ import threading
 
 import pytest
 import torch
-from kiln.runtime.core_protocol import CoreStats
-from kiln.runtime.core_stats import KV_BLOCK_FIELDS
-from kiln.runtime.disagg.lease import LeaseState
-from kiln.runtime.engine import EngineCore
+from kiln.runtime.api.metrics import ServerMetrics
+from kiln.runtime.core.engine import EngineCore
+from kiln.runtime.core.kv_cache import BlockManager
+from kiln.runtime.core.kv_offload import OffloadTier
+from kiln.runtime.core.lease import LeaseState
+from kiln.runtime.core.prefix_cache import PrefixCache
+from kiln.runtime.core.stats import KV_BLOCK_FIELDS
 from kiln.runtime.errors import ArtifactError
-from kiln.runtime.kv_cache import BlockManager
-from kiln.runtime.kv_offload import OffloadTier
-from kiln.runtime.metrics import ServerMetrics
-from kiln.runtime.prefix_cache import PrefixCache
+from kiln.runtime.ipc.protocol import CoreStats
 from kiln.runtime.sampling_params import SamplingParams
 
 import kiln

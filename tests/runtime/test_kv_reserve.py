@@ -8,11 +8,11 @@ import random
 
 import pytest
 from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.api.reasoning_parsers import ThinkingConfig
 from kiln.runtime.config import SchedulerConfig
-from kiln.runtime.kv_cache import BlockManager, cdiv
-from kiln.runtime.reasoning_parsers import ThinkingConfig
-from kiln.runtime.scheduler import Scheduler
-from kiln.runtime.sequence import Sequence, SequenceStatus
+from kiln.runtime.core.kv_cache import BlockManager, cdiv
+from kiln.runtime.core.scheduler import Scheduler
+from kiln.runtime.core.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
 BLOCK = 4
@@ -82,7 +82,7 @@ def test_no_reasoning_sequence_is_preempted_under_a_tiny_pool(preemption):
         rng = random.Random(0)
         sched = make_scheduler(num_blocks=24, kv_reserve=kv_reserve, preemption=preemption)
         if preemption == "swap":
-            from kiln.runtime.kv_cache import SwapSpace
+            from kiln.runtime.core.kv_cache import SwapSpace
             sched.swap_space = SwapSpace(8)
         seqs = [make_seq(rng.randint(2, 12), rng.randint(8, 40), rng.random() < 0.5) for _ in range(24)]
         for s in seqs:
@@ -153,7 +153,7 @@ def test_block_manager_keeps_what_it_promised():
 
 
 def test_a_disaggregated_transfer_never_leases_promised_blocks():
-    from kiln.runtime.disagg.lease import TransferLedger
+    from kiln.runtime.core.lease import TransferLedger
 
     bm = BlockManager(8, BLOCK)
     a = make_seq(prompt=4, max_tokens=20, reasoning=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kiln.runtime import LLMEngine
 from kiln.runtime.errors import ArtifactError
-from kiln.runtime.memory_plan import (
+from kiln.runtime.worker.memory_plan import (
     DEFAULT_CPU_KV_BYTES,
     describe_memory_plan,
     plan_kv_cache,

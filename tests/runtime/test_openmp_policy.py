@@ -21,7 +21,7 @@ def _libgomp_settings(code: str, **env: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("code", [
     "import kiln.runtime, torch; torch.ones(8).sum()",  # LLM / LLMEngine in a user's script
-    "import kiln.runtime.core_process, torch; torch.ones(8).sum()",  # the engine-core process's entry module
+    "import kiln.runtime.core.process, torch; torch.ones(8).sum()",  # the engine-core process's entry module
 ])
 def test_idle_openmp_threads_sleep(code):
     settings = _libgomp_settings(code)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from kiln.runtime.kv_cache import BlockManager
-from kiln.runtime.prefix_cache import PrefixCache
+from kiln.runtime.core.kv_cache import BlockManager
+from kiln.runtime.core.prefix_cache import PrefixCache
+from kiln.runtime.core.sequence import Sequence
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.sequence import Sequence
 
 _ids = itertools.count()
 

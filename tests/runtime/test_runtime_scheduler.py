@@ -4,10 +4,10 @@ from __future__ import annotations
 import itertools
 
 from kiln.runtime.config import SchedulerConfig
-from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.core.kv_cache import BlockManager
+from kiln.runtime.core.scheduler import Scheduler
+from kiln.runtime.core.sequence import Sequence, SequenceStatus
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
-from kiln.runtime.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
 
@@ -102,7 +102,7 @@ def test_the_tail_sequence_preempts_itself():
 
 
 def test_effort_policy_lets_short_budgets_overtake_long_ones_within_a_bound():
-    from kiln.runtime.scheduler import EFFORT_TOKENS_PER_ARRIVAL
+    from kiln.runtime.core.scheduler import EFFORT_TOKENS_PER_ARRIVAL
 
     sched = make_scheduler(policy="effort", max_seqs=1, max_batched_tokens=100)
     long = make_seq(3)
@@ -122,8 +122,8 @@ def test_effort_policy_lets_short_budgets_overtake_long_ones_within_a_bound():
 def test_effort_policy_orders_reasoning_requests_by_their_thinking_budget():
     """The effort dial is a scheduler input: of two reasoning requests with the same max_tokens, the low-effort one
     overtakes the high-effort one that arrived before it."""
-    from kiln.runtime.reasoning_parsers import ThinkingConfig
-    from kiln.runtime.scheduler import EFFORT_ANSWER_TOKENS, EFFORT_TOKENS_PER_ARRIVAL, effort_budget
+    from kiln.runtime.api.reasoning_parsers import ThinkingConfig
+    from kiln.runtime.core.scheduler import EFFORT_ANSWER_TOKENS, EFFORT_TOKENS_PER_ARRIVAL, effort_budget
 
     sched = make_scheduler(policy="effort", max_seqs=1, max_batched_tokens=100)
     seqs = []
@@ -143,7 +143,7 @@ def test_effort_policy_orders_reasoning_requests_by_their_thinking_budget():
 
 
 def test_effort_policy_keeps_a_lane_for_short_budgets():
-    from kiln.runtime.scheduler import EFFORT_LONG_BUDGET
+    from kiln.runtime.core.scheduler import EFFORT_LONG_BUDGET
 
     sched = make_scheduler(policy="effort", max_seqs=4, max_batched_tokens=100, num_blocks=256)
     longs = [make_seq(3) for _ in range(4)]

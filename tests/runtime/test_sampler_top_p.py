@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kiln.runtime import sampler
-from kiln.runtime.sampler import apply_top_k, apply_top_p
+from kiln.runtime.core import sampler
+from kiln.runtime.core.sampler import apply_top_k, apply_top_p
 
 
 def _sorted_reference(logits, top_p):

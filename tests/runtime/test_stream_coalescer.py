@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from kiln.runtime.core_process import StreamCoalescer
-from kiln.runtime.core_protocol import SeqDelta
+from kiln.runtime.core.process import StreamCoalescer
+from kiln.runtime.ipc.protocol import SeqDelta
 
 
 def _steps(seed: int) -> list[list[SeqDelta]]:

@@ -99,10 +99,10 @@ class LiveServer:
                  disaggregate: dict | None = None, replicas: int = 1, stream_interval: int = 1,
                  **app_kwargs: Any) -> None:
         import uvicorn
-        from kiln.runtime.async_engine import AsyncLLMEngine
-        from kiln.runtime.core_client import CoreProcess
-        from kiln.runtime.core_protocol import CoreConfig
-        from kiln.runtime.server import build_app
+        from kiln.runtime.api.async_engine import AsyncLLMEngine
+        from kiln.runtime.api.server import build_app
+        from kiln.runtime.ipc.client import CoreProcess
+        from kiln.runtime.ipc.protocol import CoreConfig
 
         config = CoreConfig(artifact=str(artifact), engine=dict(engine_kwargs or {}), max_waiting=max_waiting,
                             num_threads=1, plugins=[HOOKS], stream_interval=stream_interval)

@@ -134,8 +134,8 @@ def test_kiln_serve_exits_nonzero_when_its_core_is_killed(long_artifact: Path):
 def test_streaming_sends_deltas_at_2000_tokens(long_artifact: Path, monkeypatch: pytest.MonkeyPatch):
     """One stream of 2000 tokens: the core's message per step and the SSE chunk per step stay the same size
     from the first token to the last (a snapshot of the sequence would grow by every token)."""
-    import kiln.runtime.core_client as core_client
-    from kiln.runtime.core_protocol import StepOutputs
+    import kiln.runtime.ipc.client as core_client
+    from kiln.runtime.ipc.protocol import StepOutputs
 
     step_bytes: list[int] = []  # each StepOutputs the API server received, in bytes
     decoder = core_client.client_decoder
@@ -187,8 +187,8 @@ def test_stream_interval_sends_fewer_larger_deltas_and_the_same_text(long_artifa
                                                                       monkeypatch: pytest.MonkeyPatch):
     """`--stream-interval 8`: the API server gets a message for a stream every 8 tokens (its first token and its
     end at once), the SSE events carry the same text as the non-streamed answer, token by token in order."""
-    import kiln.runtime.core_client as core_client
-    from kiln.runtime.core_protocol import StepOutputs
+    import kiln.runtime.ipc.client as core_client
+    from kiln.runtime.ipc.protocol import StepOutputs
 
     tokens_per_message: list[int] = []
     decoder = core_client.client_decoder

@@ -101,7 +101,7 @@ def test_store_retrieve_delete(client, live_server):
 
 
 def test_store_is_bounded():
-    from kiln.runtime.responses import ResponseStore
+    from kiln.runtime.api.responses import ResponseStore
 
     store = ResponseStore(max_responses=3, max_chars=100)
     for i in range(5):

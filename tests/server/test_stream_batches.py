@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kiln.runtime.async_engine import PromptInput, RequestGroup
+from kiln.runtime.api.async_engine import PromptInput, RequestGroup
+from kiln.runtime.api.server import _merge
 from kiln.runtime.errors import KilnRuntimeError
 from kiln.runtime.outputs import CompletionDelta, RequestDelta
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.server import _merge
 
 
 class _Engine:

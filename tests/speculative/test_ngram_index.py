@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kiln.runtime.speculative.ngram import NgramIndex
+from kiln.runtime.core.speculative.ngram import NgramIndex
 
 
 def test_longest_suffix_and_latest_occurrence():

@@ -6,7 +6,7 @@ hold and the outputs stay exactly greedy."""
 from __future__ import annotations
 
 import pytest
-from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.core.kv_cache import BlockManager
 from spec_testlib import assert_all_blocks_free, greedy, run, tokens
 from test_spec_eagle import save_eagle_head
 from test_spec_eagle3 import save_eagle3_head
@@ -101,8 +101,8 @@ def test_a_full_head_pool_drafts_nothing_for_the_sequences_it_cannot_hold(target
     assert True in allocated and False in allocated  # some sequences got room for their drafts, some did not
     assert engine.stats()["spec_num_draft_tokens"] > 0
     assert_all_blocks_free(engine)
-    from kiln.runtime.scheduler import ScheduledBatch
-    from kiln.runtime.speculative import Launched
+    from kiln.runtime.core.scheduler import ScheduledBatch
+    from kiln.runtime.core.speculative import Launched
 
     proposer.propose(ScheduledBatch(), Launched(sampled=None, new_tokens=[], draft_input=None, starts=[]), [], [])
     assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks  # nothing leaked

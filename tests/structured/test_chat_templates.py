@@ -9,15 +9,15 @@ import random
 
 import pytest
 import torch
-from kiln.runtime.reasoning_parsers import get_reasoning_parser
-from kiln.runtime.structured_output import GrammarBackend, eos_token_ids
-from kiln.runtime.tool_parsers import (
+from kiln.runtime.api.reasoning_parsers import get_reasoning_parser
+from kiln.runtime.api.tool_parsers import (
     get_tool_parser,
     prepare_messages,
     render_chat,
     tool_choice_grammar,
     tool_parser_for,
 )
+from kiln.runtime.core.structured_output import GrammarBackend, eos_token_ids
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 def test_constrained_request_prefills_on_the_decode_core(embedded_artifact):
     import torch
-    from kiln.runtime.engine import EngineCore
+    from kiln.runtime.core.engine import EngineCore
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -8,16 +8,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from kiln.runtime.reasoning_parsers import ThinkingConfig, count_reasoning_tokens, get_reasoning_parser
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.structured_output import (
+from kiln.runtime.api.reasoning_parsers import ThinkingConfig, count_reasoning_tokens, get_reasoning_parser
+from kiln.runtime.api.tool_parsers import get_tool_parser, tool_choice_grammar
+from kiln.runtime.core.structured_output import (
     GrammarBackend,
     GrammarSpec,
     StructuredOutputProcessor,
     eos_token_ids,
 )
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.tokenizer import IncrementalDetokenizer
-from kiln.runtime.tool_parsers import get_tool_parser, tool_choice_grammar
 from schemas import PERSON, TOOLS
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -25,7 +25,7 @@ jsonschema = pytest.importorskip("jsonschema")
 @pytest.fixture(scope="module")
 def engine(embedded_artifact):
     import torch
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.core.engine import LLMEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and OpenMP spinning on a shared CPU is not

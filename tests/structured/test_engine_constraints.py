@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from kiln.runtime.api.reasoning_parsers import ThinkingConfig, count_reasoning_tokens, get_reasoning_parser
 from kiln.runtime.grammar_spec import GrammarSpec
-from kiln.runtime.reasoning_parsers import ThinkingConfig, count_reasoning_tokens, get_reasoning_parser
 from kiln.runtime.sampling_params import SamplingParams
 from schemas import PERSON
 
@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 @pytest.fixture(scope="module")
 def make_engine(embedded_artifact):
     import torch
-    from kiln.runtime.engine import LLMEngine
+    from kiln.runtime.core.engine import LLMEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

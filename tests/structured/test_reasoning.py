@@ -6,8 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from kiln.runtime.errors import RequestError
-from kiln.runtime.reasoning_parsers import (
+from kiln.runtime.api.reasoning_parsers import (
     ReasoningTracker,
     ThinkingConfig,
     ThinkPhase,
@@ -18,6 +17,7 @@ from kiln.runtime.reasoning_parsers import (
     reasoning_parser_for,
     thinking_budget,
 )
+from kiln.runtime.errors import RequestError
 
 # (output, prompt opened the block, reasoning, content)
 CASES = [

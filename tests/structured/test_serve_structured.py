@@ -337,7 +337,7 @@ def _slow_grammar_compiles(engine, seconds, timeout):
     `timeout` seconds before its request fails."""
     import time as _time
 
-    from kiln.runtime import structured_output
+    from kiln.runtime.core import structured_output
 
     cls = structured_output.GrammarBackend
     real = cls.__dict__.get("_kiln_real_compile_now") or cls._compile_now

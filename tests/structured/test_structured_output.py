@@ -12,10 +12,9 @@ import time
 
 import pytest
 import torch
-from kiln.runtime.reasoning_parsers import ThinkingConfig, ThinkPhase
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.sequence import PLACEHOLDER_TOKEN, Sequence
-from kiln.runtime.structured_output import (
+from kiln.runtime.api.reasoning_parsers import ThinkingConfig, ThinkPhase
+from kiln.runtime.core.sequence import PLACEHOLDER_TOKEN, Sequence
+from kiln.runtime.core.structured_output import (
     GrammarBackend,
     GrammarError,
     GrammarSpec,
@@ -24,6 +23,7 @@ from kiln.runtime.structured_output import (
     grammar_spec_from_response_format,
     validate,
 )
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
 
 xgr = pytest.importorskip("xgrammar")

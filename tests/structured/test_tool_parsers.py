@@ -7,7 +7,7 @@ import json
 import random
 
 import pytest
-from kiln.runtime.tool_parsers import (
+from kiln.runtime.api.tool_parsers import (
     COMPLETE,
     INVALID,
     PARTIAL,

@@ -1,0 +1,98 @@
+"""The OpenAI server's LoRA side: the `model` field naming an adapter, /v1/models listing them, and
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's request bodies) changing them at run time.
+
+The adapters live in the engine core (lora.LoRAManager); this keeps the names it last heard of, so a request
+naming a known adapter costs no round trip. A name it does not know is checked with the core once before a 404
+(another API server of the same core may have loaded it)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import KilnRuntimeError
+from .protocol import APIError
+
+if TYPE_CHECKING:
+    from .server import OpenAIServer
+
+
+class LoadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+
+
+class LoRAAdapters:
+    """The adapter names a server routes `model` to, kept in step with its engine core."""
+
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+        self.adapters: dict[str, dict[str, Any]] = {}  # name -> {"name", "path", "rank"}
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            reply = await self.server.async_engine.call_utility(method, *args)
+        except KilnRuntimeError as e:
+            raise APIError(503, str(e), type="server_error") from None
+        if "error" in reply:
+            raise APIError(400, reply["error"], param="lora_name")
+        return reply["result"]
+
+    async def refresh(self) -> None:
+        self.adapters = {a["name"]: a for a in await self._call("list_lora_adapters")}
+
+    async def exists(self, model: str) -> bool:
+        if model in self.adapters:
+            return True
+        await self.refresh()
+        return model in self.adapters
+
+    def lora_name(self, model: str) -> str | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return None if model == self.server.model_name else model
+
+    def cards(self) -> list[dict[str, Any]]:
+        base = self.server.model_card()
+        return [{**base, "id": name, "root": a["path"], "parent": self.server.model_name}
+                for name, a in self.adapters.items()]
+
+
+async def _body(request: Request, schema: type[BaseModel]) -> Any:
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, first['loc'])) or 'body'}: {first['msg']}",
+                       param=str(first["loc"][0]) if first["loc"] else None) from None
+
+
+def add_lora_routes(app: FastAPI, server: OpenAIServer) -> None:
+    lora = server.lora
+
+    @app.post("/v1/load_lora_adapter")
+    async def load(request: Request) -> dict[str, Any]:
+        server.check_auth(request)
+        req = await _body(request, LoadLoRARequest)
+        if req.lora_name == server.model_name:
+            raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+        await lora._call("load_lora_adapter", req.lora_name, req.lora_path)
+        await lora.refresh()
+        return {"object": "lora_adapter", "id": req.lora_name, "status": "loaded"}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(request: Request) -> dict[str, Any]:
+        server.check_auth(request)
+        req = await _body(request, UnloadLoRARequest)
+        if not await lora.exists(req.lora_name):
+            raise APIError(404, f"no LoRA adapter named {req.lora_name!r} is loaded", param="lora_name",
+                           code="model_not_found")
+        await lora._call("unload_lora_adapter", req.lora_name)
+        await lora.refresh()
+        return {"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"}
