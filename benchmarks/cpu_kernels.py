@@ -366,7 +366,7 @@ def offline(artifacts: list[str], batch_sizes: list[int], prompt_len: int = 128,
     alternating rounds (order reversed every other round), so load that comes and goes hits each alike. Per
     round: output tokens per wall second and per CPU second of this process (with one thread, time lost to other
     jobs' scheduling does not count in the latter)."""
-    from kiln.runtime.artifact import read_manifest
+    from kiln.runtime.manifest import read_manifest
 
     import kiln
 
@@ -434,7 +434,7 @@ def step_profile(art: str, batch: int, prompt_len: int, output_len: int) -> dict
     import re
     from collections import defaultdict
 
-    from kiln.runtime.artifact import read_manifest
+    from kiln.runtime.manifest import read_manifest
 
     import kiln
 

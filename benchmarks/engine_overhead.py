@@ -46,7 +46,7 @@ def _use_runtime(runtime_dir: Path) -> None:
 def _force_async_scheduling() -> None:
     """Every LLMEngine the measurement builds gets async_scheduling=True; its phase-by-phase steps (which call
     the synchronous step's parts directly) first read back the step in flight and run with it off."""
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     import kiln.bench as bench
 
@@ -74,8 +74,8 @@ def _interleaved(artifact: Path, args: argparse.Namespace) -> dict:
     import random
 
     import torch
-    from kiln.runtime.core.engine import LLMEngine
-    from kiln.runtime.core.kv_cache import cdiv
+    from kiln.runtime.core.batch import cdiv
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     from kiln.bench import InstantModel

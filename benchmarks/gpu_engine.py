@@ -101,7 +101,7 @@ def load_engine(setup: Setup, name: str, cfg: dict, batches: list[int], work: Pa
         model_config_from_manifest,
         scheduler_config_from_manifest,
     )
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     import kiln
 

@@ -28,14 +28,14 @@ LAYOUTS = {  # name: (layers, block shape (block_size first: K and V of block_si
 
 
 def _layout(name: str):
-    from kiln.runtime.disagg.roles import KVLayout
+    from kiln.runtime.disagg.transport import KVLayout
 
     layers, shape, dtype = LAYOUTS[name]
     return KVLayout(layers, shape, dtype, shape[1])
 
 
 def _receiver(kind: str, block_bytes: int, max_blocks: int, conn) -> None:
-    from kiln.runtime.disagg.service import make_receiver
+    from kiln.runtime.disagg.plugins import make_receiver
     from kiln.runtime.disagg.transport import DoneFrame, decode
 
     rx = make_receiver(kind, block_bytes, max_blocks=max_blocks)
@@ -63,7 +63,7 @@ def _frames(layout, n: int, transfer_id: str) -> list[bytes]:
 
 
 def bench(kind: str, layout_name: str, blocks: list[int], repeats: int) -> list[dict]:
-    from kiln.runtime.disagg.service import connect
+    from kiln.runtime.disagg.plugins import connect
 
     layout = _layout(layout_name)
     ctx = mp.get_context("spawn")

@@ -44,7 +44,7 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
 
 def run_once(artifact: Path, batch: list[list[int]], speculative: str | None, k: int, max_tokens: int,
              **engine_kw) -> dict:
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(artifact, speculative=speculative, num_speculative_tokens=k if speculative else None,

@@ -87,8 +87,8 @@ def processor_round(backend, compiled, batch: int, steps: int, constrained: bool
 
 def engine_round(artifact: Path, backend, compiled, batch: int, steps: int, constrained: bool) -> float:
     """Mean seconds per LLMEngine.step() over `steps` decode steps of a full batch."""
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.core.structured_output import StructuredOutputProcessor
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(artifact, max_num_seqs=max(batch, 1), prefix_cache=None)

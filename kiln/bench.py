@@ -347,8 +347,8 @@ def run_engine_overhead(artifact: str | Path, *, batch_sizes: tuple[int, ...] = 
     over cores make every small tensor op cost milliseconds; 1 thread measures the engine's own code)."""
     import torch
 
-    from kiln.runtime.core.engine import LLMEngine
-    from kiln.runtime.core.kv_cache import cdiv
+    from kiln.runtime.core.batch import cdiv
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     clock = time.perf_counter

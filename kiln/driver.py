@@ -139,8 +139,8 @@ def _store_eagle(ckpt: Path, program: Program, out: Path, loc, options: RecipeOp
     from safetensors.torch import save_file
 
     from kiln.codegen.render import decoder_layers
-    from kiln.runtime.core.speculative.eagle import is_eagle3, read_checkpoint
     from kiln.runtime.core.speculative.eagle3 import check_target, read_eagle3_checkpoint
+    from kiln.runtime.core.speculative.eagle_head import is_eagle3, read_checkpoint
 
     entry, params = program.entry, program.params
     embed = params.get("embed")

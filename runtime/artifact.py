@@ -5,7 +5,6 @@ import hashlib
 import importlib
 import importlib.util
 import itertools
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from .config import (
     scheduler_config_from_manifest,
 )
 from .errors import ArtifactError
-from .manifest import validate_manifest
+from .manifest import read_manifest
+from .tokenizer import open_tokenizer
 
 _package_ids = itertools.count()
 _HASH_CHUNK = 16 * 2**20
@@ -48,21 +48,6 @@ class LoadedArtifact:
     def world_size(self) -> int:
         """Ranks of the artifact's mesh (1: a single-device artifact)."""
         return int((self.manifest.get("parallel") or {}).get("world_size", 1))
-
-
-def read_manifest(path: str | Path) -> dict:
-    """Reads `ART/manifest.json` and checks it against the schema (runtime/manifest.py); raises `ArtifactError`
-    on anything a runtime cannot serve."""
-    art = Path(path)
-    file = art / "manifest.json"
-    if not file.is_file():
-        raise ArtifactError(f"{art}: not a kiln artifact (no manifest.json); build one with `kiln compile`")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{file}: invalid JSON ({e})") from None
-    validate_manifest(manifest, str(file))
-    return manifest
 
 
 def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
@@ -97,24 +82,6 @@ def load_artifact(path: str | Path, device: str | torch.device = "cpu", *,
                           kv_cache_config=kv_cache_config_from_manifest(manifest),
                           scheduler_config=scheduler_config_from_manifest(manifest),
                           cuda_graph_config=cuda_graph_config_from_manifest(manifest), rank=rank)
-
-
-def open_tokenizer(tok_dir: str | Path, vocab_size: int) -> Any:
-    """The artifact's tokenizer in `tok_dir`, checked against the model's vocabulary (`ArtifactError` if unusable)."""
-    tok_dir = Path(tok_dir)
-    from .tokenizer import Tokenizer
-
-    if not (tok_dir / "tokenizer.json").is_file():
-        raise ArtifactError(f"{tok_dir}: manifest.json names a tokenizer, but there is no tokenizer.json")
-    try:
-        tokenizer = Tokenizer.from_dir(tok_dir)
-    except Exception as e:  # tokenizers raises bare Exceptions; json, UnicodeDecodeError
-        raise ArtifactError(f"{tok_dir}: the tokenizer does not load ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    if tokenizer.vocab_size > vocab_size:
-        raise ArtifactError(f"{tok_dir}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                            f"vocabulary of {vocab_size}")
-    return tokenizer
 
 
 def _check_device(art: Path, manifest: dict, device: torch.device) -> None:

@@ -7,61 +7,15 @@ import argparse
 import sys
 from typing import Any
 
+from .cli_args import add_security_args, byte_size, cpu_list, effort_table, port_number, positive_int
+
 USER_ERROR_EXIT = 2
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (an integer in 1..65535)") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is out of range: a port is an integer in 1..65535")
-    return port
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give at least 1")
-    return value
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
-
-
-def _cpu_list(text: str) -> list[int]:
-    from .threads import parse_cpu_list
-
-    try:
-        return parse_cpu_list(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size(text: str) -> int:
-    """A byte size: 16GiB, 512MiB, 2GB, 1048576; 0 or none: off."""
-    if text.strip().lower() == "none":
-        return 0
-    number = text.strip().rstrip("BbIiKkMmGgTt")
-    unit = text.strip()[len(number):].upper()
-    try:
-        value = float(number) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (such as 16GiB, 512MiB or 0)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size is not negative")
-    return int(value)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to bind (default: the recipe's serve.host, else 127.0.0.1: loopback "
                    "only)")
-    p.add_argument("--port", type=_port, help="TCP port, 1..65535 (default: the recipe's serve.port, else 8000)")
+    p.add_argument("--port", type=port_number, help="TCP port, 1..65535 (default: the recipe's serve.port, else 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics; /health "
                    "stays open (default: no key, every route open)")
     p.add_argument("--metrics-public", action="store_true",
@@ -73,9 +27,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "(default 1024)")
     p.add_argument("--num-kv-blocks", type=int, help="KV cache size in blocks (default: the manifest's decision, "
                    "as `kiln compile --report` states it)")
-    p.add_argument("--max-num-seqs", type=_positive, metavar="N",
+    p.add_argument("--max-num-seqs", type=positive_int, metavar="N",
                    help="sequences running at once, at most (default: the recipe's scheduler.max_seqs, 256)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
                    help="tokens a step computes, at most, decodes and prefill chunks together (default: the "
                    "artifact's: the recipe's scheduler.max_batched_tokens, else its target's, as `kiln compile "
                    "--report` states it). On a CPU a step of 8192 prompt tokens takes seconds, and every running "
@@ -83,20 +37,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "lets decodes ride along with the prefill chunks")
     p.add_argument("--num-threads", type=int, help="the engine core's intra-op threads (default: every CPU the "
                    "process may run on; the API server itself uses one)")
-    p.add_argument("--core-cpus", type=_cpu_list, metavar="LIST",
+    p.add_argument("--core-cpus", type=cpu_list, metavar="LIST",
                    help="the CPUs the engine core computes on, e.g. 1-15 (one intra-op thread per CPU unless "
                    "--num-threads); the API server then runs on the other CPUs it may use, so that HTTP, "
                    "detokenization and streaming never preempt the core's threads. With --data-parallel-size or "
                    "--disaggregate each core gets a disjoint slice of LIST (default: the core computes on every CPU "
                    "and the API server shares them)")
-    p.add_argument("--stream-interval", type=_positive, default=1, metavar="N",
+    p.add_argument("--stream-interval", type=positive_int, default=1, metavar="N",
                    help="send a stream's tokens every N (its first token and its end at once); fewer, larger SSE "
                         "events: less CPU per token in the API server and the client, coarser inter-token timing "
                         "(default 1: every token)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn the artifact's prefix cache off")
-    p.add_argument("--kv-offload", type=_size, metavar="SIZE",
+    p.add_argument("--kv-offload", type=byte_size, metavar="SIZE",
                    help="host memory of the CPU offload tier, where evicted prefix-cache blocks go and come back from "
                    "on a hit instead of being recomputed, e.g. 16GiB (split over a tensor-parallel artifact's ranks); 0 "
                    "turns it off (default: the recipe's kv_cache.offload)")
@@ -122,7 +76,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "serve the API here)")
     p.add_argument("--kv-host", help="with --role decode: the address the KV receiver binds and the prefill cores "
                    "connect to (default --host)")
-    p.add_argument("--kv-port", type=_port, help="with --role decode and tcp: the KV receiver's port (default: a "
+    p.add_argument("--kv-port", type=port_number, help="with --role decode and tcp: the KV receiver's port (default: a "
                    "free one)")
     add_security_args(p)
     p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "eagle", "none"],
@@ -144,30 +98,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "deepseek_v3, ... or none (default: what the chat template implies)")
     p.add_argument("--reasoning-parser", help="the model's thinking block: think (<think>), mistral ([THINK]) or none "
                    "(default: what the chat template implies)")
-    p.add_argument("--reasoning-effort", type=_effort_budgets, metavar="EFFORT=TOKENS,...",
+    p.add_argument("--reasoning-effort", type=effort_table, metavar="EFFORT=TOKENS,...",
                    help="thinking budgets of reasoning_effort values, e.g. low=512,medium=2048,high=8192, over the "
                    "recipe's serve.reasoning_effort (default: none=0, minimal=0, low=1024, medium=2048, high=8192)")
     p.set_defaults(func=run_serve)
-
-
-def add_security_args(p: argparse.ArgumentParser) -> None:
-    """The control and KV planes' security (runtime/ipc/curve.py), for `kiln serve` and `kiln router`."""
-    p.add_argument("--curve-keys", metavar="DIR",
-                   help="authenticate and encrypt every TCP control and KV socket with the CURVE keys in DIR (`kiln "
-                   "keys generate DIR`; the same DIR on every machine); also KILN_CURVE_KEYS=DIR (default: none)")
-    p.add_argument("--insecure", action="store_true",
-                   help="without --curve-keys, listen on an address other than loopback anyway, unauthenticated "
-                   "(only on a network you trust; default: refused)")
-
-
-def _effort_budgets(text: str) -> dict[str, int]:
-    from .api.reasoning_parsers import parse_effort_budgets
-    from .errors import RequestError
-
-    try:
-        return parse_effort_budgets(text)
-    except RequestError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -220,8 +154,8 @@ def disaggregate_section(manifest: dict, args: argparse.Namespace) -> dict | Non
 
 def run_serve(args: argparse.Namespace) -> int:
     from .api.server import serve
-    from .artifact import read_manifest
     from .ipc import curve
+    from .manifest import read_manifest
 
     status = launched_worker(args.artifact)
     if status is not None:

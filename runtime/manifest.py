@@ -7,9 +7,10 @@ the artifact) is refused with the field's path and the reason before anything is
 """
 from __future__ import annotations
 
+import json
 import math
 import re
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -349,3 +350,18 @@ def _short(v: Any) -> str:
         return str(v)
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_manifest(path: str | Path) -> dict:
+    """Reads `ART/manifest.json` and checks it against the schema (`validate_manifest`); raises `ArtifactError`
+    on anything a runtime cannot serve."""
+    art = Path(path)
+    file = art / "manifest.json"
+    if not file.is_file():
+        raise ArtifactError(f"{art}: not a kiln artifact (no manifest.json); build one with `kiln compile`")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{file}: invalid JSON ({e})") from None
+    validate_manifest(manifest, str(file))
+    return manifest

@@ -8,6 +8,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from .errors import ArtifactError
+
 # Tokens of context re-decoded with each new token: enough for decoders that look at neighbours (metaspace,
 # byte fallback) without re-decoding the whole output every step.
 _DETOKENIZE_CONTEXT = 5
@@ -181,3 +183,19 @@ class IncrementalDetokenizer:
         self.read_offset = len(token_ids)
         self.text += delta
         return delta
+
+
+def open_tokenizer(tok_dir: str | Path, vocab_size: int) -> Any:
+    """The artifact's tokenizer in `tok_dir`, checked against the model's vocabulary (`ArtifactError` if unusable)."""
+    tok_dir = Path(tok_dir)
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise ArtifactError(f"{tok_dir}: manifest.json names a tokenizer, but there is no tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_dir(tok_dir)
+    except Exception as e:  # tokenizers raises bare Exceptions; json, UnicodeDecodeError
+        raise ArtifactError(f"{tok_dir}: the tokenizer does not load ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ArtifactError(f"{tok_dir}: the tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                            f"vocabulary of {vocab_size}")
+    return tokenizer

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..artifact import open_tokenizer
 from ..errors import KilnRuntimeError, RequestError
 from ..ipc.client import AsyncCoreClient, CoreProcess, EngineDeadError
 from ..ipc.protocol import (
@@ -30,7 +29,7 @@ from ..ipc.protocol import (
 )
 from ..outputs import RequestDelta
 from ..sampling_params import SamplingParams
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, open_tokenizer
 from ..validation import check_request
 from .output_processor import OutputProcessor
 

@@ -5,7 +5,6 @@ import itertools
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -16,15 +15,17 @@ from ..ipc.protocol import RequestLimits, SeqDelta
 from ..outputs import FinishReason
 from ..sampling_params import SamplingParams
 from ..validation import check_request
-from ..worker.executor import ExecutorError, apply_swaps, create_executor, shutdown_on_error
+from ..worker.executor import apply_swaps, create_executor, shutdown_on_error
+from ..worker.interface import ExecutorError
 from ..worker.lora import EngineLoRA
 from . import overlap
+from .batch import ScheduledBatch
 from .constrained import ConstraintManager
 from .kv_cache import BlockManager, SwapSpace
 from .kv_offload import attach_offload
 from .prefix_cache import make_prefix_cache
 from .sampler import NONFINITE_TOKEN, Sampler, SamplerOutput
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import Scheduler
 from .sequence import PLACEHOLDER_TOKEN, Request, Sequence
 from .speculative import Launched, make_speculator, speculator_pool_share
 from .stats import core_stats
@@ -291,10 +292,3 @@ class EngineCore(EngineLoRA):
     def stats(self) -> dict[str, float]:
         """The core's counters (core/stats.py): sequences, KV usage, prefix cache, speculation, grammars."""
         return core_stats(self)
-
-def __getattr__(name: str) -> Any:
-    """`from kiln.runtime.core.engine import LLMEngine`: the in-process engine, this module's before the core split."""
-    if name == "LLMEngine":
-        from ..llm_engine import LLMEngine
-        return LLMEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

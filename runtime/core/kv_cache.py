@@ -4,12 +4,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from .prefix_cache import PrefixCache, block_hashes
+from ..block_hash import block_hashes
+from .batch import cdiv
+from .prefix_cache import PrefixCache
 from .sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockManager:

@@ -25,16 +25,20 @@ free + offloaded == capacity (`check`), `offloaded` counting the slots that hold
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
+import logging
 from collections import Counter, OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..worker.host_kv import HostKV
+from ..worker.interface import ExecutorError
 from .kv_cache import BlockManager
 from .lease import Lease, TransferLedger
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -46,53 +50,11 @@ class Restore:
     reading: bool = True  # its host slots are pinned
 
 
-class HostKV:
-    """One process's host copy of KV blocks: `num_blocks` slots shaped like a block of each of `kv_caches` (the
-    device pool this process holds: the whole pool, or a tensor-parallel rank's slice of every block), pinned where
-    CUDA is present, and the digest of each slot's content as saved, computed by a thread of its own. `save` and
-    `load` copy at once; the slot bookkeeping (which block hash is where, LRU, who reads what) is `OffloadTier`'s."""
-
-    def __init__(self, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
-        self.kv_caches = kv_caches
-        pin = kv_caches[0].device.type == "cuda"
-        self.host = [torch.zeros((num_blocks, *c.shape[1:]), dtype=c.dtype, pin_memory=pin) for c in kv_caches]
-        self.block_bytes = sum(h[0].numel() * h.element_size() for h in self.host)
-        self._digest: dict[int, Future[bytes]] = {}  # host slot -> digest of its content when saved
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kiln-offload-digest")
-
-    def save(self, slot: int, block_id: int) -> None:
-        """Copies device block `block_id` into `slot`; its digest is computed off the caller's thread. A slot saved
-        before is overwritten only once its pending digest was computed or cancelled (so the thread always reads
-        what was saved)."""
-        pending = self._digest.pop(slot, None)
-        if pending is not None and not pending.cancel():
-            pending.result()
-        for host, dev in zip(self.host, self.kv_caches, strict=True):
-            host[slot].copy_(dev[block_id])
-        self._digest[slot] = self._hasher.submit(self._content_digest, slot)
-
-    def saved_digest(self, slot: int) -> bytes:
-        """The digest of what `slot` held when saved (waits for the thread)."""
-        return self._digest[slot].result()
-
-    def load(self, slot: int, block_id: int) -> bytes:
-        """Copies `slot` into device block `block_id`; returns the digest of what the slot holds now."""
-        for host, dev in zip(self.host, self.kv_caches, strict=True):
-            dev[block_id].copy_(host[slot], non_blocking=True)
-        return self._content_digest(slot)
-
-    def _content_digest(self, slot: int) -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        for host in self.host:
-            h.update(host[slot].view(torch.uint8).numpy())
-        return h.digest()
-
-
 class OffloadTier:
     """`num_blocks` host blocks under `bm`'s prefix cache, for the device pool `kv_caches` (one tensor per layer,
     [num_device_blocks, *block shape]). Attaching it hooks the prefix cache's evictions and the block manager's
     lookups (`bm.offload`). Driven by the engine's loop, like the block manager; only the offload digests run on a
-    thread of the tier's (its `store`, a HostKV). A mesh's tier is worker/distributed/kv_offload.py's `MeshOffloadTier`:
+    thread of the tier's (its `store`, a HostKV). A mesh's tier is `MeshOffloadTier` below:
     the same bookkeeping, the copies run by every rank."""
 
     def __init__(self, bm: BlockManager, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
@@ -262,6 +224,43 @@ class OffloadTier:
         self.ledger.check()
 
 
+class MeshOffloadTier(OffloadTier):
+    """Rank 0's offload tier over a tensor-parallel `executor` (a distributed.executor.MeshExecutor): the single-device
+    tier's bookkeeping and ledger invariants, the copies sent to every rank (saves queued on the executor until its
+    next command, loads run at once). `num_blocks` host slots on every rank; `block_bytes` the whole block, every
+    rank's slice together."""
+
+    def __init__(self, bm: BlockManager, executor: Any, num_blocks: int) -> None:
+        self.executor = executor
+        executor.attach_offload(num_blocks)  # every rank's HostKV
+        self.store = executor.states[0].host_kv  # rank 0's slices (what `host` shows)
+        self._attach(bm, num_blocks, self.store.block_bytes * executor.world_size)
+
+    def _save(self, slot: int, block_id: int) -> None:
+        self.executor.queue_offload_save(block_id, slot)
+
+    def _expect(self, lease, slots: list[int]) -> None:
+        pass  # the digests as saved are every rank's: they come back with the copies (`restore`)
+
+    def restore(self, hashes: list[int], hits: list[int]) -> list[int]:
+        pending = self.start(hashes, hits)
+        if pending is None:
+            return []
+        tid = pending.lease.transfer_id
+        try:
+            results = self.executor.offload_restore(pending.slots, pending.lease.blocks)
+        except ExecutorError as e:  # the mesh failed: the next step fails the requests; nothing restored here
+            logger.error("KV offload restore not run: %s", e)
+            results = [(b"", None)] * len(pending.slots)
+        self.ledger.expect(tid, [saved for saved, _ in results])
+        for i, (_, copied) in enumerate(results):
+            self.ledger.end_write(tid, i, copied)
+        return self.finish(pending)
+
+    def copy(self, pending, index: int) -> None:  # pragma: no cover - the mesh copies a restore's blocks together
+        raise NotImplementedError("a mesh restore's copies are one command on every rank (MeshOffloadTier.restore)")
+
+
 def attach_offload(engine, num_bytes: int | None) -> OffloadTier | None:
     """The engine's tier of `num_bytes` of host memory (None or 0: none), for the KV pool in this process or, on a
     tensor-parallel mesh, split evenly over the ranks (each holds its slice of every host block). Needs a prefix
@@ -281,8 +280,6 @@ def attach_offload(engine, num_bytes: int | None) -> OffloadTier | None:
         raise ArtifactError(f"kv_cache.offload: {num_bytes} bytes hold no KV block ({per_block} bytes each"
                             f"{f', over {world} ranks' if world > 1 else ''})")
     if world > 1:
-        from ..worker.distributed.kv_offload import MeshOffloadTier
-
         return MeshOffloadTier(bm, runner, num_blocks)
     return OffloadTier(bm, runner.kv_caches, num_blocks)
 

@@ -18,8 +18,8 @@ import torch
 
 from ..ipc.protocol import SeqDelta
 from ..worker.executor import apply_swaps
+from .batch import ScheduledBatch
 from .sampler import NONFINITE_TOKEN
-from .scheduler import ScheduledBatch
 from .sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from .speculative import Launched
 

@@ -52,7 +52,7 @@ from ..ipc.protocol import (
     decode_params,
     encode,
 )
-from ..worker.executor import ExecutorError
+from ..worker.interface import ExecutorError
 from ..worker.lora import LORA_UTILITIES
 from .sequence import SequenceStatus
 from .stats import KV_BLOCK_FIELDS

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..worker.model_runner import LogitsLayout, host_to_device
+from ..worker.interface import host_to_device
+from .batch import LogitsLayout
 from .sequence import Sequence
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
@@ -174,29 +175,6 @@ class Sampler:
                 noise[j].exponential_(generator=seq.generator)
         sampled = (probs / noise.where(~greedy.unsqueeze(1), 1.0)).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled), top
-
-
-def logit_candidates(seqs: list[Sequence], layout: LogitsLayout) -> int:
-    """How many of each row's largest logits the sampler reads for this step (0: every logit): 1 when every row is
-    greedy, the largest top_k when every row is greedy or top-k; 0 when a row needs the whole distribution (its
-    logprobs or prompt logprobs, penalties, a logit bias, a grammar or thinking budget, sampling without top-k).
-    Given only those k (the others -inf), `sample` picks the same tokens from the same noise: the max is the max,
-    and top-k, top-p and min-p act inside the same k."""
-    if any(rows is not None for rows in layout.prompt_rows):
-        return 0
-    k = 1
-    for seq, row in zip(seqs, layout.sample_rows, strict=True):
-        if row is None:
-            continue
-        p = seq.params
-        if (p.logprobs is not None or p.has_penalties or p.logit_bias or p.structured_output is not None
-                or p.thinking is not None):
-            return 0
-        if not p.greedy:
-            if p.top_k <= 0:
-                return 0
-            k = max(k, p.top_k)
-    return k
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -4,47 +4,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
-from .kv_cache import BlockManager, SwapSpace, cdiv
+from .batch import ScheduledBatch, cdiv
+from .kv_cache import BlockManager, SwapSpace
 from .sequence import Sequence, SequenceStatus
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """One step's work: `seqs[i]` runs its next `num_new_tokens[i]` tokens. The first `num_decodes` are
-    decodes (one token each), the rest prefill chunks (which may start past a cached prefix)."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    num_decodes: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-    # KV block copies the runner performs before the forward pass: (device block, cpu block) to swap out,
-    # (cpu block, device block) to swap in. A step never does both (see Scheduler.schedule).
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def live(self) -> list[int]:
-        """The indices of the sequences that did not finish meanwhile (late, aborted or failed)."""
-        return [i for i, seq in enumerate(self.seqs) if seq.status is not SequenceStatus.FINISHED]
-
-    def subset(self, indices: list[int]) -> ScheduledBatch:
-        """The sequences `indices` (ascending), decodes still first; no swaps (this batch did them)."""
-        if len(indices) == len(self.seqs):
-            return self
-        return ScheduledBatch(seqs=[self.seqs[i] for i in indices],
-                              num_new_tokens=[self.num_new_tokens[i] for i in indices],
-                              num_decodes=sum(1 for i in indices if i < self.num_decodes))
-
 
 # `effort`: earliest virtual deadline first, in lanes. A sequence is due EFFORT_TOKENS_PER_ARRIVAL budget tokens
 # per arrival after it came, its budget being what it is expected to generate at most (`effort_budget`), so

@@ -52,12 +52,13 @@ def serve_core(config, role: str, host: str, port: int, *, kv_transport: str = "
     this process is told to stop (SIGTERM, SIGINT: 0). With `keys` (exported as KILN_CURVE_KEYS to the core) its
     sockets are CURVE; without, a socket beyond loopback is refused unless `insecure`."""
     from ..ipc.client import CoreProcess
-    from .router import PLUGIN
+    from .router import KV_EVENTS_PLUGIN
+    from .service import DECODE_PLUGIN, PREFILL_PLUGIN
 
     if role not in ROLES:
         raise KilnRuntimeError(f"--role {role!r} (known: {', '.join(ROLES)})")
-    plugins = {"prefill": ["kiln.runtime.disagg.service:prefill_plugin"],
-               "decode": ["kiln.runtime.disagg.service:decode_plugin", PLUGIN], "both": [PLUGIN]}[role]
+    plugins = {"prefill": [PREFILL_PLUGIN], "decode": [DECODE_PLUGIN, KV_EVENTS_PLUGIN],
+               "both": [KV_EVENTS_PLUGIN]}[role]
     options: dict[str, Any] = {}
     if role == "decode":
         where = kv_host or host
@@ -157,11 +158,11 @@ def check_cores(prefill: list[Probed], decode: list[Probed], replicas: list[Prob
 
 
 def _tokenizer(info, artifact: str | None):
-    from ..artifact import open_tokenizer
+    from ..tokenizer import open_tokenizer
 
     where = info.tokenizer_dir
     if artifact is not None:
-        from ..artifact import read_manifest
+        from ..manifest import read_manifest
         tok = read_manifest(artifact).get("tokenizer")
         where = str(Path(artifact) / tok["dir"]) if tok is not None else None
     elif where is not None and not os.path.isdir(where):
@@ -208,7 +209,7 @@ def build_router(prefill: list[str], decode: list[str], replicas: list[str], *, 
 
 
 def add_router_args(sub) -> None:
-    from ..entrypoint import _port, add_security_args
+    from ..cli_args import add_security_args, port_number
 
     p = sub.add_parser("router", help="a KV-aware router over engine cores on other machines (kiln serve ART --role "
                        "prefill|decode|both --host H --port P)")
@@ -221,7 +222,7 @@ def add_router_args(sub) -> None:
     p.add_argument("--artifact", help="a copy of the artifact the cores serve, for its tokenizer (default: the "
                    "cores' own path, when this machine has it)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API binds (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="the HTTP API's TCP port (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="the HTTP API's TCP port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics (default: no "
                    "key)")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")

@@ -23,18 +23,20 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import msgspec
 import torch
 
-from ..core.kv_cache import cdiv
+from ..core.batch import cdiv
 from ..core.lease import LeaseState, TransferLedger
 from ..core.sequence import Sequence, SequenceStatus
-from ..errors import KilnRuntimeError
 from ..sampling_params import SamplingParams
 from .transport import (
+    TRANSFER_BUCKETS,
     BlockFrame,
+    DisaggError,
     DoneFrame,
     FailFrame,
+    KVLayout,
+    RemotePrefill,
     Transport,
     TransportClosed,
     block_digest,
@@ -43,60 +45,6 @@ from .transport import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Upper bounds (seconds) of the decode side's transfer-time histogram: lease reserved -> committed.
-TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class DisaggError(KilnRuntimeError):
-    """A prefill and a decode core that cannot pair (different KV layouts), or a bad descriptor."""
-
-
-class KVLayout(msgspec.Struct, frozen=True):
-    """What both sides of a transfer must agree on, byte for byte: one block is `num_layers` tensors of
-    `block_shape` (block_size first) of `dtype`."""
-
-    num_layers: int
-    block_shape: list[int]
-    dtype: str
-    block_size: int
-
-    @classmethod
-    def of(cls, engine) -> KVLayout:
-        if not hasattr(engine.runner, "kv_caches"):  # a mesh executor: each rank holds its shard of the pool
-            raise DisaggError("disaggregation serves single-device artifacts only (this one is parallel)")
-        kv = engine.artifact.kv_cache_config
-        return cls(kv.num_layers, list(kv.shape), str(kv.dtype).removeprefix("torch."), kv.block_size)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def block_bytes(self) -> int:
-        n = self.num_layers * self.torch_dtype.itemsize
-        for d in self.block_shape:
-            n *= d
-        return n
-
-    def check_pairs_with(self, other: KVLayout) -> None:
-        if self != other:
-            raise DisaggError(f"the prefill and decode cores' KV layouts differ ({self} vs {other}); they "
-                              "must serve artifacts with the same KV layout")
-
-
-class RemotePrefill(msgspec.Struct, frozen=True):
-    """The decode core's leased destination: blocks `first_block..` of the prompt's block table, i.e. tokens
-    `[first_block * block_size, prompt_len - 1)`."""
-
-    transfer_id: str
-    prompt_len: int
-    first_block: int
-    block_ids: list[int]
-    generations: list[int]
-    layout: KVLayout
-    endpoint: str | None = None  # where the prefill core sends the frames (None: the one transport it has)
-
 
 def _local_reason(seq: Sequence, num_requests_seqs: int) -> str | None:
     if num_requests_seqs != 1:

@@ -1,12 +1,12 @@
 """The KV-aware router over several engine-core replicas (`kiln serve ART --replicas N`): each request goes to the
 replica whose prefix cache holds the longest prefix of its prompt, balanced against that replica's load.
 
-What a replica holds comes from the replica: the core plugin `kv_events_plugin` has its prefix cache record every
+What a replica holds comes from the replica: the core plugin `kv_events_plugin` (plugins.py) has its prefix cache record every
 block hash it publishes and evicts, and the router drains those events every `index_interval` seconds (utility
 `kv_events`; a full snapshot at the start and after a lost answer or a cache reset). Between two drains the blocks
 of the prompts the router just sent are *predicted* on their replica (for `predict_ttl` seconds, or until the
 replica reports them evicted), so a burst of requests sharing a prefix follows the first one before its replica
-has reported anything. The block hashes are the cores' own (prefix_cache.block_hashes: a hash chain over token
+has reported anything. The block hashes are the cores' own (block_hash.block_hashes: a hash chain over token
 blocks, stable across processes), so the router matches exactly what a core's lookup would.
 
 Cost of replica r: the request's estimated time to first token there plus the time its own prefill delays the
@@ -51,36 +51,21 @@ from ..api.async_engine import (
     RequestGroup,
     RequestObserver,
 )
-from ..core.prefix_cache import block_hashes
+from ..block_hash import block_hashes
 from ..errors import KilnRuntimeError
 from ..ipc.protocol import CoreStats
 from ..sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PLUGIN = "kiln.runtime.disagg.router:kv_events_plugin"
+KV_EVENTS_PLUGIN = "kiln.runtime.disagg.plugins:kv_events_plugin"  # by spec: plugins.py loads torch
 POLICIES = ("kv", "round_robin")
 # a speed sample needs this many tokens to compute: below it a request's TTFT is mostly fixed per-request cost
 # (RPC, the step), and identical replicas measured 2-3x apart, which sent every request to the one that looked fast
 MIN_SPEED_SAMPLE = 256  # round_robin: the baseline for benchmarks (no cache or load awareness)
 
 
-def kv_events_plugin(proc) -> None:
-    """Core plugin: the utility `kv_events(full)` returns `{"full": [hash, ...]}` (everything cached now; when
-    `full`, on the first call, or after a cache reset) or `{"events": [(published?, hash), ...]}` (what changed
-    since the previous call, oldest first)."""
 
-    def kv_events(engine, full: bool = False) -> dict[str, Any]:
-        cache = engine.block_manager.prefix_cache
-        if cache is None:
-            return {"full": []}
-        cache.record_events()
-        events = cache.take_events()
-        if full or events is None:
-            return {"full": cache.cached_hashes()}
-        return {"events": events}
-
-    proc.register_utility("kv_events", kv_events)
 
 
 class ReplicaIndex:
@@ -444,8 +429,8 @@ def start_replicas(stack: contextlib.ExitStack, config, num_replicas: int, disag
     GPUs — or with `disaggregate` a prefill + decode pair; each replica pinned to a disjoint slice of `config.cpus`,
     else of the CPUs this process may use, its threads that slice's share unless `config.num_threads` is set) and
     returns the router over them (started by the server's lifespan)."""
-    from ..artifact import read_manifest
     from ..ipc.client import CoreProcess
+    from ..manifest import read_manifest
 
     if num_replicas < 1:
         raise KilnRuntimeError(f"--data-parallel-size must be at least 1, got {num_replicas}")
@@ -462,7 +447,7 @@ def start_replicas(stack: contextlib.ExitStack, config, num_replicas: int, disag
     # One after the other, from this thread: a core dies with the thread that started it (PR_SET_PDEATHSIG).
     for k in range(num_replicas):
         cfg = msgspec.structs.replace(config, num_threads=num_threads, input_address="",
-                                      cpus=slices[k] if slices else config.cpus, plugins=[*config.plugins, PLUGIN])
+                                      cpus=slices[k] if slices else config.cpus, plugins=[*config.plugins, KV_EVENTS_PLUGIN])
         if disaggregate is None:
             core = CoreProcess.start(cfg, env=replica_env(k, ranks, manifest["device"]))
             engines.append(AsyncLLMEngine.from_process(stack.enter_context(core),

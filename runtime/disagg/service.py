@@ -1,9 +1,7 @@
-"""Disaggregation across processes: the roles as engine-core plugins, and the router's engine.
+"""Disaggregation across processes, the router's side: the engine that pairs a prefill and a decode core.
 
-A core started with the plugin `kiln.runtime.disagg.service:decode_plugin` (or `prefill_plugin`) gains the
-utilities `disagg_init` (sets the role up: the decode core binds its KV receiver and returns its endpoint and
-KV layout), `disagg_add` / `disagg_prefill` (one request's two halves), `disagg_fail` and `disagg_stats`, and a
-poller that takes KV frames between steps. The router (`DisaggAsyncEngine`, an `AsyncLLMEngine` whose requests go
+The cores run their roles as plugins (plugins.py: `disagg_init`, `disagg_add` / `disagg_prefill`, `disagg_fail`,
+`disagg_stats`, and a poller that takes KV frames between steps). The router (`DisaggAsyncEngine`, an `AsyncLLMEngine` whose requests go
 through the decode core) asks the decode core to reserve, hands the descriptor to the prefill core, and streams
 the decode core's deltas as they come: it never waits for the prefill core's answer beyond its acceptance.
 A prefill core that dies or refuses costs no request: its transfers are failed on the decode core at once, and
@@ -24,18 +22,19 @@ import msgspec
 from .. import threads
 from ..api.async_engine import AsyncLLMEngine, EngineOverloadedError, PromptInput
 from ..errors import KilnRuntimeError, RequestError
-from ..ipc.protocol import AddResult, decode_params, encode_params
+from ..ipc.protocol import AddResult, encode_params
 from ..sampling_params import SamplingParams
-from .roles import TRANSFER_BUCKETS, DecodeRole, PrefillRole, RemotePrefill
-from .transport import Transport, ZmqTransport
+from .transport import TRANSFER_BUCKETS
 
 logger = logging.getLogger(__name__)
 
 SEP = "\x1f"  # core_process.SEP (not imported: that module binds sockets at import time of its users)
 REMOTE_PREFILL = ("always", "never", "auto")
+# the cores' plugins (plugins.py), by spec: this process never imports them (they load torch)
+DECODE_PLUGIN = "kiln.runtime.disagg.plugins:decode_plugin"
+PREFILL_PLUGIN = "kiln.runtime.disagg.plugins:prefill_plugin"
 
 
-TRANSPORTS = ("tcp", "nixl")
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
@@ -45,97 +44,7 @@ def _histogram(name: str, doc: str):
     return Histogram(name, doc, buckets=_TTFT_BUCKETS, registry=None)
 
 
-def make_receiver(kind: str, block_bytes: int, bind: str = "tcp://127.0.0.1", max_blocks: int = 0) -> Transport:
-    """The decode side's receiving end of a `kind` transport; its `endpoint` goes to the prefill side. A NIXL
-    slot holds the largest frame: a block's (the payload and < 200 header bytes) or the `Done` of a transfer of
-    `max_blocks` blocks (18 bytes a digest)."""
-    if kind == "tcp":
-        return ZmqTransport.bind(bind)
-    if kind == "nixl":
-        from .nixl_transport import NixlReceiver
-        return NixlReceiver(slot_bytes=max(block_bytes, 24 * max_blocks) + 1024)
-    raise KilnRuntimeError(f"unknown KV transport {kind!r} (known: {', '.join(TRANSPORTS)})")
 
-
-def connect(endpoint: str) -> Transport:
-    """The prefill side's sending end for a decode side's `endpoint`."""
-    if endpoint.startswith("nixl:"):
-        from .nixl_transport import NixlSender
-        return NixlSender(endpoint)
-    return ZmqTransport(endpoint, bind=False)
-
-
-def decode_plugin(proc) -> None:
-    state: dict[str, DecodeRole] = {}
-
-    def init(engine, config: dict) -> dict:
-        """`config` from the router (transport, lease_s); a core serving its role on the network (`kiln serve
-        --role decode`) has its own in `plugin_options["disagg"]`, which win (transport, and `kv_bind`: where
-        its receiver binds, e.g. tcp://10.0.0.5 or tcp://10.0.0.5:9100)."""
-        config = {**config, **proc.config.plugin_options.get("disagg", {})}
-        if "role" not in state:
-            from .roles import KVLayout
-            limits = engine.limits
-            receiver = make_receiver(config.get("transport", "tcp"), KVLayout.of(engine).block_bytes,
-                                     bind=config.get("kv_bind", "tcp://127.0.0.1"),
-                                     max_blocks=limits.max_model_len // limits.block_size + 1)
-            state["role"] = DecodeRole(engine, receiver, lease_s=float(config.get("lease_s", 30.0)),
-                                       endpoint=receiver.endpoint)
-        role = state["role"]
-        return {"endpoint": role.endpoint, "layout": msgspec.to_builtins(role.layout)}
-
-    def add(engine, request_id: str, prompt: list[int], params: bytes, transfer_id: str, priority: int = 0,
-            policy: dict | None = None) -> dict:
-        """`policy`: `min_remote_tokens`, `local_reason` (DecodeRole.add_request). Returns the descriptor (None:
-        prefilled here), the decision and the prompt tokens past this core's prefix-cache hit."""
-        role = state["role"]
-        try:
-            desc = role.add_request(request_id, prompt, decode_params(msgspec.Raw(params)), transfer_id,
-                                    priority=priority, **(policy or {}))
-        except msgspec.ValidationError as e:
-            raise RequestError(str(e)) from None
-        proc._unscheduled[request_id] = time.monotonic()
-        return {"desc": None if desc is None else msgspec.to_builtins(desc), "decision": role.last_decision,
-                "uncached": role.uncached}
-
-    def poll() -> None:
-        role = state.get("role")
-        if role is None:
-            return
-        sched = role.engine.scheduler
-        idle = role.pending and not (sched.running or sched.waiting)
-        role.poll(0.002 if idle else 0.0)  # waiting only on transfers: wait for frames, do not spin
-
-    proc.register_utility("disagg_init", init)
-    proc.register_utility("disagg_add", add)
-    proc.register_utility("disagg_fail", lambda engine, tids: state["role"].fail(list(tids)))
-    proc.register_utility("disagg_stats", lambda engine: _decode_stats(state["role"]))
-    proc.pollers.append(poll)
-
-
-def _decode_stats(role: DecodeRole) -> dict[str, Any]:
-    return {"decisions": dict(role.decisions), "transfers": dict(role.ledger.counts), "blocks": role.check(),
-            "leases": len(role.ledger.leases), "pending": len(role.pending), "bad_frames": role.num_bad_frames,
-            "bytes_received": role.bytes_received,
-            "transfer_seconds": {"counts": role.transfer_counts, "sum": role.transfer_seconds}}
-
-
-def prefill_plugin(proc) -> None:
-    state: dict[str, PrefillRole] = {}
-
-    def init(engine, config: dict) -> dict:
-        if "role" not in state:
-            state["role"] = PrefillRole(engine, connect)
-        return {"layout": msgspec.to_builtins(state["role"].layout)}
-
-    def prefill(engine, request_id: str, prompt: list[int], desc: dict) -> None:
-        state["role"].add(request_id, prompt, msgspec.convert(desc, RemotePrefill))
-
-    proc.register_utility("disagg_init", init)
-    proc.register_utility("disagg_prefill", prefill)
-    proc.register_utility("disagg_stats", lambda engine: {"counts": dict(state["role"].counts),
-                                                          "bytes_sent": state["role"].bytes_sent,
-                                                          "blocks_free": engine.block_manager.num_free_blocks})
 
 
 class DisaggAsyncEngine(AsyncLLMEngine):
@@ -402,8 +311,8 @@ def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout:
     `config` plus its role's plugin, each pinned to a disjoint slice of `config.cpus`, else of the CPUs this process
     may use, its threads that slice's share unless `config.num_threads` is set) under `stack`, and returns the
     router's engine over them (started by the server's lifespan)."""
-    from ..artifact import open_tokenizer
     from ..ipc.client import CoreProcess
+    from ..tokenizer import open_tokenizer
 
     num_prefill = int(disaggregate.get("prefill", 1))
     transport = resolve_transport(disaggregate.get("transport", "auto"))
@@ -417,7 +326,7 @@ def start_disaggregated(stack, config, disaggregate: dict, *, heartbeat_timeout:
     def role_config(role: str, k: int):
         return msgspec.structs.replace(config, num_threads=num_threads, input_address="",
                                        cpus=slices[k] if slices else config.cpus,
-                                       plugins=[*config.plugins, f"kiln.runtime.disagg.service:{role}_plugin"])
+                                       plugins=[*config.plugins, {"prefill": PREFILL_PLUGIN, "decode": DECODE_PLUGIN}[role]])
     # One after the other, from this thread: a core dies with the *thread* that started it (PR_SET_PDEATHSIG
     # follows the creating thread), so starting them from a pool's threads would kill them when those exit.
     decode = stack.enter_context(CoreProcess.start(role_config("decode", 0)))

@@ -2,7 +2,7 @@
 
 A transport carries opaque frames one way, prefill -> decode: `send(frame)` on the sending end, `recv(timeout)`
 on the receiving end. None of them is trusted: frames may be lost, late, duplicated, reordered, corrupted or cut
-off by a closed connection, and the decode side's checks (lease, generation, digest; lease.py) make every such
+off by a closed connection, and the decode side's checks (lease, generation, digest; core/lease.py) make every such
 fault either harmless or a failed transfer, never KV written where it does not belong.
 
 * `InProcTransport`: a queue, for one process; with a `FaultInjector` (seeded) for tests.
@@ -17,8 +17,70 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
+
+from ..errors import KilnRuntimeError
+
+if TYPE_CHECKING:
+    import torch
+
+TRANSPORTS = ("tcp", "nixl")  # the KV transports a decode core can receive on
+# Upper bounds (seconds) of the decode side's transfer-time histogram: lease reserved -> committed.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class DisaggError(KilnRuntimeError):
+    """A prefill and a decode core that cannot pair (different KV layouts), or a bad descriptor."""
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """What both sides of a transfer must agree on, byte for byte: one block is `num_layers` tensors of
+    `block_shape` (block_size first) of `dtype`."""
+
+    num_layers: int
+    block_shape: list[int]
+    dtype: str
+    block_size: int
+
+    @classmethod
+    def of(cls, engine) -> KVLayout:
+        if not hasattr(engine.runner, "kv_caches"):  # a mesh executor: each rank holds its shard of the pool
+            raise DisaggError("disaggregation serves single-device artifacts only (this one is parallel)")
+        kv = engine.artifact.kv_cache_config
+        return cls(kv.num_layers, list(kv.shape), str(kv.dtype).removeprefix("torch."), kv.block_size)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch  # the router reads layouts too, and never loads torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        n = self.num_layers * self.torch_dtype.itemsize
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    def check_pairs_with(self, other: KVLayout) -> None:
+        if self != other:
+            raise DisaggError(f"the prefill and decode cores' KV layouts differ ({self} vs {other}); they "
+                              "must serve artifacts with the same KV layout")
+
+
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """The decode core's leased destination: blocks `first_block..` of the prompt's block table, i.e. tokens
+    `[first_block * block_size, prompt_len - 1)`."""
+
+    transfer_id: str
+    prompt_len: int
+    first_block: int
+    block_ids: list[int]
+    generations: list[int]
+    layout: KVLayout
+    endpoint: str | None = None  # where the prefill core sends the frames (None: the one transport it has)
 
 
 class BlockFrame(msgspec.Struct, tag="block", frozen=True):

@@ -9,44 +9,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from ..config import SchedulerConfig
-from ..core.scheduler import ScheduledBatch
+from ..core.batch import ScheduledBatch
 from ..errors import KilnRuntimeError
+from .interface import Executor
 from .memory_plan import plan_engine_pool
-from .model_runner import DraftInput, LogitsLayout, ModelRunner
-
-
-class ExecutorError(KilnRuntimeError):
-    """The executor cannot run another step: a rank died, or hung past its timeout. Not any request's fault: the
-    engine fails every request in flight with it, and a server stops (exit status non-zero)."""
-
-
-class Executor(Protocol):
-    """What the engine calls each step. Contract: `execute` writes the step's K/V into the KV pool it owns and
-    returns float32 logits [rows, vocab] (exactly the vocabulary: padded columns never leave) with the layout of
-    which rows are whose; nothing else changes. A mesh executor raises ExecutorError once it cannot run steps
-    (then every later call raises it at once)."""
-
-    num_blocks: int  # KV blocks of the pool (the BlockManager hands out ids [0, num_blocks))
-    num_swap_blocks: int  # CPU blocks for preemption by swap
-    memory_plan: dict[str, Any]  # how the pool was sized (model_runner.plan_memory)
-    graph_runner: Any  # CUDA-graph replay, or None
-
-    def execute(self, batch: ScheduledBatch, input_patch: tuple[list[int], list[int], torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, LogitsLayout]: ...
-
-    def execute_with_hidden(self, batch: ScheduledBatch, aux_layers: tuple[int, ...] = ()
-                            ) -> tuple[torch.Tensor, LogitsLayout, DraftInput]: ...
-
-    def propose(self, method: str, draft: DraftInput, input_ids: list[int], rows: list[int]) -> list[int]: ...
-
-    def swap(self, batch: ScheduledBatch) -> None: ...
-
-    def shutdown(self) -> None: ...
+from .model_runner import ModelRunner
 
 
 @contextmanager

@@ -130,7 +130,7 @@ class LoRABatch:
         cached = self._segmented.get(device)
         if cached is not None:
             return cached
-        from .model_runner import host_to_device
+        from .interface import host_to_device
 
         num = len(self.seg_rows)
         indptr = [0]

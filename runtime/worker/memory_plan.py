@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..config import KVCacheConfig
-from ..core.kv_cache import cdiv
+from ..core.batch import cdiv
 from ..errors import ArtifactError
 from ..forward_batch import ForwardBatch
 

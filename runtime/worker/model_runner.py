@@ -1,69 +1,16 @@
 """Model runner: owns the paged KV tensors, turns a ScheduledBatch into a ForwardBatch, runs the model."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..config import CUDAGraphConfig, KVCacheConfig
-from ..core.kv_cache import cdiv
-from ..core.scheduler import ScheduledBatch
+from ..core.batch import LogitsLayout, ScheduledBatch, cdiv
 from ..forward_batch import ForwardBatch
 from .graph_runner import CUDAGraphRunner
-
-
-@dataclass(slots=True)
-class LogitsLayout:
-    """Which logits rows belong to which sequence of the batch (indices parallel to `ScheduledBatch.seqs`).
-
-    `sample_rows[i]` is the row to sample seq i's next token from (None: mid-prefill chunk).
-    `prompt_rows[i]` = (first row, count, first position): rows for prompt positions p..p+count-1, whose
-    log-softmax scores the prompt tokens p+1..p+count (None when no prompt logprobs are due this step).
-    A seq verifying k draft tokens has k + 1 consecutive rows from `sample_rows[i]`: the target model's token
-    after its last token, then after each draft.
-    """
-
-    sample_rows: list[int | None]
-    prompt_rows: list[tuple[int, int, int] | None]
-
-
-@dataclass(slots=True)
-class HostBatch:
-    """A ForwardBatch's contents as host lists (`ModelRunner.plan`), before they are copied to the device.
-    `block_tables` rows are padded with -1 to one width. Data-parallel attention: the ranks' token and logits
-    row counts of the whole step (every rank's sub-batch carries them)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]
-    logits_indices: list[int]
-    num_decodes: int
-    dp_num_tokens: list[int] | None = None
-    dp_num_rows: list[int] | None = None
-
-
-@dataclass(slots=True)
-class DraftInput:
-    """What a draft head reads after the target model's step: its batch (positions, slots, block tables) and
-    the hidden states the forward returned for every token: the last ones (`hidden`), or those entering the
-    decoder layers the head asked for (`aux`, an EAGLE-3 head's, each [T, hidden], in the order asked)."""
-
-    batch: ForwardBatch
-    hidden: torch.Tensor | None
-    aux: list[torch.Tensor] | None = None
-
-
-def host_to_device(values: list, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without waiting for the device: a blocking host-to-device copy
-    synchronizes the stream, which would stall async scheduling behind the step in flight. The pinned
-    staging buffer is reused only after the copy ran (torch's host allocator records it on the stream)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+from .interface import DraftInput, HostBatch, host_to_device
 
 
 class ModelRunner:

@@ -30,7 +30,7 @@ def test_engine_overhead_report(tmp_path, capsys):
 
 def test_timed_step_is_engine_step(tmp_path):
     """The instrumented step makes the same calls as `LLMEngine.step()`: same tokens either way."""
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     art = write_artifact(tmp_path / "standin")

@@ -9,8 +9,8 @@ import random
 
 import pytest
 from kiln.runtime.core.engine import EngineCore
-from kiln.runtime.disagg.roles import KVLayout
-from kiln.runtime.disagg.service import connect, make_receiver
+from kiln.runtime.disagg.plugins import connect, make_receiver
+from kiln.runtime.disagg.transport import KVLayout
 from kiln.runtime.sampling_params import SamplingParams
 from pair import Pair, collect, run_colocated
 
@@ -129,7 +129,8 @@ def test_identity_over_a_real_transport(artifact_dir, reference, kind):
 
 
 def test_layouts_must_match(artifact_dir, artifact_copy=None):
-    from kiln.runtime.disagg.roles import DisaggError, KVLayout, PrefillRole, RemotePrefill
+    from kiln.runtime.disagg.roles import PrefillRole
+    from kiln.runtime.disagg.transport import DisaggError, KVLayout, RemotePrefill
     eng = engine(artifact_dir)
     role = PrefillRole(eng, lambda e: None, threaded=False)
     other = KVLayout(3, [4, 2, 2, 16], "float32", 4)

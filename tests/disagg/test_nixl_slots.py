@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from kiln.runtime.disagg.service import connect, make_receiver
+from kiln.runtime.disagg.plugins import connect, make_receiver
 from kiln.runtime.disagg.transport import DoneFrame, block_digest, decode, encode
 
 

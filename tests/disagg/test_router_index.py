@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 from kiln.runtime.api.async_engine import EngineOverloadedError, PromptInput, RequestGroup, RequestObserver
-from kiln.runtime.core.prefix_cache import PrefixCache, block_hashes
+from kiln.runtime.block_hash import block_hashes
+from kiln.runtime.core.prefix_cache import PrefixCache
 from kiln.runtime.disagg.router import Load, ReplicaIndex, ReplicaRouter
 from kiln.runtime.errors import RequestError
 from kiln.runtime.ipc.protocol import CoreStats, RequestLimits

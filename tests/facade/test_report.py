@@ -71,7 +71,7 @@ def test_cpu_report_predicts_what_the_runtime_allocates(tmp_path, kv, blocks):
     """On the cpu target `kiln compile --report` states the pool `kiln serve` / kiln.LLM allocate: blocks and
     tokens, from the same decision recorded in the manifest (was: 23 GB / 3.7M tokens planned, 0.25 GiB
     allocated)."""
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     p = tmp_path / "small.dsl"
     p.write_text(SMALL.replace("TARGET", "cpu").replace(" KV", kv))

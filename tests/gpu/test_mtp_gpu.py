@@ -51,7 +51,7 @@ def test_mtp_logits_on_gpu_match_reference(h200_mtp, tiny_checkpoint_lib):
 
 
 def test_speculative_greedy_equals_plain_on_gpu(h200_mtp):
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     _, art = h200_mtp

@@ -21,7 +21,7 @@ def _prompts() -> list[list[int]]:
 
 def _run(art, speculative, params, **engine_kw):
     """All requests through LLMEngine.step(); returns (token ids per request, steps, engine)."""
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     engine = LLMEngine(art, speculative=speculative, **{"num_kv_blocks": 64, **engine_kw})
     for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
@@ -102,11 +102,10 @@ def test_verifying_a_sampled_draft_keeps_the_target_distribution(mtp_artifact):
     """Rejection sampling with a one-point draft: accept draft d with probability p(d), else a token from p
     without d — so the first token of a verify step is distributed as p, and d is accepted p(d) of the time.
     4000 sequences with the same draft and logits, one verify step, through the engine's sampler and verifier."""
-    from kiln.runtime.core.engine import LLMEngine
-    from kiln.runtime.core.scheduler import ScheduledBatch
+    from kiln.runtime.core.batch import LogitsLayout, ScheduledBatch
     from kiln.runtime.core.sequence import Sequence
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
-    from kiln.runtime.worker.model_runner import LogitsLayout
 
     _, art, _ = mtp_artifact(True, repeat_head=True)
     engine = LLMEngine(art, speculative="mtp", num_kv_blocks=8, seed=11)
@@ -148,8 +147,8 @@ def test_stop_token_inside_accepted_drafts_ends_there(mtp_artifact):
 
 
 def test_speculative_refused_without_a_draft_head(mtp_artifact):
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.errors import ArtifactError
+    from kiln.runtime.llm_engine import LLMEngine
 
     _, art, _ = mtp_artifact(True, no_mtp=True)
     with pytest.raises(ArtifactError, match="needs a draft head"):
@@ -176,7 +175,7 @@ SPEC_SECTION = ("  serve ", "  speculative { method = mtp; tokens = 3 }\n  serve
 def test_recipe_speculative_section_turns_it_on(mtp_artifact):
     import json
 
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     _, art, _ = mtp_artifact(True, edits=(SPEC_SECTION,))
     manifest = json.loads((art / "manifest.json").read_text())

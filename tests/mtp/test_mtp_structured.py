@@ -12,8 +12,8 @@ PATTERNS = ("[ab]{6,30}", "[0-9]{2,5}(-[a-z]{1,4}){2,5}")
 
 
 def _run(art, speculative):
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.grammar_spec import GrammarSpec
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(art, speculative=speculative, num_kv_blocks=64)
@@ -52,9 +52,9 @@ def test_verification_rows_are_masked(mtp_artifact):
     from types import SimpleNamespace
 
     import torch
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.core.sequence import Sequence
     from kiln.runtime.grammar_spec import GrammarSpec
+    from kiln.runtime.llm_engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     _, art, _ = mtp_artifact(True, repeat_head=True)

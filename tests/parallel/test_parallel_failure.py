@@ -8,7 +8,7 @@ import types
 
 import pytest
 from kiln.runtime.core.process import EngineCoreProc
-from kiln.runtime.worker.executor import ExecutorError
+from kiln.runtime.worker.interface import ExecutorError
 
 
 class _Stopped(Exception):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from kiln.runtime.worker.executor import ExecutorError
+from kiln.runtime.worker.interface import ExecutorError
 
 import kiln
 

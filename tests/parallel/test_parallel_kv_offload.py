@@ -15,8 +15,8 @@ import random
 
 import pytest
 import torch
+from kiln.runtime.block_hash import block_hashes
 from kiln.runtime.core.engine import EngineCore
-from kiln.runtime.core.prefix_cache import block_hashes
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.sampling_params import SamplingParams
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.core.engine import LLMEngine
 from kiln.runtime.errors import ArtifactError
+from kiln.runtime.llm_engine import LLMEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 

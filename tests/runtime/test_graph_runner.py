@@ -7,7 +7,7 @@ import pytest
 import torch
 from kiln.runtime import LLMEngine
 from kiln.runtime.config import CUDAGraphConfig
-from kiln.runtime.core.kv_cache import cdiv
+from kiln.runtime.core.batch import cdiv
 from kiln.runtime.forward_batch import ForwardBatch
 from kiln.runtime.worker.graph_runner import CUDAGraphRunner
 from kiln.runtime.worker.model_runner import ModelRunner

@@ -223,8 +223,8 @@ def test_the_recipe_option_reaches_the_engine(tmp_path):
 @pytest.mark.parametrize("text, value", [("16GiB", 16 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9),
                                          ("4096", 4096), ("0", 0), ("none", 0)])
 def test_kv_offload_flag_sizes(text, value):
-    from kiln.runtime.entrypoint import _size
-    assert _size(text) == value
+    from kiln.runtime.cli_args import byte_size
+    assert byte_size(text) == value
 
 
 def test_a_bad_kv_offload_flag_is_a_usage_error(tmp_path, capsys):

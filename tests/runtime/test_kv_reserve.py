@@ -10,7 +10,8 @@ import pytest
 from kiln.runtime import LLM, SamplingParams
 from kiln.runtime.api.reasoning_parsers import ThinkingConfig
 from kiln.runtime.config import SchedulerConfig
-from kiln.runtime.core.kv_cache import BlockManager, cdiv
+from kiln.runtime.core.batch import cdiv
+from kiln.runtime.core.kv_cache import BlockManager
 from kiln.runtime.core.scheduler import Scheduler
 from kiln.runtime.core.sequence import Sequence, SequenceStatus
 

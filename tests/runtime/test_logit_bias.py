@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kiln.runtime.core.batch import LogitsLayout
 from kiln.runtime.core.sampler import Sampler
 from kiln.runtime.core.sequence import Sequence
 from kiln.runtime.errors import RequestError
 from kiln.runtime.ipc.protocol import RequestLimits, decode_params, encode_params
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.validation import check_request
-from kiln.runtime.worker.model_runner import LogitsLayout
 
 VOCAB = 50
 

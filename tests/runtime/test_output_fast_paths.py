@@ -6,7 +6,7 @@ import random
 
 import pytest
 from kiln.runtime import RequestError, SamplingParams
-from kiln.runtime.core.engine import LLMEngine
+from kiln.runtime.llm_engine import LLMEngine
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = ["héllo wörld, ça va? naïve café", "日本語のテキストと絵文字 🙂🚀 も含む", "Привет 🙂 ok",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from kiln.runtime import RequestError, SamplingParams
-from kiln.runtime.core.engine import LLMEngine
+from kiln.runtime.llm_engine import LLMEngine
 from safetensors.torch import load_file
 from standin_artifact import resave_weights
 
@@ -212,9 +212,9 @@ def test_a_failing_stop_check_fails_only_its_request(artifact_dir, reference):
 
 
 def test_sampler_marks_nonfinite_rows_only():
+    from kiln.runtime.core.batch import LogitsLayout
     from kiln.runtime.core.sampler import NONFINITE_TOKEN, Sampler
     from kiln.runtime.core.sequence import Sequence
-    from kiln.runtime.worker.model_runner import LogitsLayout
 
     def seq(i: int, **kw) -> Sequence:
         return Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[1, 2], num_prompt_tokens=2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kiln.runtime import LLM, RequestError, SamplingParams
-from kiln.runtime.core.engine import LLMEngine
+from kiln.runtime.llm_engine import LLMEngine
 from standin_artifact import dense_greedy, dense_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -44,7 +44,7 @@ def greedy(max_tokens: int = 24, **kw):
 def run(art, params, prompt_list=None, before=None, **engine_kw):
     """Every request through LLMEngine.step() to the end; returns ({request id: CompletionOutput}, steps,
     engine). `before(engine)` runs once the engine is built, before any request is added."""
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     engine = LLMEngine(art, **{"num_kv_blocks": 64, **engine_kw})
     if before is not None:
@@ -87,10 +87,9 @@ def check_four_sampled_drafts(engine) -> None:
     its proposer): the first token of a verify step is distributed as the target's p0; given that it equals
     draft 1, the second as p1, and so on; draft j is accepted with probability p0(d1) ... p_{j-1}(d_j). 6000
     sequences with the same drafts and logits, one verify step."""
-    from kiln.runtime.core.scheduler import ScheduledBatch
+    from kiln.runtime.core.batch import LogitsLayout, ScheduledBatch
     from kiln.runtime.core.sequence import Sequence
     from kiln.runtime.sampling_params import SamplingParams
-    from kiln.runtime.worker.model_runner import LogitsLayout
 
     n, drafts, k = 6000, [3, 7, 3, 9], 4
     support = [3, 7, 9]

@@ -29,7 +29,7 @@ def plain(target):
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("which", ["self", "small"])
 def test_greedy_equals_plain_decoding(target, small_draft, plain, k, which):
-    from kiln.runtime.core.scheduler import ScheduledBatch
+    from kiln.runtime.core.batch import ScheduledBatch
 
     draft = target if which == "self" else small_draft
     outs, _, engine = run(target, [greedy(m) for m in (24, 7, 24, 13)], speculative="draft",
@@ -74,8 +74,8 @@ def test_penalties_and_logprobs_equal_plain(target):
 
 
 def test_draft_of_another_vocabulary_is_refused(target, compile_hf):
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.errors import ArtifactError
+    from kiln.runtime.llm_engine import LLMEngine
 
     other = compile_hf("llama", seed=3, num_hidden_layers=1, vocab_size=640)[1]
     with pytest.raises(ArtifactError, match="must share the target's tokenizer"):

@@ -120,7 +120,7 @@ def plain(target):
 def test_head_features_and_chained_drafts_match_the_reference(target, heads, tiny_checkpoint_lib):
     """One prefill step of a prompt through the engine: the head's features over the prompt (its KV written) and
     its 4 chained drafts equal the reference's, which recomputes the whole head at each chained draft."""
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     ckpt, art = target
     prompt = prompts()[2]
@@ -163,9 +163,9 @@ def test_greedy_equals_plain_decoding(target, heads, plain, k, which):
         assert 0 < s["spec_num_accepted_tokens"] < s["spec_num_draft_tokens"]
     assert_all_blocks_free(engine)
     proposer = engine.speculator.proposer
-    from kiln.runtime.core.scheduler import ScheduledBatch
+    from kiln.runtime.core.batch import ScheduledBatch
     from kiln.runtime.core.speculative import Launched
-    from kiln.runtime.worker.model_runner import DraftInput
+    from kiln.runtime.worker.interface import DraftInput
 
     empty = Launched(sampled=None, new_tokens=[], draft_input=DraftInput(None, torch.zeros(0, 64)), starts=[])
     proposer.propose(ScheduledBatch(), empty, [], [])
@@ -200,7 +200,7 @@ def test_other_published_variants_load(target, plain, tmp_path, fmt, input_norm)
 
 
 def test_verifying_four_sampled_drafts_keeps_the_target_distribution(target, heads):
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     check_four_sampled_drafts(LLMEngine(target[1], speculative="eagle", num_speculative_tokens=4,
                                         speculative_model=str(heads["random"]), num_kv_blocks=8, seed=11))
@@ -244,8 +244,8 @@ def test_bad_heads_are_refused_at_their_place(target, tiny_checkpoint, tmp_path,
 
 
 def test_eagle_without_a_head_is_refused(target):
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.errors import ArtifactError
+    from kiln.runtime.llm_engine import LLMEngine
 
     with pytest.raises(ArtifactError, match="eagle needs a draft head"):
         LLMEngine(target[1], speculative="eagle", num_kv_blocks=8)
@@ -265,10 +265,10 @@ def test_a_batch_drafts_for_each_sequence_what_it_drafts_alone(target, heads):
     """Four sequences of different lengths and budgets in one batch (the head's varlen forward over all their
     tokens, then one decode per chained draft over those still drafting) get, at every length, the drafts each
     gets when it runs alone; afterwards the head's pool is all free."""
-    from kiln.runtime.core.engine import LLMEngine
-    from kiln.runtime.core.scheduler import ScheduledBatch
+    from kiln.runtime.core.batch import ScheduledBatch
     from kiln.runtime.core.speculative import Launched
-    from kiln.runtime.worker.model_runner import DraftInput
+    from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.worker.interface import DraftInput
 
     def drafts(engine, requests):
         got: dict[str, dict[int, list[int]]] = {}

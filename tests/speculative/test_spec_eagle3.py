@@ -212,8 +212,8 @@ def test_logits_and_chained_drafts_match_the_reference(target, heads, hf):
     """One prefill step of a prompt through the engine: its 4 chained drafts equal the reference's (which
     recomputes the head over the whole sequence at each draft, from HF's hidden states), and the head's fused
     hidden states, and its draft-vocabulary logits over the prompt and the chained rows, equal the reference's."""
-    from kiln.runtime.core.engine import LLMEngine
-    from kiln.runtime.worker.model_runner import DraftInput
+    from kiln.runtime.llm_engine import LLMEngine
+    from kiln.runtime.worker.interface import DraftInput
 
     prompt = prompts()[2]
     n = len(prompt)
@@ -254,7 +254,7 @@ def test_greedy_equals_plain_and_hf_decoding(target, heads, plain, which, k):
     """The four prompts as one batch: HF's greedy tokens; the metrics agree with what came out (every step a
     request gains tokens it gains the target's token and that step's accepted drafts); the agreeing head's
     drafts are accepted and rejected."""
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     engine = LLMEngine(target[1], num_kv_blocks=64, speculative="eagle", num_speculative_tokens=k,
                        speculative_model=str(heads[which]))
@@ -351,9 +351,9 @@ def test_bad_heads_are_refused_at_load(target, heads, tmp_path):
     compiler does; a model.py without NUM_LAYERS (an older kiln's) cannot feed one."""
     from types import SimpleNamespace
 
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.core.speculative.eagle3 import load_eagle3_head
     from kiln.runtime.errors import ArtifactError
+    from kiln.runtime.llm_engine import LLMEngine
 
     head = save_eagle3_head(tmp_path / "h", target[0], hidden=32)
     with pytest.raises(ArtifactError, match="hidden_size 32, the target's is 64"):

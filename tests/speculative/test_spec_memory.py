@@ -101,7 +101,7 @@ def test_a_full_head_pool_drafts_nothing_for_the_sequences_it_cannot_hold(target
     assert True in allocated and False in allocated  # some sequences got room for their drafts, some did not
     assert engine.stats()["spec_num_draft_tokens"] > 0
     assert_all_blocks_free(engine)
-    from kiln.runtime.core.scheduler import ScheduledBatch
+    from kiln.runtime.core.batch import ScheduledBatch
     from kiln.runtime.core.speculative import Launched
 
     proposer.propose(ScheduledBatch(), Launched(sampled=None, new_tokens=[], draft_input=None, starts=[]), [], [])

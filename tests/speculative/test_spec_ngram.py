@@ -129,7 +129,7 @@ def test_stop_strings_and_tokens_with_speculation_equal_plain(embedded, doc_prom
 
 
 def test_verifying_four_sampled_drafts_keeps_the_target_distribution(llama):
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     check_four_sampled_drafts(LLMEngine(llama[1], speculative="ngram", num_speculative_tokens=4, num_kv_blocks=8,
                                         seed=11))
@@ -151,8 +151,8 @@ def test_seeded_sampled_requests_are_reproducible(embedded, doc_prompts):
 def test_recipe_section_and_cli_turn_it_on(compile_hf):
     import json
 
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.entrypoint import add_serve_args
+    from kiln.runtime.llm_engine import LLMEngine
 
     _, art, _ = compile_hf("llama", edits=(LLAMA_SPEC,))
     assert json.loads((art / "manifest.json").read_text())["speculative"] == {"method": "ngram", "num_tokens": 4}
@@ -167,8 +167,8 @@ def test_recipe_section_and_cli_turn_it_on(compile_hf):
 
 
 def test_bad_token_counts_are_refused(llama):
-    from kiln.runtime.core.engine import LLMEngine
     from kiln.runtime.errors import ArtifactError
+    from kiln.runtime.llm_engine import LLMEngine
 
     with pytest.raises(ArtifactError, match="at least 1"):
         LLMEngine(llama[1], speculative="ngram", num_speculative_tokens=0, num_kv_blocks=8)

@@ -25,7 +25,7 @@ jsonschema = pytest.importorskip("jsonschema")
 @pytest.fixture(scope="module")
 def engine(embedded_artifact):
     import torch
-    from kiln.runtime.core.engine import LLMEngine
+    from kiln.runtime.llm_engine import LLMEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is fastest, and OpenMP spinning on a shared CPU is not

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import torch
 
 from ...config import SpeculativeConfig
-from ...worker.model_runner import DraftInput, LogitsLayout
+from ...worker.interface import DraftInput
+from ..batch import LogitsLayout, ScheduledBatch
 from ..sampler import NONFINITE_TOKEN, Sampler, SamplerOutput, apply_logit_bias
-from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 
 if TYPE_CHECKING:
     from ...artifact import LoadedArtifact
-    from ...worker.executor import Executor
+    from ...worker.interface import Executor
 
 
 @dataclass(slots=True)

@@ -10,8 +10,8 @@ import torch
 from ...config import SpeculativeConfig
 from ...errors import ArtifactError
 from ...worker.model_runner import ModelRunner
-from ..kv_cache import BlockManager, cdiv
-from ..scheduler import ScheduledBatch
+from ..batch import ScheduledBatch, cdiv
+from ..kv_cache import BlockManager
 from ..sequence import Sequence
 from . import Launched, PoolShare, Proposer, SeqStates, draft_path, shadow_sequence
 

@@ -25,8 +25,8 @@ import torch
 
 from ...errors import ArtifactError
 from ...forward_batch import ForwardBatch
-from ...worker.model_runner import DraftInput
-from .eagle import EagleShape, PagedHeadLayer, head_shape, read_config, read_weights, target_tensor
+from ...worker.interface import DraftInput
+from .eagle_head import EagleShape, PagedHeadLayer, head_shape, read_config, read_weights, target_tensor
 
 _MID = "midlayer"
 _NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")

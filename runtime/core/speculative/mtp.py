@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from ...config import SpeculativeConfig
-from ...worker.model_runner import DraftInput
-from ..scheduler import ScheduledBatch
+from ...worker.interface import DraftInput
+from ..batch import ScheduledBatch
 from . import Launched, Proposer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import SpeculativeConfig
-from ..scheduler import ScheduledBatch
+from ..batch import ScheduledBatch
 from . import Launched, Proposer, SeqStates
 
 

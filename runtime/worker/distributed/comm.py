@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..executor import ExecutorError
+from ..interface import ExecutorError
 
 Tensor = torch.Tensor
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from ...core.scheduler import ScheduledBatch
+from ...core.batch import ScheduledBatch
+from ..interface import DraftInput, HostBatch
 from ..lora import LoRAError, LoRAManager, lora_manager
-from ..model_runner import DraftInput, HostBatch, ModelRunner
+from ..model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +234,6 @@ class RankState:
 def profile_forward(art: Any, lengths: list[int]) -> int:
     """The activation peak of one prefill of `lengths` on this rank (CUDA), its collectives joined with the others'."""
     from ..memory_plan import profile_activation_peak
-    from .executor import profile_model
 
     return profile_activation_peak(profile_model(art), art.kv_cache_config, art.device, lengths,
                                    art.model_config.vocab_size)
@@ -251,3 +251,19 @@ def swap_ints(batch: ScheduledBatch) -> list[int]:
 
 __all__ = ["LORA_LOAD", "LORA_UNLOAD", "Cmd", "RankState", "decode", "empty_batch", "encode", "lora_command_ints",
            "lora_step_ints", "swap_ints"]
+
+
+def profile_model(art: Any) -> Any:
+    """The model a rank profiles: data-parallel attention gives every rank the whole profile prefill (as if each
+    had that many tokens: an upper bound on the MLPs' gathered rows)."""
+    if (art.manifest.get("parallel") or {}).get("attention") != "dp":
+        return art.model
+    world = int(art.manifest["parallel"]["world_size"])
+
+    class _EveryRank:
+        def forward(self, fb, caches):
+            fb.dp_num_tokens = [fb.num_tokens] * world
+            fb.dp_num_rows = [int(fb.logits_indices.shape[0])] * world
+            return art.model.forward(fb, caches)
+
+    return _EveryRank()

@@ -29,18 +29,12 @@ import torch
 
 from ...artifact import LoadedArtifact, load_artifact
 from ...config import SchedulerConfig
-from ...core.sampler import logit_candidates
-from ...core.scheduler import ScheduledBatch
+from ...core.batch import LogitsLayout, ScheduledBatch, logit_candidates
 from ...core.sequence import SequenceStatus
 from ...errors import ArtifactError, KilnRuntimeError
-from ..executor import ExecutorError
+from ..interface import DraftInput, ExecutorError, HostBatch
 from ..lora import Adapter, LoRAError, LoRAManager
 from ..memory_plan import describe_memory_plan, plan_memory, profile_lengths
-from ..model_runner import (
-    DraftInput,
-    HostBatch,
-    LogitsLayout,
-)
 from .comm import CommError, ProcessGroupComm, ThreadMesh
 from .commands import (
     LORA_LOAD,
@@ -52,6 +46,7 @@ from .commands import (
     encode,
     lora_command_ints,
     lora_step_ints,
+    profile_model,
     swap_ints,
 )
 from .kv_offload import allocate_ints, copy_ints
@@ -364,22 +359,6 @@ class _ProfileModel:
             raise
         ex._join(None)
         return out
-
-
-def profile_model(art: Any) -> Any:
-    """The model a rank profiles: data-parallel attention gives every rank the whole profile prefill (as if each
-    had that many tokens: an upper bound on the MLPs' gathered rows)."""
-    if (art.manifest.get("parallel") or {}).get("attention") != "dp":
-        return art.model
-    world = int(art.manifest["parallel"]["world_size"])
-
-    class _EveryRank:
-        def forward(self, fb, caches):
-            fb.dp_num_tokens = [fb.num_tokens] * world
-            fb.dp_num_rows = [int(fb.logits_indices.shape[0])] * world
-            return art.model.forward(fb, caches)
-
-    return _EveryRank()
 
 
 # ---------------------------------------------------------------- worker processes

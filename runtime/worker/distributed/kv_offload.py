@@ -1,7 +1,7 @@
 """The CPU offload tier (runtime/core/kv_offload.py) on a tensor-parallel mesh: every rank keeps its own slice of the same
 blocks in host memory, in lockstep with rank 0's decisions.
 
-Rank 0 runs the tier's bookkeeping (`MeshOffloadTier`: which block hash is in which host slot, the LRU, the
+Rank 0 runs the tier's bookkeeping (core/kv_offload.py's `MeshOffloadTier`: which block hash is in which host slot, the LRU, the
 leases and digests of restores, all on rank 0's block manager and ledger, as on one device); every rank, rank 0
 included, holds a `HostKV` of the same slots shaped like its own slice of a block. The copies are KV_OFFLOAD
 commands (commands.py) every rank runs in the order rank 0 sends them:
@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 
-from ...core.kv_cache import BlockManager
-from ...core.kv_offload import HostKV, OffloadTier
-from ..executor import ExecutorError
+from ..host_kv import HostKV
 
 logger = logging.getLogger(__name__)
 
@@ -117,41 +115,4 @@ def _allocate(state: Any, num_blocks: int) -> int:
     return total
 
 
-class MeshOffloadTier(OffloadTier):
-    """Rank 0's offload tier over a tensor-parallel `executor` (a distributed.executor.MeshExecutor): the single-device
-    tier's bookkeeping and ledger invariants, the copies sent to every rank (saves queued on the executor until its
-    next command, loads run at once). `num_blocks` host slots on every rank; `block_bytes` the whole block, every
-    rank's slice together."""
-
-    def __init__(self, bm: BlockManager, executor: Any, num_blocks: int) -> None:
-        self.executor = executor
-        executor.attach_offload(num_blocks)  # every rank's HostKV
-        self.store = executor.states[0].host_kv  # rank 0's slices (what `host` shows)
-        self._attach(bm, num_blocks, self.store.block_bytes * executor.world_size)
-
-    def _save(self, slot: int, block_id: int) -> None:
-        self.executor.queue_offload_save(block_id, slot)
-
-    def _expect(self, lease, slots: list[int]) -> None:
-        pass  # the digests as saved are every rank's: they come back with the copies (`restore`)
-
-    def restore(self, hashes: list[int], hits: list[int]) -> list[int]:
-        pending = self.start(hashes, hits)
-        if pending is None:
-            return []
-        tid = pending.lease.transfer_id
-        try:
-            results = self.executor.offload_restore(pending.slots, pending.lease.blocks)
-        except ExecutorError as e:  # the mesh failed: the next step fails the requests; nothing restored here
-            logger.error("KV offload restore not run: %s", e)
-            results = [(b"", None)] * len(pending.slots)
-        self.ledger.expect(tid, [saved for saved, _ in results])
-        for i, (_, copied) in enumerate(results):
-            self.ledger.end_write(tid, i, copied)
-        return self.finish(pending)
-
-    def copy(self, pending, index: int) -> None:  # pragma: no cover - the mesh copies a restore's blocks together
-        raise NotImplementedError("a mesh restore's copies are one command on every rank (MeshOffloadTier.restore)")
-
-
-__all__ = ["OFFLOAD_ALLOCATE", "OFFLOAD_COPY", "MeshOffloadTier", "allocate_ints", "copy_ints", "offload_command"]
+__all__ = ["OFFLOAD_ALLOCATE", "OFFLOAD_COPY", "allocate_ints", "copy_ints", "offload_command"]

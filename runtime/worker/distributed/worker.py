@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     device = os.environ.get("KILN_DIST_DEVICE")
     try:
         if device is None:
-            from ...artifact import read_manifest
+            from ...manifest import read_manifest
 
             gpu = read_manifest(args[0])["device"] == "cuda"
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
