@@ -1,4 +1,4 @@
-"""kiln.runtime: loads a compiled artifact and serves it (engine, scheduler, KV cache, sampler)."""
+"""kiln.runtime: loads a compiled artifact and serves it; one folder per process (api/, core/, worker/, ipc/, disagg/; docs/runtime.md, "Layout")."""
 from __future__ import annotations
 
 import importlib
@@ -12,7 +12,7 @@ from .sampling_params import SamplingParams
 # Heavier pieces load on first use, so `import kiln` stays cheap for the CLI and the compiler, and an API
 # server process (which never runs the model) does not import torch.
 _LAZY = {
-    "LLM": ".llm", "LLMEngine": ".llm_engine", "EngineCore": ".engine", "load_artifact": ".artifact",
+    "LLM": ".llm", "LLMEngine": ".llm_engine", "EngineCore": ".core.engine", "load_artifact": ".artifact",
     "LoadedArtifact": ".artifact", "Tokenizer": ".tokenizer", "IncrementalDetokenizer": ".tokenizer",
     "ForwardBatch": ".forward_batch",
 }

@@ -171,3 +171,11 @@ def test_engine_reads_as_its_phases():
 
 def test_module_paths_resolve():
     assert Path(L.RUNTIME / "core" / "engine.py").is_file() and (L.RUNTIME / "api").is_dir()
+
+
+def test_the_package_exports_resolve():
+    import kiln.runtime as runtime
+
+    assert set(runtime._LAZY) <= set(runtime.__all__)
+    for name in runtime.__all__:
+        assert getattr(runtime, name).__name__ == name

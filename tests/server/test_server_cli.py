@@ -25,6 +25,11 @@ def thread_masks(pid: int) -> set[str]:
     return out
 
 
+def loads_libtorch(pid: int) -> bool:
+    """Whether process `pid` has torch's shared library mapped."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def test_kiln_serve_subprocess(standin_dir):
     port = free_port()
     cpus = sorted(os.sched_getaffinity(0))
@@ -37,8 +42,11 @@ def test_kiln_serve_subprocess(standin_dir):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_serving(proc, url)
+        (core,) = child_pids(proc.pid)
+        # the API server process never loads torch (tests/runtime/test_layers.py holds its imports to that); the
+        # engine core, which runs the model, does
+        assert not loads_libtorch(proc.pid) and loads_libtorch(core)
         if placed:
-            (core,) = child_pids(proc.pid)
             assert thread_masks(core) == {str(cpus[-1])}
             assert thread_masks(proc.pid) == {format_cpu_list(cpus[:-1])}
         headers = {"Authorization": "Bearer k"}
