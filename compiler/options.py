@@ -478,7 +478,7 @@ class ParallelOptions:
     tp: int = opt(1, _pos_int)
     dp: int = opt(1, _pos_int)  # data-parallel attention (each rank its own sequences); MLPs sharded over tp x dp
     ep: int = opt(1, _pos_int)
-    pp: int = opt(1, _pos_int)  # pipeline parallelism: not built (Target.supports refuses pp > 1)
+    pp: int = opt(1, _pos_int)  # pipeline parallelism: not built (compiler/support.py refuses pp > 1)
     expert_placement: str = opt("contiguous", _choice("contiguous", "round_robin"))  # experts -> ep groups
     # dense MLPs (shared experts included) under data-parallel attention: sharded over every rank (their rows
     # gathered and reduce-scattered), or replicated so each rank computes its own rows (SGLang's dense-TP 1)

@@ -23,7 +23,8 @@ from kiln.compiler.instantiate import instantiate_model
 from kiln.compiler.options import RecipeOptions, check_config_values, recipe_options
 from kiln.compiler.pass_manager import PassError, load_pass
 from kiln.compiler.report import format_report
-from kiln.compiler.targets import MODEL_FREE_METHODS, TargetError, get_target
+from kiln.compiler.support import MODEL_FREE_METHODS, check_supported
+from kiln.compiler.targets import TargetError, get_target
 from kiln.dsl import ast as A
 from kiln.dsl import load_recipe
 from kiln.dsl.errors import KilnError, SourceError, SourceWarning
@@ -308,7 +309,7 @@ def compile(recipe_path: str | Path, out_dir: str | Path | None = None, *, targe
         if target is not None:  # the flag / argument is wrong, not the recipe
             raise KilnError(f"--target: {e}") from None
         raise SourceError(str(e), options.loc("target", recipe.loc)) from None
-    tgt.supports(options)  # with and without out_dir: a plan is made only for what could be built
+    check_supported(tgt, options)  # with and without out_dir: a plan is made only for what could be built
     call = loaded.model_call
     if call.args:
         raise SourceError("pass model config by keyword: llama(hidden=4096, ...)", call.args[0].loc)

@@ -1,8 +1,10 @@
-"""The target registry (compiler/targets.py): one list of targets, what each can build (`Target.supports`), its
-kernel libraries and pipeline (issue 18)."""
+"""The target registry (compiler/targets.py): one list of targets, what each can build (compiler/support.py
+`check_supported`), its kernel libraries and pipeline (issue 18)."""
 from __future__ import annotations
 
+import ast
 import dataclasses
+import pathlib
 import textwrap
 
 import pytest
@@ -64,7 +66,7 @@ def test_a_new_target_is_one_registration_plus_its_kernel_table(tmp_path):
     ("  cuda_graphs { batch_sizes = [1, 2] }", "cuda_graphs needs a GPU target (h100, h200)"),
 ])
 def test_report_only_compiles_refuse_what_artifact_compiles_refuse(tmp_path, capsys, extra, needle):
-    """`kiln compile --report` without -o runs the same Target.supports checks, at the same place."""
+    """`kiln compile --report` without -o runs the same check_supported checks (compiler/support.py), at the same place."""
     p = _recipe(tmp_path, extra=extra)
     line = next(i for i, ln in enumerate(p.read_text().splitlines(), 1) if ln == extra)
     errors = []
@@ -81,3 +83,23 @@ def test_targets_declare_what_they_support():
     assert (h200.device, h200.kernel_modules, h200.cuda_graphs) == ("cuda", ("triton", "cpu"), True)
     assert cpu.kv_pool_bytes == 256 * 2**20 and h200.kv_pool_bytes is None  # sized at load from the device
     assert all(t.pipeline == "llm" for t in TARGETS.values())
+
+
+def _kiln_imports(path) -> set[str]:
+    """Every kiln module `path` imports, at the top, inside functions or under TYPE_CHECKING."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("kiln.")}
+
+
+def test_options_and_targets_import_no_circle():
+    """compiler/options.py reads the target registry (the step-budget default); the registry reads no options: the
+    checks that need both are compiler/support.py's, which imports the two."""
+    compiler = pathlib.Path(__file__).resolve().parents[2] / "compiler"
+    assert not _kiln_imports(compiler / "targets.py") & {"kiln.compiler.options", "kiln.compiler.support"}
+    assert "kiln.compiler.support" not in _kiln_imports(compiler / "options.py")
+    assert {"kiln.compiler.options", "kiln.compiler.targets"} <= _kiln_imports(compiler / "support.py")
