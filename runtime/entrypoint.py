@@ -161,8 +161,8 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 def _effort_budgets(text: str) -> dict[str, int]:
-    from .api.reasoning_parsers import parse_effort_budgets
     from .errors import RequestError
+    from .thinking import parse_effort_budgets
 
     try:
         return parse_effort_budgets(text)
