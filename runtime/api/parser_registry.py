@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 
 from ..errors import RequestError
 
@@ -27,6 +28,7 @@ class ParserRegistry:
         self.what = what
         self._classes: dict[str, type] = {}
         self._lazy: dict[str, tuple[str, str]] = {}  # name -> (module path, class name), until first use
+        self._lock = threading.Lock()  # two threads asking for one lazy family import it once
 
     def register(self, *names: str):
         def decorator(cls: type) -> type:
@@ -47,11 +49,14 @@ class ParserRegistry:
         """The class registered as `name` (its module imported now if it was registered lazily), or None."""
         cls = self._classes.get(name)
         if cls is None and name in self._lazy:
-            where = self._lazy[name]
-            names = [n for n, w in self._lazy.items() if w == where]  # in registration order: the first is its name
-            cls = self.register(*names)(getattr(importlib.import_module(where[0]), where[1]))
-            for n in names:
-                del self._lazy[n]
+            with self._lock:
+                cls = self._classes.get(name)
+                if cls is None:
+                    where = self._lazy[name]
+                    names = [n for n, w in self._lazy.items() if w == where]  # registration order: first is its name
+                    cls = self.register(*names)(getattr(importlib.import_module(where[0]), where[1]))
+                    for n in names:
+                        del self._lazy[n]
         return cls
 
     def get(self, name: str):

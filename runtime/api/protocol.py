@@ -163,7 +163,7 @@ class ChatMessage(_Strict):
 
     def for_template(self, index: int) -> dict[str, Any]:
         """The message as a chat template sees it: text content parts joined by newlines; an assistant's
-    `tool_calls` are made template-ready by tool_parsers.prepare_messages."""
+    `tool_calls` are made template-ready by chat_template.prepare_messages."""
         content = self.content
         if isinstance(content, list):
             texts = []
