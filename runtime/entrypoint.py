@@ -10,7 +10,7 @@ from typing import Any
 USER_ERROR_EXIT = 2
 
 
-def _port(text: str) -> int:
+def port_number(text: str) -> int:
     try:
         port = int(text)
     except ValueError:
@@ -61,7 +61,7 @@ def _size(text: str) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to bind (default: the recipe's serve.host, else 127.0.0.1: loopback "
                    "only)")
-    p.add_argument("--port", type=_port, help="TCP port, 1..65535 (default: the recipe's serve.port, else 8000)")
+    p.add_argument("--port", type=port_number, help="TCP port, 1..65535 (default: the recipe's serve.port, else 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics; /health "
                    "stays open (default: no key, every route open)")
     p.add_argument("--metrics-public", action="store_true",
@@ -122,7 +122,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "serve the API here)")
     p.add_argument("--kv-host", help="with --role decode: the address the KV receiver binds and the prefill cores "
                    "connect to (default --host)")
-    p.add_argument("--kv-port", type=_port, help="with --role decode and tcp: the KV receiver's port (default: a "
+    p.add_argument("--kv-port", type=port_number, help="with --role decode and tcp: the KV receiver's port (default: a "
                    "free one)")
     add_security_args(p)
     p.add_argument("--speculative", choices=["mtp", "ngram", "draft", "eagle", "none"],

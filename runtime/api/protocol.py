@@ -28,16 +28,18 @@ def not_supported(param: str, what: str) -> APIError:
     return APIError(400, f"{what} is not supported yet", param=param, code="unsupported_parameter")
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request body that rejects unknown fields, coercion and non-finite numbers (the Responses API's too)."""
+
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(StrictModel):
     """Fields both endpoints share; vLLM's extensions (top_k, min_p, ...) ride along as in vLLM. Types are
     checked here; the numbers' ranges in `SamplingParams` (the one place that bounds them, for the server and
     for offline use alike) and against the model in `LLMEngine.add_request`."""
@@ -152,7 +154,7 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -207,7 +209,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.sampling_params(self.resolved_max_tokens(), self.num_logprobs())
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """vLLM's /tokenize: a `prompt` (special tokens added by default), or chat `messages` rendered by the chat
     template (special tokens not added by default: the template writes them)."""
 
@@ -230,7 +232,7 @@ class TokenizeRequest(_Strict):
                            param="continue_final_message")
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
 

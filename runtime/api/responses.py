@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .protocol import MAX_LOGPROBS, APIError, ChatCompletionRequest, _Strict, not_supported
+from .protocol import MAX_LOGPROBS, APIError, ChatCompletionRequest, StrictModel, not_supported
 
 # The store keeps the newest responses up to both bounds (least recently used evicted first): a count, and the
 # characters of their conversations (each turn holds all the turns before it).
@@ -30,7 +30,7 @@ _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -38,22 +38,22 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class ReasoningOptions(_Strict):
+class ReasoningOptions(StrictModel):
     effort: str | None = None  # a thinking budget, as chat completions' reasoning_effort (the server's table)
     summary: str | None = None  # accepted; kiln returns the reasoning text itself and no summary
     generate_summary: str | None = None  # summary's deprecated name
 
 
-class ResponsesStreamOptions(_Strict):
+class ResponsesStreamOptions(StrictModel):
     include_obfuscation: bool = False
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     """What kiln serves of POST /v1/responses; the rest of OpenAI's fields are refused by name (400)."""
 
     model: str

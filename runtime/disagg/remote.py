@@ -208,7 +208,7 @@ def build_router(prefill: list[str], decode: list[str], replicas: list[str], *, 
 
 
 def add_router_args(sub) -> None:
-    from ..entrypoint import _port, add_security_args
+    from ..entrypoint import add_security_args, port_number
 
     p = sub.add_parser("router", help="a KV-aware router over engine cores on other machines (kiln serve ART --role "
                        "prefill|decode|both --host H --port P)")
@@ -221,7 +221,7 @@ def add_router_args(sub) -> None:
     p.add_argument("--artifact", help="a copy of the artifact the cores serve, for its tokenizer (default: the "
                    "cores' own path, when this machine has it)")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API binds (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="the HTTP API's TCP port (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="the HTTP API's TCP port (default 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics (default: no "
                    "key)")
     p.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
