@@ -549,7 +549,7 @@ class ServeOptions:
     port: int = opt(8000, _port)
     served_name: str | None = opt(None, _string)  # None: the artifact directory's name
     max_model_len: int | None = opt(None, _pos_int)  # None: the model's max_position, else the checkpoint's, else 4096
-    # reasoning_effort -> thinking budget (tokens), over the runtime's defaults (runtime/api/reasoning_parsers.py)
+    # reasoning_effort -> thinking budget (tokens), over the runtime's defaults (runtime/thinking.py)
     reasoning_effort: Mapping[str, int] = field(default_factory=dict, metadata={"check": _effort_budgets})
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .errors import RequestError
+from .thinking import parse_effort_budgets
 from .threads import parse_cpu_list
 
 
@@ -64,8 +66,6 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 def effort_table(text: str) -> dict[str, int]:
-    from .api.reasoning_parsers import parse_effort_budgets
-    from .errors import RequestError
 
     try:
         return parse_effort_budgets(text)

@@ -1,7 +1,8 @@
 """What a request constrains its output to (`GrammarSpec`): plain text — a kind and its schema, pattern or
 grammar — so that it travels from the API server to the engine core inside `SamplingParams` and equal specs
-share one compiled grammar there (structured_output.GrammarBackend). No xgrammar here: this module is imported
-wherever SamplingParams is."""
+share one compiled grammar there (core/structured_output.GrammarBackend); and `validate()`, with which the API
+server rejects what xgrammar cannot convert. xgrammar is imported only inside the functions that use it: this
+module is imported wherever SamplingParams is."""
 from __future__ import annotations
 
 import json
@@ -121,3 +122,42 @@ def grammar_spec_from_response_format(response_format: dict | None) -> GrammarSp
         return GrammarSpec.structural_tag({k: v for k, v in response_format.items()})
     raise GrammarError(f"unknown response_format type {kind!r} (known: text, json_object, json_schema, regex, "
                        "choice, grammar, structural_tag)")
+
+
+# Validation with xgrammar (imported inside the functions: importing this module stays cheap) -------------------
+
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[08:43:10] /project/cpp/x.cc:83: " on xgrammar errors
+
+
+def xgrammar_message(e: BaseException) -> str:
+    return _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    # JSON string escapes (\" \\ \n \uXXXX) are what xgrammar's EBNF string literals accept
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def validate(spec: GrammarSpec, max_whitespace: int | None = 8) -> None:
+    """Converts `spec` to an xgrammar Grammar without a tokenizer (cheap: no token-mask precomputation), so the
+    API server rejects what the engine could not compile, with xgrammar's reason. Raises GrammarError."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json_object":
+            return
+        if spec.kind == "json_schema":
+            xgr.Grammar.from_json_schema(spec.spec, strict_mode=spec.strict, max_whitespace_cnt=max_whitespace)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.spec)
+        elif spec.kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.spec)))
+        elif spec.kind == "grammar":
+            if "::=" in spec.spec:
+                xgr.Grammar.from_ebnf(spec.spec)
+            else:
+                xgr.Grammar.from_lark(spec.spec)
+        else:
+            xgr.Grammar.from_structural_tag(spec.spec)
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError / pydantic errors with the reason
+        raise GrammarError(f"invalid {spec.kind}: {xgrammar_message(e)}") from None

@@ -229,7 +229,7 @@ class ServeSection(_Section):
     host: Annotated[str, Field(min_length=1)]
     port: Annotated[int, Field(strict=True, ge=1, le=65535)]
     served_name: str | None  # None: the artifact directory's name
-    # reasoning_effort -> thinking budget entries over the runtime's (reasoning_parsers.effort_budgets); artifacts
+    # reasoning_effort -> thinking budget entries over the runtime's (thinking.effort_budgets); artifacts
     # compiled before it have none
     reasoning_effort: dict[str, NonNegInt] = Field(default_factory=dict)
 

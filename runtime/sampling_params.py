@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .api.reasoning_parsers import ThinkingConfig
 from .errors import RequestError
 from .grammar_spec import GrammarSpec
+from .thinking import ThinkingConfig
 
 _GREEDY_EPS = 1e-5
 # What the sampler's int64 tensors (and torch.Generator seeds) hold. Floats are bounded below by far more than
@@ -42,7 +42,7 @@ class SamplingParams:
     `structured_output` constrains the output to a grammar (a JSON schema, a regex, ...: grammar_spec.py), which
     the engine compiles before the request first runs; `thinking` names the thinking block's token ids, where
     the prompt leaves the output and a budget of reasoning tokens, at which the engine forces the block's end
-    (reasoning_parsers.ThinkingConfig). With both, the grammar constrains the answer after the block.
+    (thinking.ThinkingConfig). With both, the grammar constrains the answer after the block.
     """
 
     n: int = 1

@@ -12,16 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RequestError
-from ..grammar_spec import GrammarError, GrammarSpec, grammar_spec_from_response_format
-from .reasoning_parsers import (
-    ReasoningParser,
-    ThinkingConfig,
-    ThinkPhase,
-    count_reasoning_tokens,
-    get_reasoning_parser,
-    reasoning_parser_for,
-    thinking_budget,
-)
+from ..grammar_spec import GrammarError, GrammarSpec, grammar_spec_from_response_format, validate
+from ..thinking import ThinkingConfig, ThinkPhase, count_reasoning_tokens, thinking_budget
+from .reasoning_parsers import ReasoningParser, get_reasoning_parser, reasoning_parser_for
 from .tool_parsers import ToolParser, get_tool_parser, tool_choice_grammar, tool_parser_for
 
 
@@ -44,8 +37,6 @@ def resolve_parsers(tokenizer: Any, tool_parser: str | None = None,
 
 def validated_grammar(response_format: dict | None) -> GrammarSpec | None:
     """`response_format` as a GrammarSpec that xgrammar can convert (PlanError otherwise)."""
-    from ..core.structured_output import validate
-
     try:
         spec = grammar_spec_from_response_format(response_format)
         if spec is not None:
@@ -89,7 +80,7 @@ class RequestPlan:
 def plan_chat(req: Any, prompt: str, tokenizer: Any, tool_parser: ToolParser | None,
               reasoning_parser: ReasoningParser | None, efforts: dict[str, int] | None = None) -> RequestPlan:
     """The plan of a ChatCompletionRequest whose rendered prompt is `prompt`; `efforts` maps reasoning_effort to
-    a thinking budget (the server's table: reasoning_parsers.EFFORT_BUDGETS with the recipe's and the flag's
+    a thinking budget (the server's table: thinking.EFFORT_BUDGETS with the recipe's and the flag's
     overrides)."""
     plan = RequestPlan(grammar=validated_grammar(req.response_format))
     tools = req.tools or None

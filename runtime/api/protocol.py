@@ -29,6 +29,8 @@ def not_supported(param: str, what: str) -> APIError:
 
 
 class StrictModel(BaseModel):
+    """A request body that rejects unknown fields, coercion and non-finite numbers (the Responses API's too)."""
+
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
@@ -163,7 +165,7 @@ class ChatMessage(StrictModel):
 
     def for_template(self, index: int) -> dict[str, Any]:
         """The message as a chat template sees it: text content parts joined by newlines; an assistant's
-    `tool_calls` are made template-ready by tool_parsers.prepare_messages."""
+    `tool_calls` are made template-ready by chat_template.prepare_messages."""
         content = self.content
         if isinstance(content, list):
             texts = []

@@ -23,10 +23,10 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..api.reasoning_parsers import ThinkingConfig
 from ..errors import RequestError
 from ..grammar_spec import GrammarError
 from ..sampling_params import SamplingParams
+from ..thinking import ThinkingConfig
 from .sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:

@@ -4,14 +4,14 @@ inactive inside a thinking block), and the step's batch bitmask: filled for all 
 applied to those logits rows in one op; rows without constraints are never touched.
 
 Where this sits: the API server turns `response_format` / `tools` into a `GrammarSpec` (chat_plan.py;
-`validate()` rejects what xgrammar cannot convert, with its message, as a 400) carried in SamplingParams; the
-engine core compiles it (`GrammarBackend.compile_async`, off the step loop) and registers the request with its
-`StructuredOutputProcessor`, the sampler's logits processor (constrained.ConstraintManager does both).
+`grammar_spec.validate()` rejects what xgrammar cannot convert, with its message, as a 400) carried in
+SamplingParams; the engine core compiles it (`GrammarBackend.compile_async`, off the step loop) and registers the
+request with its `StructuredOutputProcessor`, the sampler's logits processor (constrained.ConstraintManager does
+both).
 """
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -23,23 +23,20 @@ from typing import Any
 
 import torch
 
-from ..api.reasoning_parsers import ReasoningTracker, ThinkingConfig
 from ..grammar_spec import (  # noqa: F401
     GRAMMAR_KINDS,
     GrammarError,
     GrammarSpec,
+    choice_ebnf,
     grammar_spec_from_response_format,
+    validate,
+    xgrammar_message,
 )
+from ..thinking import ReasoningTracker, ThinkingConfig
 from .sequence import PLACEHOLDER_TOKEN
 
-_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[08:43:10] /project/cpp/x.cc:83: " on xgrammar errors
-
-
-def _xgrammar_message(e: BaseException) -> str:
-    return _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-
-
-# GrammarSpec and its parsing are in grammar_spec.py (SamplingParams carries one); re-exported here.
+# GrammarSpec, its parsing and validate() are in grammar_spec.py (SamplingParams carries one, the API server
+# validates it); re-exported here.
 
 # xgrammar 0.2.8 writes JSON string characters as these classes in the grammars it generates (schemas, the
 # builtin JSON grammar, structural tags' JSON arguments). The length-bounded one (minLength / maxLength) lets
@@ -59,36 +56,6 @@ def _json_strings_fixed(grammar: Any) -> Any:
     for cls in _STRING_CLASSES:
         fixed = fixed.replace(cls, _JSON_STRING_CLASS)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
-
-
-def _choice_ebnf(choices: list[str]) -> str:
-    # JSON string escapes (\" \\ \n \uXXXX) are what xgrammar's EBNF string literals accept
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def validate(spec: GrammarSpec, max_whitespace: int | None = 8) -> None:
-    """Converts `spec` to an xgrammar Grammar without a tokenizer (cheap: no token-mask precomputation), so the
-    API server rejects what the engine could not compile, with xgrammar's reason. Raises GrammarError."""
-    import xgrammar as xgr
-
-    try:
-        if spec.kind == "json_object":
-            return
-        if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(spec.spec, strict_mode=spec.strict, max_whitespace_cnt=max_whitespace)
-        elif spec.kind == "regex":
-            xgr.Grammar.from_regex(spec.spec)
-        elif spec.kind == "choice":
-            xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(spec.spec)))
-        elif spec.kind == "grammar":
-            if "::=" in spec.spec:
-                xgr.Grammar.from_ebnf(spec.spec)
-            else:
-                xgr.Grammar.from_lark(spec.spec)
-        else:
-            xgr.Grammar.from_structural_tag(spec.spec)
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError / pydantic errors with the reason
-        raise GrammarError(f"invalid {spec.kind}: {_xgrammar_message(e)}") from None
 
 
 def eos_token_ids(model_eos: Iterable[int], tokenizer: Any = None) -> list[int]:
@@ -164,12 +131,12 @@ class GrammarBackend:
             elif spec.kind == "regex":
                 return c.compile_regex(spec.spec)
             elif spec.kind == "choice":
-                return c.compile_grammar(_choice_ebnf(json.loads(spec.spec)))
+                return c.compile_grammar(choice_ebnf(json.loads(spec.spec)))
             else:
                 return c.compile_grammar(spec.spec) if "::=" in spec.spec else c.compile_lark(spec.spec)
             return c.compile_grammar(_json_strings_fixed(grammar))
         except Exception as e:
-            raise GrammarError(f"invalid {spec.kind}: {_xgrammar_message(e)}") from None
+            raise GrammarError(f"invalid {spec.kind}: {xgrammar_message(e)}") from None
 
     def _store(self, key: tuple, value: Any) -> None:
         with self._lock:

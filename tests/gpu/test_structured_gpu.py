@@ -6,10 +6,10 @@ import pathlib
 
 import pytest
 import torch
-from kiln.runtime.api.reasoning_parsers import ThinkingConfig
 from kiln.runtime.core.sequence import Sequence
 from kiln.runtime.core.structured_output import GrammarBackend, GrammarSpec, StructuredOutputProcessor
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.thinking import ThinkingConfig
 from kiln.runtime.tokenizer import Tokenizer
 
 EMBEDDED = pathlib.Path(__file__).resolve().parents[2] / "examples" / "embedded"

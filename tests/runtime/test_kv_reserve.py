@@ -8,12 +8,12 @@ import random
 
 import pytest
 from kiln.runtime import LLM, SamplingParams
-from kiln.runtime.api.reasoning_parsers import ThinkingConfig
 from kiln.runtime.config import SchedulerConfig
 from kiln.runtime.core.batch import cdiv
 from kiln.runtime.core.kv_cache import BlockManager
 from kiln.runtime.core.scheduler import Scheduler
 from kiln.runtime.core.sequence import Sequence, SequenceStatus
+from kiln.runtime.thinking import ThinkingConfig
 
 _ids = itertools.count()
 BLOCK = 4

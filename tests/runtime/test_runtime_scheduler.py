@@ -122,8 +122,8 @@ def test_effort_policy_lets_short_budgets_overtake_long_ones_within_a_bound():
 def test_effort_policy_orders_reasoning_requests_by_their_thinking_budget():
     """The effort dial is a scheduler input: of two reasoning requests with the same max_tokens, the low-effort one
     overtakes the high-effort one that arrived before it."""
-    from kiln.runtime.api.reasoning_parsers import ThinkingConfig
     from kiln.runtime.core.scheduler import EFFORT_ANSWER_TOKENS, EFFORT_TOKENS_PER_ARRIVAL, effort_budget
+    from kiln.runtime.thinking import ThinkingConfig
 
     sched = make_scheduler(policy="effort", max_seqs=1, max_batched_tokens=100)
     seqs = []

@@ -9,14 +9,9 @@ import random
 
 import pytest
 import torch
+from kiln.runtime.api.chat_template import prepare_messages, render_chat
 from kiln.runtime.api.reasoning_parsers import get_reasoning_parser
-from kiln.runtime.api.tool_parsers import (
-    get_tool_parser,
-    prepare_messages,
-    render_chat,
-    tool_choice_grammar,
-    tool_parser_for,
-)
+from kiln.runtime.api.tool_parsers import get_tool_parser, tool_choice_grammar, tool_parser_for
 from kiln.runtime.core.structured_output import GrammarBackend, eos_token_ids
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kiln.runtime.api.reasoning_parsers import ThinkingConfig, count_reasoning_tokens, get_reasoning_parser
+from kiln.runtime.api.reasoning_parsers import get_reasoning_parser
 from kiln.runtime.api.tool_parsers import get_tool_parser, tool_choice_grammar
 from kiln.runtime.core.structured_output import (
     GrammarBackend,
@@ -17,6 +17,7 @@ from kiln.runtime.core.structured_output import (
     eos_token_ids,
 )
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.thinking import ThinkingConfig, count_reasoning_tokens
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 from schemas import PERSON, TOOLS
 

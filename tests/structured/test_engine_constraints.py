@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from kiln.runtime.api.reasoning_parsers import ThinkingConfig, count_reasoning_tokens, get_reasoning_parser
+from kiln.runtime.api.reasoning_parsers import get_reasoning_parser
 from kiln.runtime.grammar_spec import GrammarSpec
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.thinking import ThinkingConfig, count_reasoning_tokens
 from schemas import PERSON
 
 jsonschema = pytest.importorskip("jsonschema")

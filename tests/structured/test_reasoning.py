@@ -6,18 +6,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from kiln.runtime.api.reasoning_parsers import (
+from kiln.runtime.api.reasoning_parsers import get_reasoning_parser, reasoning_parser_for
+from kiln.runtime.errors import RequestError
+from kiln.runtime.thinking import (
     ReasoningTracker,
     ThinkingConfig,
     ThinkPhase,
     count_reasoning_tokens,
     effort_budgets,
-    get_reasoning_parser,
     parse_effort_budgets,
-    reasoning_parser_for,
     thinking_budget,
 )
-from kiln.runtime.errors import RequestError
 
 # (output, prompt opened the block, reasoning, content)
 CASES = [

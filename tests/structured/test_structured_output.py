@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from kiln.runtime.api.reasoning_parsers import ThinkingConfig, ThinkPhase
 from kiln.runtime.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from kiln.runtime.core.structured_output import (
     GrammarBackend,
@@ -24,6 +23,7 @@ from kiln.runtime.core.structured_output import (
     validate,
 )
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.thinking import ThinkingConfig, ThinkPhase
 from kiln.runtime.tokenizer import Tokenizer
 
 xgr = pytest.importorskip("xgrammar")

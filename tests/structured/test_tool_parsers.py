@@ -225,6 +225,30 @@ def test_registry_knows_the_families():
         get_tool_parser("nope")
 
 
+def test_families_are_imported_when_first_asked_for():
+    """Importing the package imports no family's module; asking for one by any of its names imports that one
+    alone, and its class is named by its first name (the registry's convention)."""
+    code = """
+import sys
+import kiln.runtime.api.tool_parsers as tp
+def families():
+    return sorted(m.rsplit(".", 1)[1] for m in sys.modules
+                  if m.startswith("kiln.runtime.api.tool_parsers.") and m.rsplit(".", 1)[1] not in
+                  ("base", "grammar", "json_scan"))
+print(families())
+print(tp.get_tool_parser("qwen3").name, type(tp.get_tool_parser("qwen3")).__name__)
+print(families())
+print(tp.get_tool_parser("deepseek_r1").name, tp.get_tool_parser("llama").name, tp.get_tool_parser("mistral").name)
+print(families())
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["[]", "hermes HermesToolParser", "['hermes']", "deepseek_v3 llama3_json mistral",
+                   "['deepseek_v3', 'hermes', 'llama3_json', 'mistral']"]
+
+
 def test_openai_sdk_assembles_the_streamed_calls():
     """The deltas, put into chat.completion.chunk objects, build the expected message in the SDK's own
     ChatCompletionStreamState (it indexes tool_calls[index] and needs the first delta to create the entry)."""
