@@ -12,8 +12,9 @@ CORE = {"core/engine", "core/scheduler", "core/kv_cache", "worker/model_runner",
         "core/overlap", "worker/memory_plan", "core/process", "core/sequence", "core/prefix_cache",
         "worker/graph_runner", "forward_batch", "core/stops", "threads"}
 # The front-ends: the API server process, and the in-process LLM / LLMEngine over the same core.
-FRONT_END = ["api/server", "api/async_engine", "ipc/client", "api/output_processor", "entrypoint", "api/protocol",
-             "api/metrics", "tokenizer", "llm", "llm_engine", "api/tool_parsers", "api/reasoning_parsers", "outputs"]
+FRONT_END = ["api/app", "api/serving", "api/middleware", "api/streaming", "api/formatters", "launch",
+             "api/async_engine", "ipc/client", "api/output_processor", "entrypoint", "api/protocol", "api/metrics",
+             "tokenizer", "llm", "llm_engine", "api/tool_parsers", "api/reasoning_parsers", "outputs"]
 
 
 def _private(name: str) -> bool:
