@@ -77,7 +77,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     (None: the recipe's) says which requests are admitted only with KV for their whole budget (scheduler.py);
     `metrics_public` leaves `/metrics` open when an `api_key` is set; `num_threads`: the core's intra-op
     threads (default: every CPU this process may use; threads.py); `tool_parser` / `reasoning_parser` /
-    `reasoning_efforts`: see api/serving.OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router
+    `reasoning_efforts`: see OpenAIServer. `disaggregate` (the manifest's section, see runtime/disagg): a router
     over one prefill and one decode core instead of one core. `replicas` > 1 (`--data-parallel-size`): that many
     replicas (cores, each with its own ranks for a parallel artifact, or pairs) behind a KV-aware router
     (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements). `kv_offload`: bytes of the CPU
