@@ -153,8 +153,8 @@ def disaggregate_section(manifest: dict, args: argparse.Namespace) -> dict | Non
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .api.server import serve
     from .ipc import curve
+    from .launch import serve
     from .manifest import read_manifest
 
     status = launched_worker(args.artifact)
@@ -168,9 +168,9 @@ def run_serve(args: argparse.Namespace) -> int:
         from .errors import RequestError
         raise RequestError(f"--data-parallel-size {args.replicas}: give at least 1")
     if args.role is not None:  # one core on the network, for `kiln router` (runtime/disagg/remote.py)
-        from .api.server import core_config
         from .disagg.remote import serve_core
         from .disagg.service import resolve_transport
+        from .launch import core_config
 
         transport = args.kv_transport or (manifest.get("disaggregate") or {}).get("transport", "tcp")
         config = core_config(args.artifact, max_waiting=args.max_waiting, num_threads=args.num_threads,

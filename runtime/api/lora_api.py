@@ -6,16 +6,14 @@ naming a known adapter costs no round trip. A name it does not know is checked w
 (another API server of the same core may have loaded it)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import KilnRuntimeError
+from .async_engine import AsyncLLMEngine
 from .protocol import APIError
-
-if TYPE_CHECKING:
-    from .server import OpenAIServer
 
 
 class LoadLoRARequest(BaseModel):
@@ -30,15 +28,16 @@ class UnloadLoRARequest(BaseModel):
 
 
 class LoRAAdapters:
-    """The adapter names a server routes `model` to, kept in step with its engine core."""
+    """The adapter names a server routes `model` to, kept in step with its engine core. `model_name` is the
+    served name of the base model, `base_card` its /v1/models card (an adapter's card is the base's, renamed)."""
 
-    def __init__(self, server: OpenAIServer) -> None:
-        self.server = server
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, base_card: dict[str, Any]) -> None:
+        self.engine, self.model_name, self.base_card = engine, model_name, base_card
         self.adapters: dict[str, dict[str, Any]] = {}  # name -> {"name", "path", "rank"}
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
-            reply = await self.server.async_engine.call_utility(method, *args)
+            reply = await self.engine.call_utility(method, *args)
         except KilnRuntimeError as e:
             raise APIError(503, str(e), type="server_error") from None
         if "error" in reply:
@@ -56,11 +55,10 @@ class LoRAAdapters:
 
     def lora_name(self, model: str) -> str | None:
         """The adapter a request's `model` names (None: the base model)."""
-        return None if model == self.server.model_name else model
+        return None if model == self.model_name else model
 
     def cards(self) -> list[dict[str, Any]]:
-        base = self.server.model_card()
-        return [{**base, "id": name, "root": a["path"], "parent": self.server.model_name}
+        return [{**self.base_card, "id": name, "root": a["path"], "parent": self.model_name}
                 for name, a in self.adapters.items()]
 
 
@@ -73,11 +71,13 @@ async def _body(request: Request, schema: type[BaseModel]) -> Any:
                        param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
-def add_lora_routes(app: FastAPI, server: OpenAIServer) -> None:
-    lora = server.lora
+def add_lora_routes(app: FastAPI) -> None:
+    """The adapter routes, over the server `build_app` keeps in `app.state.server` (serving.OpenAIServer)."""
 
     @app.post("/v1/load_lora_adapter")
     async def load(request: Request) -> dict[str, Any]:
+        server = request.app.state.server
+        lora = server.lora
         server.check_auth(request)
         req = await _body(request, LoadLoRARequest)
         if req.lora_name == server.model_name:
@@ -88,6 +88,8 @@ def add_lora_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(request: Request) -> dict[str, Any]:
+        server = request.app.state.server
+        lora = server.lora
         server.check_auth(request)
         req = await _body(request, UnloadLoRARequest)
         if not await lora.exists(req.lora_name):

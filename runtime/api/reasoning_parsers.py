@@ -7,7 +7,6 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..thinking import effort_budgets  # noqa: F401  (re-exported: api/server.py imports it from here)
 from .parser_registry import ParserRegistry, held_prefix
 
 

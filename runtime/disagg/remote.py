@@ -244,7 +244,7 @@ def add_router_args(sub) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     from .. import threads
-    from ..api.server import run_app
+    from ..launch import run_app
 
     threads.configure_api_server()
     keys = curve.use(args.curve_keys)  # the router's clients of the cores read KILN_CURVE_KEYS

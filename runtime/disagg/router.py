@@ -190,7 +190,7 @@ class Replica:
 
 
 class ReplicaRouter:
-    """Stands where an AsyncLLMEngine stands for the API server (runtime/api/server.py): `add_requests` picks a replica
+    """Stands where an AsyncLLMEngine stands for the API server (runtime/api/serving.py): `add_requests` picks a replica
     and returns that replica's RequestGroup (its aborts go to that replica); stats are summed over live replicas."""
 
     def __init__(self, engines: list[AsyncLLMEngine], *, policy: str = "kv", prefill_weight: float = 1.0,

@@ -285,10 +285,10 @@ def served_recipe_artifact(tmp_path_factory):
     (["--host", "127.0.0.1", "--port", "9001"], "127.0.0.1", 9001),
 ])
 def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifact, monkeypatch, flags, host, port):
-    import kiln.runtime.api.server as server
+    import kiln.runtime.launch as launch
 
     seen = {}
-    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
+    monkeypatch.setattr(launch, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
     assert main(["serve", str(served_recipe_artifact), *flags]) == 0
     assert (seen["host"], seen["port"]) == (host, port)
     assert seen["metrics_public"] is False and seen["served_model_name"] is None  # the server reads served_name
@@ -297,14 +297,14 @@ def test_recipe_serve_section_is_the_default_of_kiln_serve(served_recipe_artifac
 def test_recipe_reasoning_effort_and_kv_reserve_reach_the_server_and_engine(served_recipe_artifact, monkeypatch):
     import json
 
-    import kiln.runtime.api.server as server
+    import kiln.runtime.launch as launch
     from kiln.runtime.config import scheduler_config_from_manifest
 
     manifest = json.loads((served_recipe_artifact / "manifest.json").read_text())
     assert manifest["serve"]["reasoning_effort"] == {"low": 64, "deep": 9000}
     assert scheduler_config_from_manifest(manifest).kv_reserve == "all"
     seen = {}
-    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)
+    monkeypatch.setattr(launch, "serve", lambda artifact, **kw: seen.update(kw) or 0)
     assert main(["serve", str(served_recipe_artifact)]) == 0
     assert seen["reasoning_efforts"] == {"low": 64, "deep": 9000}
     assert main(["serve", str(served_recipe_artifact), "--reasoning-effort", "low=32, high=4096"]) == 0
@@ -340,14 +340,14 @@ def test_bad_reasoning_effort_and_kv_reserve_in_a_recipe_are_located(tmp_path, c
 
 
 def test_serve_defaults_without_a_serve_section(tmp_path, monkeypatch):
-    import kiln.runtime.api.server as server
+    import kiln.runtime.launch as launch
 
     import kiln
 
     (tmp_path / "r.dsl").write_text(f"recipe r {{\n  model = {GOOD_MODEL}\n  weights = random(seed=0)\n}}\n")
     kiln.compile(tmp_path / "r.dsl", tmp_path / "art", progress=False)
     seen = {}
-    monkeypatch.setattr(server, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
+    monkeypatch.setattr(launch, "serve", lambda artifact, **kw: seen.update(kw) or 0)  # serve returns the exit status
     assert main(["serve", str(tmp_path / "art"), "--metrics-public"]) == 0
     assert (seen["host"], seen["port"], seen["metrics_public"]) == ("127.0.0.1", 8000, True)
     assert seen["reasoning_efforts"] is None  # the runtime's table

@@ -60,8 +60,8 @@ def test_kiln_generate_text_without_a_tokenizer_is_a_clear_error(random_artifact
 
 def test_served_random_artifact_returns_token_ids(random_artifact):
     from fastapi.testclient import TestClient
+    from kiln.runtime.api.app import build_app
     from kiln.runtime.api.async_engine import AsyncLLMEngine
-    from kiln.runtime.api.server import build_app
     from kiln.runtime.ipc.client import CoreProcess
     from kiln.runtime.ipc.protocol import CoreConfig
 

@@ -99,8 +99,8 @@ class LiveServer:
                  disaggregate: dict | None = None, replicas: int = 1, stream_interval: int = 1,
                  **app_kwargs: Any) -> None:
         import uvicorn
+        from kiln.runtime.api.app import build_app
         from kiln.runtime.api.async_engine import AsyncLLMEngine
-        from kiln.runtime.api.server import build_app
         from kiln.runtime.ipc.client import CoreProcess
         from kiln.runtime.ipc.protocol import CoreConfig
 

@@ -1,4 +1,4 @@
-"""A stream that lags behind the core gets the deltas waiting merged (RequestGroup.batches, server._merge):
+"""A stream that lags behind the core gets the deltas waiting merged (RequestGroup.batches, streaming.merge_deltas):
 same tokens and text in the same order, an error still raised after what came before it."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from kiln.runtime.api.async_engine import PromptInput, RequestGroup
-from kiln.runtime.api.server import _merge
+from kiln.runtime.api.streaming import merge_deltas
 from kiln.runtime.errors import KilnRuntimeError
 from kiln.runtime.outputs import CompletionDelta, RequestDelta
 from kiln.runtime.sampling_params import SamplingParams
@@ -67,8 +67,8 @@ def test_an_error_comes_after_the_deltas_before_it():
 def test_merge_concatenates_one_completions_deltas():
     a = CompletionDelta(0, "he", [1, 2], [{1: "lp1"}, {2: "lp2"}])
     b = CompletionDelta(0, "llo", [3], [{3: "lp3"}], "stop", 7)
-    m = _merge(a, b)
+    m = merge_deltas(a, b)
     assert (m.text, m.token_ids, m.logprobs, m.finish_reason, m.stop_reason) == (
         "hello", [1, 2, 3], [{1: "lp1"}, {2: "lp2"}, {3: "lp3"}], "stop", 7)
-    assert _merge(CompletionDelta(0, "a", [1], None), CompletionDelta(0, "b", [2], None)).logprobs is None
+    assert merge_deltas(CompletionDelta(0, "a", [1], None), CompletionDelta(0, "b", [2], None)).logprobs is None
     assert (a.text, a.token_ids) == ("he", [1, 2])  # the parts are not changed

@@ -123,8 +123,8 @@ def spec_metrics(art, engine_kw: dict, prompt_list: list[list[int]], method: str
     """Greedy completions (16 tokens) of `prompt_list` through a served core process with `engine_kw`; returns
     the kiln:spec_decode values of /metrics by name and label, and the label of `method`."""
     from fastapi.testclient import TestClient
+    from kiln.runtime.api.app import build_app
     from kiln.runtime.api.async_engine import AsyncLLMEngine
-    from kiln.runtime.api.server import build_app
     from kiln.runtime.ipc.client import CoreProcess
     from kiln.runtime.ipc.protocol import CoreConfig
 

@@ -5,7 +5,6 @@ json_scan.py: the JSON prefix scanner streaming needs); `tool_choice` becomes a 
 when this package is. Chat-template rendering is api/chat_template.py."""
 from __future__ import annotations
 
-from ..chat_template import render_chat  # api/server.py imports it from here; new code: api/chat_template
 from ..parser_registry import ParserRegistry
 from .base import DeltaMessage, ToolCall, ToolCallDelta, ToolCallStream, ToolParser, ToolParseResult
 from .grammar import TOOL_ARGS_MAX_WHITESPACE, check_tools, tool_choice_grammar
@@ -13,7 +12,7 @@ from .json_scan import COMPLETE, INVALID, PARTIAL, scan_json, scan_members
 
 __all__ = ["COMPLETE", "INVALID", "PARTIAL", "TOOL_ARGS_MAX_WHITESPACE", "TOOL_PARSERS", "DeltaMessage", "ToolCall",
            "ToolCallDelta", "ToolCallStream", "ToolParseResult", "ToolParser", "check_tools", "get_tool_parser",
-           "register_tool_parser", "render_chat", "scan_json", "scan_members", "tool_choice_grammar",
+           "register_tool_parser", "scan_json", "scan_members", "tool_choice_grammar",
            "tool_parser_for", "tool_parser_names"]
 
 TOOL_PARSERS = ParserRegistry("tool parser")
