@@ -17,3 +17,8 @@ def _run(engine: Any, code: bytes, modules: dict[str, str], args: list[Any]) -> 
     module), imported here."""
     namespace = {"__builtins__": builtins, **{name: importlib.import_module(m) for name, m in modules.items()}}
     return types.FunctionType(marshal.loads(code), namespace)(engine, *args)
+
+
+def install_drop_counts(proc: Any) -> None:
+    """`dropped`: the core's counts of the messages it dropped, by kind (core/process.py DropLog)."""
+    proc.register_utility("dropped", lambda engine: dict(proc.dropped.counts))
