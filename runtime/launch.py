@@ -5,7 +5,11 @@ started; this module is where the two meet."""
 from __future__ import annotations
 
 import contextlib
+import signal
+import socket
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,7 @@ from . import threads
 from .api.app import build_app
 from .api.async_engine import AsyncLLMEngine
 from .api.chat_plan import resolve_parsers
-from .errors import RequestError
+from .errors import KilnRuntimeError, RequestError
 from .ipc.client import CoreProcess
 from .ipc.protocol import CoreConfig, CoreInfo
 from .thinking import effort_budgets
@@ -59,6 +63,55 @@ def core_config(artifact: str | Path, *, max_waiting: int = 1024, num_threads: i
                       stream_interval=stream_interval, engine=engine_options(**options))
 
 
+def check_port(host: str, port: int) -> None:
+    """Fails (a user's error) if the HTTP server could not listen on host:port, before anything is loaded: a bind
+    as uvicorn's (SO_REUSEADDR, so a port a stopped server left in TIME_WAIT passes), at once closed again."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise KilnRuntimeError(f"--host {host!r}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise KilnRuntimeError(f"cannot listen on {host}:{port}: {e.strerror} (another server on that port? "
+                                   "give another --port)") from None
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (how a process manager stops a server) stops `kiln serve` as Ctrl-C does while it starts: the cores
+    it started are stopped and their socket directories removed (uvicorn then handles it as SIGINT too)."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
+def _uvicorn_server(config: Any) -> Any:
+    """uvicorn's Server, but a SIGINT or SIGTERM that stopped it is not raised again once it has shut down (uvicorn
+    re-raises it: SIGTERM's default action then killed `kiln serve`, exit 143, before its cores were stopped and
+    their socket directories removed). A second SIGINT still forces the exit (uvicorn's handle_exit)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
 def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 1024, num_kv_blocks: int | None = None,
           log_level: str = "info", prefix_cache: bool = True, speculative: str | None = None,
@@ -89,6 +142,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     tokens of a step."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
+    check_port(host, port)  # so does a port in use
+    _stop_on_sigterm()
     effort_budgets(reasoning_efforts)  # so does a bad effort table
     threads.configure_api_server()
     config = core_config(artifact, max_waiting=max_waiting, num_threads=num_threads, stream_interval=stream_interval,
@@ -120,16 +175,17 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
 
 def run_app(engine: AsyncLLMEngine, *, host: str, port: int, log_level: str = "info", more_lines: list[str] = (),
             **app_kw: Any) -> int:
-    """Serves `engine` (build_app's `app_kw`) on host:port until interrupted (0) or until its core is gone (1);
-    prints the startup line (and `more_lines`) once loaded. `kiln serve` and `kiln router` (runtime/disagg)."""
+    """Serves `engine` (build_app's `app_kw`) on host:port until interrupted (SIGINT, SIGTERM: 0) or until its core
+    is gone (1); prints the startup line (and `more_lines`) once loaded. `kiln serve` and `kiln router`
+    (runtime/disagg)."""
     import uvicorn
 
     app = build_app(engine, **app_kw)
     print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
     for line in more_lines:
         print(line, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    server = _uvicorn_server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=5))
     engine.on_dead.append(lambda why: setattr(server, "should_exit", True))
     server.run()
     if engine.dead is not None:
