@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -79,6 +80,8 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         # request id -> [decision, added at, uncached tokens, first token at, seconds in the decode core's queue],
         # until its first token was timed
         self._first_token: dict[str, list] = {}
+        # decisions made here, without asking the decode core (which counts the others): every prefill core is gone
+        self.local_decisions: Counter[str] = Counter()
         self.ttft = {path: _histogram(f"kiln:{path}_prefill_ttft_seconds", f"Time to first token of requests "
                                       f"prefilled {where}.") for path, where in
                      (("remote", "on the prefill core"), ("local", "on the decode core"))}
@@ -132,8 +135,13 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         if lora_name is not None:  # the prefill core would compute the base model's K/V
             raise RequestError("LoRA adapters are not served by a disaggregated server yet; serve the artifact "
                                "without --disaggregate")
-        if self.remote_prefill == "never" or not any(core.is_running for core in self.prefills):
+        if self.remote_prefill == "never":
             return await super()._queue(inputs, params)
+        if not any(core.is_running for core in self.prefills):
+            result = await super()._queue(inputs, params)
+            if result.error is None:
+                self.local_decisions["local:no_prefill_core"] += len(inputs)
+            return result
         raw = bytes(encode_params(params))
         added: list[str] = []
         for p in inputs:
@@ -281,7 +289,7 @@ class _DisaggCollector:
         yield family
         family = CounterMetricFamily("kiln:prefill_decisions", "Where prompts were prefilled, and why.",
                                      labels=["decision"])
-        for decision, n in s.get("decisions", {}).items():
+        for decision, n in (Counter(s.get("decisions", {})) + self.engine.local_decisions).items():
             family.add_metric([decision], n)
         yield family
         buckets = s.get("transfer_seconds")
