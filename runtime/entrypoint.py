@@ -20,6 +20,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "stays open (default: no key, every route open)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper on a trusted network)")
+    p.add_argument("--require-cache-salt", action="store_true",
+                   help="refuse (400) completion, chat and response requests without a cache_salt (multi-tenant "
+                   "servers: requests with different salts never share prefix-cache blocks)")
     p.add_argument("--served-model-name", help="model name of the API (default: the recipe's serve.served_name, "
                    "else the artifact directory name)")
     p.add_argument("--max-waiting", type=int, default=1024,
@@ -195,7 +198,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  replicas=args.replicas, router_policy=args.router_policy,
                  num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
                  kv_offload=args.kv_offload, stream_interval=args.stream_interval, core_cpus=args.core_cpus,
-                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 require_cache_salt=args.require_cache_salt)
 
 
 def _token_ids(text: str) -> list[int]:

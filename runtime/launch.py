@@ -121,7 +121,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
           speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1,
           core_cpus: list[int] | None = None, max_num_seqs: int | None = None,
-          max_num_batched_tokens: int | None = None) -> int:
+          max_num_batched_tokens: int | None = None, require_cache_salt: bool = False) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -139,7 +139,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     (`--core-cpus`): the CPUs the engine core computes on (several cores: disjoint slices of them); this process,
     the API server, then runs on the CPUs it may use that they were not given (threads.py). `max_num_seqs` /
     `max_num_batched_tokens` (None: the recipe's scheduler section) bound the sequences running at once and the
-    tokens of a step."""
+    tokens of a step. `require_cache_salt`: requests without a `cache_salt` are refused (OpenAIServer)."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     check_port(host, port)  # so does a port in use
@@ -170,7 +170,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
                         "line above is replica 0's)")
         return run_app(engine, host=host, port=port, log_level=log_level, more_lines=more,
                        served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
-                       tool_parser=tool_parser, reasoning_parser=reasoning_parser, reasoning_efforts=reasoning_efforts)
+                       tool_parser=tool_parser, reasoning_parser=reasoning_parser, reasoning_efforts=reasoning_efforts,
+                       require_cache_salt=require_cache_salt)
 
 
 def run_app(engine: AsyncLLMEngine, *, host: str, port: int, log_level: str = "info", more_lines: list[str] = (),

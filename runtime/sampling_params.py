@@ -22,6 +22,9 @@ MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 512
 # OpenAI's bounds on logit_bias: -100 bans a token, 100 all but forces it. The number of entries bounds the
 # per-step cost of applying them (OpenAI allows 300 for its largest models; one per vocabulary entry is useless).
 MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES = 100.0, 1024
+# A cache salt is hashed into the request's first prefix-cache key (block_hash.root_hash); a tenant id or a
+# secret, never long.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -43,6 +46,10 @@ class SamplingParams:
     the engine compiles before the request first runs; `thinking` names the thinking block's token ids, where
     the prompt leaves the output and a budget of reasoning tokens, at which the engine forces the block's end
     (thinking.ThinkingConfig). With both, the grammar constrains the answer after the block.
+
+    `cache_salt` (vLLM's field; a non-empty string of at most 1024 characters) keys the request's prefix-cache
+    blocks: requests with different salts (or one salted and one not) never share a cached block, so one tenant
+    cannot read another's prompts through cache hits or their timing.
     """
 
     n: int = 1
@@ -64,6 +71,7 @@ class SamplingParams:
     structured_output: GrammarSpec | None = None
     thinking: ThinkingConfig | None = None
     logit_bias: dict[int, float] | None = None
+    cache_salt: str | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False, default=frozenset())
 
@@ -93,6 +101,10 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), minimum=0)
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                               f"characters, got {self.cache_salt!r:.60}")
         if self.stop is None:
             self.stop_strings = []
         elif isinstance(self.stop, str):

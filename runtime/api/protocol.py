@@ -66,6 +66,8 @@ class _SamplingRequest(StrictModel):
     response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's: keys the prompt's prefix-cache blocks, so requests with other salts never share them
+    cache_salt: str | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -93,7 +95,8 @@ class _SamplingRequest(StrictModel):
         return SamplingParams(**{"n": self.n, "max_tokens": max_tokens, "seed": self.seed, "stop": self.stop,
                                  "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
                                  "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
-                                 "logit_bias": self.token_logit_bias(), **given, **more})
+                                 "logit_bias": self.token_logit_bias(), "cache_salt": self.cache_salt,
+                                 **given, **more})
 
 
 class CompletionRequest(_SamplingRequest):

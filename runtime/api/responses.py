@@ -80,6 +80,7 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: ReasoningOptions | None = None
     background: bool | None = None
+    cache_salt: str | None = None  # vLLM's extension, as on chat completions
 
     def check_supported(self) -> None:
         if self.tools:
@@ -135,7 +136,7 @@ class ResponsesRequest(StrictModel):
             "model": self.model, "messages": messages + history + self.input_messages(),
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "response_format": self.response_format(), "user": self.user,
-            "reasoning_effort": self.reasoning_effort}
+            "reasoning_effort": self.reasoning_effort, "cache_salt": self.cache_salt}
         if self.wants_logprobs:
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         req = ChatCompletionRequest.model_validate(body)

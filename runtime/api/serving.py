@@ -66,12 +66,15 @@ class OpenAIServer:
     `tool_parser` / `reasoning_parser`: registry names (or "none") overriding what the chat template implies
     (chat_plan.resolve_parsers); they turn `tools` into `tool_calls` and thinking into `reasoning_content`.
     `reasoning_efforts`: reasoning_effort -> thinking budget entries over reasoning_parsers.EFFORT_BUDGETS.
+    `require_cache_salt`: a completion, chat or response request without a `cache_salt` is refused (400).
     """
 
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
                  metrics_public: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, reasoning_efforts: dict[str, int] | None = None) -> None:
+                 reasoning_parser: str | None = None, reasoning_efforts: dict[str, int] | None = None,
+                 require_cache_salt: bool = False) -> None:
         self.model_name = model_name
+        self.require_cache_salt = require_cache_salt  # `kiln serve --require-cache-salt`: multi-tenant
         self.api_key = api_key
         self.metrics_public = metrics_public
         self.tokenizer = engine.tokenizer
@@ -146,7 +149,11 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn)
 
     def engine_params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-        """The request's SamplingParams; a bad value is a 400 naming its field."""
+        """The request's SamplingParams; a bad value is a 400 naming its field (a missing cache_salt too, on a
+        server that requires one)."""
+        if self.require_cache_salt and req.cache_salt is None:
+            raise APIError(400, "this server requires a cache_salt on every request (it keys the prompt's "
+                           "prefix-cache blocks to its tenant)", param="cache_salt")
         try:
             return req.engine_params()
         except RequestError as e:

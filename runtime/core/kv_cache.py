@@ -71,7 +71,8 @@ class BlockManager:
         if self.prefix_cache is None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id)
+        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id,
+                              seq.params.cache_salt)
         hits = self.prefix_cache.lookup(hashes[:max_blocks])
         if self.offload is not None and len(hits) < max_blocks:
             hits += self.offload.restore(hashes[len(hits):max_blocks], hits)
@@ -111,7 +112,8 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
-        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id)  # extends in place
+        hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.lora_id,  # extends in place
+                              seq.params.cache_salt)
         for i in range(seq.num_registered_blocks, num_full):
             self.prefix_cache.insert(hashes[i], seq.block_table[i])
         seq.num_registered_blocks = num_full

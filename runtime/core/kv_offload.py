@@ -46,7 +46,7 @@ class Restore:
     """A restore in progress: the lease on the destination blocks, the host slots read, their hashes."""
     lease: Lease
     slots: list[int]
-    hashes: list[int]
+    hashes: list[bytes]
     reading: bool = True  # its host slots are pinned
 
 
@@ -69,8 +69,8 @@ class OffloadTier:
         self.block_bytes = block_bytes
         if bm.ledger is None:  # else the pool's (a decode core's transfers, disagg/roles.py): one over the pool
             TransferLedger(bm)
-        self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash -> host slot, least recently used first
-        self._hash_of: dict[int, int] = {}  # host slot -> block hash
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # block hash -> host slot, least recently used first
+        self._hash_of: dict[int, bytes] = {}  # host slot -> block hash
         self._free: deque[int] = deque(range(num_blocks))
         self._reading: Counter[int] = Counter()  # host slots restores are copying from (never reused meanwhile)
         self._ids = itertools.count()
@@ -87,7 +87,7 @@ class OffloadTier:
         return len(self._hash_of)
 
     # Device -> host ---------------------------------------------------------------------------------------
-    def offload(self, block_hash: int, block_id: int) -> None:
+    def offload(self, block_hash: bytes, block_id: int) -> None:
         """The prefix cache evicts `block_id` (content `block_hash`): keep a copy, before anyone rewrites it."""
         slot = self._slot_of.get(block_hash)
         if slot is not None:  # restored from here earlier and unchanged since: nothing to copy
@@ -116,7 +116,7 @@ class OffloadTier:
         return None
 
     # Host -> device ---------------------------------------------------------------------------------------
-    def lookup(self, hashes: list[int]) -> int:
+    def lookup(self, hashes: list[bytes]) -> int:
         """How many of `hashes` (continuing a device hit) the tier holds, in a row from the first, up to one the
         device pool holds itself."""
         n, device = 0, self.bm.prefix_cache
@@ -126,7 +126,7 @@ class OffloadTier:
             n += 1
         return n
 
-    def restore(self, hashes: list[int], hits: list[int]) -> list[int]:
+    def restore(self, hashes: list[bytes], hits: list[int]) -> list[int]:
         """Copies the blocks of the longest prefix of `hashes` the tier holds into fresh device blocks and
         publishes them to the prefix cache (unreferenced, like any cached block); `hits` (the device hits in front
         of them) are kept from eviction meanwhile. Returns the restored block ids (maybe fewer, or none, when the
@@ -138,7 +138,7 @@ class OffloadTier:
             self.copy(pending, i)
         return self.finish(pending)
 
-    def start(self, hashes: list[int], hits: list[int]) -> Restore | None:
+    def start(self, hashes: list[bytes], hits: list[int]) -> Restore | None:
         """Leases the destination blocks and admits one write into each (the copies are `copy`'s)."""
         bm = self.bm
         pinned = sum(1 for b in hits if bm.ref_counts[b] == 0)
@@ -194,7 +194,7 @@ class OffloadTier:
         self.counts["restore_bytes"] += n * self.block_bytes
         return list(lease.blocks[:n])
 
-    def _forget(self, hashes: list[int]) -> None:
+    def _forget(self, hashes: list[bytes]) -> None:
         """Drops the host copies of a restore that did not check out: the blocks are recomputed, and offloaded afresh
         when evicted again (`offload` skips the copy of a hash the tier still holds)."""
         for h in hashes:
@@ -242,7 +242,7 @@ class MeshOffloadTier(OffloadTier):
     def _expect(self, lease, slots: list[int]) -> None:
         pass  # the digests as saved are every rank's: they come back with the copies (`restore`)
 
-    def restore(self, hashes: list[int], hits: list[int]) -> list[int]:
+    def restore(self, hashes: list[bytes], hits: list[int]) -> list[int]:
         pending = self.start(hashes, hits)
         if pending is None:
             return []

@@ -5,6 +5,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+from ..block_hash import BlockHash
+
 MAX_EVENTS = 1 << 16  # prefix-cache events kept for a follower between two drains
 class PrefixCache:
     """Maps block hash -> physical block id for blocks whose K/V is complete and immutable.
@@ -21,14 +23,14 @@ class PrefixCache:
     name = "hash"
 
     def __init__(self) -> None:
-        self._block_of: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # block id -> None, oldest first
         self.queries = 0
         self.hits = 0
-        self._events: list[tuple[bool, int]] | None = None  # (published?, hash), oldest first, while followed
+        self._events: list[tuple[bool, BlockHash]] | None = None  # (published?, hash), oldest first, while followed
         self._events_lost = False  # a reset since the last take: the follower re-reads `cached_hashes`
-        self.on_evict: Callable[[int, int], None] | None = None  # (hash, block id) before reuse: the offload tier
+        self.on_evict: Callable[[BlockHash, int], None] | None = None  # (hash, block id) before reuse: the offload tier
 
     @property
     def num_evictable(self) -> int:
@@ -37,10 +39,10 @@ class PrefixCache:
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of
 
-    def holds(self, block_hash: int) -> bool:
+    def holds(self, block_hash: BlockHash) -> bool:
         return block_hash in self._block_of
 
-    def lookup(self, hashes: Seq[int]) -> list[int]:
+    def lookup(self, hashes: Seq[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of `hashes` (read-only)."""
         hit: list[int] = []
         for h in hashes:
@@ -52,7 +54,7 @@ class PrefixCache:
         self.hits += len(hit)
         return hit
 
-    def insert(self, block_hash: int, block_id: int) -> bool:
+    def insert(self, block_hash: BlockHash, block_id: int) -> bool:
         """Registers a just-filled block; False when another block already holds this content."""
         if block_hash in self._block_of or block_id in self._hash_of:
             return False
@@ -100,13 +102,13 @@ class PrefixCache:
         if self._events is None:
             self._events = []
 
-    def _record(self, published: bool, block_hash: int) -> None:
+    def _record(self, published: bool, block_hash: BlockHash) -> None:
         if len(self._events) >= MAX_EVENTS:  # nobody drained them for long: the follower re-reads everything
             self._events.clear()
             self._events_lost = True
         self._events.append((published, block_hash))
 
-    def take_events(self) -> list[tuple[bool, int]] | None:
+    def take_events(self) -> list[tuple[bool, BlockHash]] | None:
         """The (published?, hash) events since the last call, oldest first, and forgets them; None when the cache
         was reset meanwhile (the follower then re-reads `cached_hashes`)."""
         events, self._events = self._events, []
@@ -115,7 +117,7 @@ class PrefixCache:
             return None
         return events or []
 
-    def cached_hashes(self) -> list[int]:
+    def cached_hashes(self) -> list[BlockHash]:
         """Every hash the cache holds now (referenced or evictable)."""
         return list(self._block_of)
 

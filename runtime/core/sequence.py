@@ -50,7 +50,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
     cpu_blocks: list[int] = field(default_factory=list)  # swap space holding the KV of a SWAPPED sequence
-    block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks of token_ids
+    block_hashes: list[bytes] = field(default_factory=list)  # key chain of the full blocks (block_hash.py)
     num_registered_blocks: int = 0  # leading blocks of block_table already published to the prefix cache
     # prompt positions whose logprobs were computed (position 0 has none, so it counts from 1); survives
     # preemption, so a recomputed prompt does not report them twice

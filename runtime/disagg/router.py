@@ -6,8 +6,9 @@ block hash it publishes and evicts, and the router drains those events every `in
 `kv_events`; a full snapshot at the start and after a lost answer or a cache reset). Between two drains the blocks
 of the prompts the router just sent are *predicted* on their replica (for `predict_ttl` seconds, or until the
 replica reports them evicted), so a burst of requests sharing a prefix follows the first one before its replica
-has reported anything. The block hashes are the cores' own (block_hash.block_hashes: a hash chain over token
-blocks, stable across processes), so the router matches exactly what a core's lookup would.
+has reported anything. The block hashes are the cores' own (block_hash.block_hashes: a chain of 16-byte digests
+over token blocks, salted by the request's cache_salt, the same in every process), so the router matches exactly
+what a core's lookup would.
 
 Cost of replica r: the request's estimated time to first token there plus the time its own prefill delays the
 requests that queue behind it, `(queued_r + running_r + (1 + prefill_weight) * uncached_r) / speed_r`
@@ -51,7 +52,7 @@ from ..api.async_engine import (
     RequestGroup,
     RequestObserver,
 )
-from ..block_hash import block_hashes
+from ..block_hash import BlockHash, block_hashes
 from ..errors import KilnRuntimeError
 from ..ipc.protocol import CoreStats
 from ..sampling_params import SamplingParams
@@ -75,8 +76,8 @@ class ReplicaIndex:
     def __init__(self, predict_ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.predict_ttl = predict_ttl
         self.clock = clock
-        self.reported: set[int] = set()
-        self.predicted: dict[int, float] = {}  # hash -> until when it is believed
+        self.reported: set[BlockHash] = set()
+        self.predicted: dict[BlockHash, float] = {}  # hash -> until when it is believed
 
     def apply(self, answer: dict[str, Any]) -> None:
         if "full" in answer:
@@ -93,7 +94,7 @@ class ReplicaIndex:
                 reported.discard(h)
                 predicted.pop(h, None)
 
-    def predict(self, hashes: list[int]) -> None:
+    def predict(self, hashes: list[BlockHash]) -> None:
         until = self.clock() + self.predict_ttl
         for h in hashes:
             if h not in self.reported:
@@ -104,7 +105,7 @@ class ReplicaIndex:
         for h in [h for h, until in self.predicted.items() if until < now]:
             del self.predicted[h]
 
-    def match(self, hashes: list[int]) -> int:
+    def match(self, hashes: list[BlockHash]) -> int:
         """How many leading blocks of `hashes` the replica holds (reported or predicted)."""
         now, n = self.clock(), 0
         for h in hashes:
@@ -264,10 +265,10 @@ class ReplicaRouter:
                            lora_name: str | None = None) -> RequestGroup:
         """Queues the prompts (all of them, on one replica) on the cheapest live replica that takes them; a
         replica that is overloaded or just died is passed over for the next. `RequestError` is the client's."""
-        if lora_name is None:
-            hashes = [block_hashes(p.prompt_token_ids, self.block_size, [])[:(len(p.prompt_token_ids) - 1)
-                                                                             // self.block_size] for p in inputs]
-        else:  # a core salts an adapter's blocks with an id of its own: the router cannot match them
+        if lora_name is None:  # the cores' keys: salted as the cores salt them
+            hashes = [block_hashes(p.prompt_token_ids, self.block_size, [], cache_salt=params.cache_salt)[
+                :(len(p.prompt_token_ids) - 1) // self.block_size] for p in inputs]
+        else:  # a core roots an adapter's blocks at its own id for the loaded adapter: the router cannot match them
             hashes = [[] for _ in inputs]
         error: EngineOverloadedError | None = None
         for replica, matched in self.rank(hashes, [len(p.prompt_token_ids) for p in inputs]):
@@ -296,7 +297,7 @@ class ReplicaRouter:
             return group
         raise error or EngineOverloadedError(f"no replica is running ({self.dead or 'none started'})")
 
-    def rank(self, hashes: list[list[int]], lengths: list[int] | None = None) -> list[tuple[Replica, list[int]]]:
+    def rank(self, hashes: list[list[BlockHash]], lengths: list[int] | None = None) -> list[tuple[Replica, list[int]]]:
         """Live replicas, cheapest first, with the leading blocks of each prompt each is believed to hold.
 
         Cost: the estimated time to first token there plus the delay its prefill adds behind it, `(queued + running

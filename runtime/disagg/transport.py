@@ -12,6 +12,7 @@ fault either harmless or a failed transfer, never KV written where it does not b
 from __future__ import annotations
 
 import hashlib
+import json
 import queue
 import random
 import threading
@@ -37,19 +38,23 @@ class DisaggError(KilnRuntimeError):
 
 class KVLayout(msgspec.Struct, frozen=True):
     """What both sides of a transfer must agree on, byte for byte: one block is `num_layers` tensors of
-    `block_shape` (block_size first) of `dtype`."""
+    `block_shape` (block_size first) of `dtype`; and the weights that computed it: `weights_digest` (of the
+    manifest's sha256 of every weight file, fp8 scales included, see `weights_digest`), so two artifacts with
+    the same layout but other weights never exchange K/V."""
 
     num_layers: int
     block_shape: list[int]
     dtype: str
     block_size: int
+    weights_digest: str = ""
 
     @classmethod
     def of(cls, engine) -> KVLayout:
         if not hasattr(engine.runner, "kv_caches"):  # a mesh executor: each rank holds its shard of the pool
             raise DisaggError("disaggregation serves single-device artifacts only (this one is parallel)")
         kv = engine.artifact.kv_cache_config
-        return cls(kv.num_layers, list(kv.shape), str(kv.dtype).removeprefix("torch."), kv.block_size)
+        return cls(kv.num_layers, list(kv.shape), str(kv.dtype).removeprefix("torch."), kv.block_size,
+                   weights_digest(engine.artifact.manifest))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,9 +70,21 @@ class KVLayout(msgspec.Struct, frozen=True):
         return n
 
     def check_pairs_with(self, other: KVLayout) -> None:
-        if self != other:
+        if msgspec.structs.replace(self, weights_digest=other.weights_digest) != other:
             raise DisaggError(f"the prefill and decode cores' KV layouts differ ({self} vs {other}); they "
                               "must serve artifacts with the same KV layout")
+        if self.weights_digest != other.weights_digest:
+            raise DisaggError(f"the prefill and decode cores serve artifacts with other weights (weights digest "
+                              f"{self.weights_digest[:16] or 'none'}... vs {other.weights_digest[:16] or 'none'}...): "
+                              "one's K/V is wrong for the other; serve the same compiled artifact on both")
+
+
+def weights_digest(manifest: dict) -> str:
+    """sha256 over the manifest's weight digests (file -> sha256, every rank's for a parallel artifact): the
+    weights a core computes K/V with, fp8 scales included (they are tensors of the weight files)."""
+    sections = [manifest.get("weights") or {}] + list((manifest.get("parallel") or {}).get("ranks") or [])
+    digests = [sorted((s.get("sha256") or {}).items()) for s in sections]
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
 
 
 class RemotePrefill(msgspec.Struct, frozen=True):

@@ -137,3 +137,25 @@ def test_layouts_must_match(artifact_dir, artifact_copy=None):
     with pytest.raises(DisaggError, match="KV layouts differ"):
         role.add("t", [5, 6, 7], RemotePrefill("t", 3, 0, [0], [1], other))
     assert not eng.has_unfinished_requests()
+
+
+def test_cores_with_other_weights_refuse_to_pair(artifact_dir):
+    """Same KV layout, other weight files (another fine-tune, other fp8 scales): refused at the handshake."""
+    import dataclasses
+    import json
+
+    import msgspec
+    from kiln.runtime.disagg.roles import PrefillRole
+    from kiln.runtime.disagg.transport import DisaggError, KVLayout, RemotePrefill
+    eng = engine(artifact_dir)
+    role = PrefillRole(eng, lambda e: None, threaded=False)
+    manifest = json.loads(json.dumps(eng.artifact.manifest))
+    first = next(iter(manifest["weights"]["sha256"]))
+    manifest["weights"]["sha256"][first] = "0" * 64  # what a compile with other weights records
+    fake = type("Engine", (), {"runner": eng.runner, "artifact": dataclasses.replace(eng.artifact, manifest=manifest)})
+    other = KVLayout.of(fake())
+    assert msgspec.structs.replace(other, weights_digest=role.layout.weights_digest) == role.layout
+    with pytest.raises(DisaggError, match="other weights"):
+        role.add("t", [5, 6, 7], RemotePrefill("t", 3, 0, [0], [1], other))
+    assert not eng.has_unfinished_requests()
+    assert KVLayout.of(eng) == role.layout  # the same artifact pairs
