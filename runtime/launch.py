@@ -68,7 +68,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
           speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1,
           core_cpus: list[int] | None = None, max_num_seqs: int | None = None,
-          max_num_batched_tokens: int | None = None) -> int:
+          max_num_batched_tokens: int | None = None, lora_roots: list[str] | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -86,7 +86,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     (`--core-cpus`): the CPUs the engine core computes on (several cores: disjoint slices of them); this process,
     the API server, then runs on the CPUs it may use that they were not given (threads.py). `max_num_seqs` /
     `max_num_batched_tokens` (None: the recipe's scheduler section) bound the sequences running at once and the
-    tokens of a step."""
+    tokens of a step. `lora_roots` (`--enable-lora-loading --lora-roots`): where clients may load adapters from
+    (None: run-time adapter loading is off)."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     effort_budgets(reasoning_efforts)  # so does a bad effort table
@@ -95,7 +96,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
                          cpus=core_cpus, num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
                          kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
                          speculative_model=speculative_model, kv_offload_bytes=kv_offload, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens)
+                         max_num_batched_tokens=max_num_batched_tokens, lora_roots=lora_roots)
     with contextlib.ExitStack() as stack:
         if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas
