@@ -5,6 +5,7 @@ started; this module is where the two meet."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,19 @@ def startup_line(info: CoreInfo, model_name: str, url: str) -> str:
             f"({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks x {block_size} tokens = {kv_blocks * block_size} "
             f"tokens; max_model_len {limits.max_model_len}; {info.max_seqs} sequences and {info.max_batched_tokens} "
             f"tokens a step; listening on {url}")
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The line `kiln serve` prints when it listens beyond loopback with no API key (None: it does not)."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        loopback = False
+    if loopback or api_key:
+        return None
+    return (f"kiln serve: WARNING: listening on {host} without --api-key: anyone who can reach it can run "
+            "completions on this model and read /metrics (docs/server.md, \"Exposure\"); give --api-key KEY or bind "
+            "127.0.0.1")
 
 
 def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = True, speculative: str | None = None,
@@ -126,6 +140,9 @@ def run_app(engine: AsyncLLMEngine, *, host: str, port: int, log_level: str = "i
     import uvicorn
 
     app = build_app(engine, **app_kw)
+    warning = exposure_warning(host, app_kw.get("api_key"))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
     for line in more_lines:
         print(line, flush=True)
