@@ -557,14 +557,18 @@ class EngineLoRA:
     def load_client_adapter(self, name: str, path: str) -> None:
         """`load_lora_adapter` for a client of the server: only with run-time loading on and `path` under
         `lora_roots` (AdapterRefused, 403, otherwise); what it says names `path` as the client gave it."""
-        if self.lora_roots is None:
-            raise AdapterRefused("run-time LoRA adapter loading is off on this server (start it with "
-                                 "--enable-lora-loading --lora-roots DIR)", "lora_path", 403)
+        self.check_client_updates("lora_path")
         try:
             resolved = confine(path, self.lora_roots)
         except AdapterFileError as e:
             raise AdapterRefused(str(e), "lora_path", 403) from None
         load_adapter(self.lora, name, resolved, shown=path)
+
+    def check_client_updates(self, param: str) -> None:
+        """AdapterRefused (403) unless clients may load and unload adapters (`lora_roots` set)."""
+        if self.lora_roots is None:
+            raise AdapterRefused("run-time LoRA adapter loading and unloading is off on this server (start it with "
+                                 "--enable-lora-loading --lora-roots DIR)", param, 403)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Stops serving `name`; refused (RequestError) while a request still decodes with it."""
@@ -589,5 +593,5 @@ LORA_UTILITIES = {
     "list_lora_adapters": _refusal(lambda e: [{"name": a.name, "rank": a.rank}
                                               for a in (e.lora.adapters.values() if e.lora else ())]),
     "load_lora_adapter": _refusal(lambda e, name, path: e.load_client_adapter(name, path)),
-    "unload_lora_adapter": _refusal(lambda e, name: e.unload_lora_adapter(name)),
+    "unload_lora_adapter": _refusal(lambda e, name: e.check_client_updates("lora_name") or e.unload_lora_adapter(name)),
 }

@@ -131,3 +131,27 @@ def test_router_reports_a_replica_refusing_a_load_and_undoes_the_others(refusal)
     assert refused.calls == [("load_lora_adapter", "b", "/x")]
     both = ReplicaRouter([_Replica({"result": None}), _Replica({"result": None})])
     assert asyncio.run(both.call_utility("load_lora_adapter", "b", "/x")) == {"result": None}
+
+
+def test_serve_flags_make_loading_opt_in_and_confined(tmp_path):
+    import argparse
+
+    from kiln.runtime.entrypoint import add_serve_args, lora_roots
+    from kiln.runtime.errors import RequestError
+    from kiln.runtime.launch import core_config
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+
+    def parse(*argv):
+        args = parser.parse_args(list(argv))
+        return lora_roots(args)
+
+    assert parse() is None
+    assert parse("--enable-lora-loading", "--lora-roots", f"{tmp_path}/a,{tmp_path}/b") == [f"{tmp_path}/a",
+                                                                                            f"{tmp_path}/b"]
+    for argv in (["--enable-lora-loading"], ["--lora-roots", str(tmp_path)]):
+        with pytest.raises(RequestError, match="--enable-lora-loading needs --lora-roots"):
+            parse(*argv)
+    assert core_config("art", lora_roots=[str(tmp_path)]).engine["lora_roots"] == [str(tmp_path)]
+    assert "lora_roots" not in core_config("art").engine

@@ -157,6 +157,8 @@ def test_run_time_loading_is_off_by_default(adapter, compile_lora):
         r = _load(server.url, "b", adapter(ATTENTION_MLP, seed=22))
         assert r.status_code == 403 and "--enable-lora-loading" in r.json()["error"]["message"], r.text
         assert [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]][1:] == ["a"]
+        gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=30)
+        assert gone.status_code == 403 and "--enable-lora-loading" in gone.json()["error"]["message"], gone.text
         assert _complete(server.url, "a").status_code == 200  # compiled-in adapters are served as before
     finally:
         server.stop()
