@@ -18,6 +18,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_number, help="TCP port, 1..65535 (default: the recipe's serve.port, else 8000)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on the /v1 routes and /metrics; /health "
                    "stays open (default: no key, every route open)")
+    p.add_argument("--enable-lora-loading", action="store_true",
+                   help="let clients load LoRA adapters at run time (POST /v1/load_lora_adapter), from --lora-roots "
+                   "only (default: off, the endpoint answers 403)")
+    p.add_argument("--lora-roots", metavar="DIR[,DIR]", help="with --enable-lora-loading: the directories run-time "
+                   "adapters may be read from (symlinks resolved; nothing outside them is read)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper on a trusted network)")
     p.add_argument("--require-cache-salt", action="store_true",
@@ -155,6 +160,17 @@ def disaggregate_section(manifest: dict, args: argparse.Namespace) -> dict | Non
     return disaggregate
 
 
+def lora_roots(args: argparse.Namespace) -> list[str] | None:
+    """`--enable-lora-loading --lora-roots DIR[,DIR]`: where clients may load adapters from (None: nowhere)."""
+    from .errors import RequestError
+
+    roots = [d for d in (args.lora_roots or "").split(",") if d]
+    if args.enable_lora_loading != bool(roots):
+        raise RequestError("--enable-lora-loading needs --lora-roots DIR[,DIR] (the directories adapters may be read "
+                           "from), and --lora-roots needs --enable-lora-loading")
+    return roots or None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from .ipc import curve
     from .launch import serve
@@ -181,7 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              speculative=args.speculative, async_scheduling=args.async_scheduling,
                              kv_reserve=args.kv_reserve, num_speculative_tokens=args.num_speculative_tokens,
                              speculative_model=args.speculative_model, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+                             max_num_batched_tokens=args.max_num_batched_tokens, lora_roots=lora_roots(args))
         return serve_core(config, args.role, host, port, kv_transport=resolve_transport(transport),
                           kv_host=args.kv_host, kv_port=args.kv_port, keys=keys, insecure=args.insecure)
     # reasoning_effort budgets: the recipe's (in the manifest), then the flag's, over the defaults
@@ -199,7 +215,7 @@ def run_serve(args: argparse.Namespace) -> int:
                  num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
                  kv_offload=args.kv_offload, stream_interval=args.stream_interval, core_cpus=args.core_cpus,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 require_cache_salt=args.require_cache_salt)
+                 require_cache_salt=args.require_cache_salt, lora_roots=lora_roots(args))
 
 
 def _token_ids(text: str) -> list[int]:

@@ -5,6 +5,7 @@ started; this module is where the two meet."""
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import signal
 import socket
 import sys
@@ -33,6 +34,19 @@ def startup_line(info: CoreInfo, model_name: str, url: str) -> str:
             f"({kv_bytes / 2**30:.2f} GiB) = {kv_blocks} blocks x {block_size} tokens = {kv_blocks * block_size} "
             f"tokens; max_model_len {limits.max_model_len}; {info.max_seqs} sequences and {info.max_batched_tokens} "
             f"tokens a step; listening on {url}")
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The line `kiln serve` prints when it listens beyond loopback with no API key (None: it does not)."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        loopback = False
+    if loopback or api_key:
+        return None
+    return (f"kiln serve: WARNING: listening on {host} without --api-key: anyone who can reach it can run "
+            "completions on this model and read /metrics (docs/server.md, \"Exposure\"); give --api-key KEY or bind "
+            "127.0.0.1")
 
 
 def engine_options(*, num_kv_blocks: int | None = None, prefix_cache: bool = True, speculative: str | None = None,
@@ -121,7 +135,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           router_policy: str = "kv", num_speculative_tokens: int | None = None,
           speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1,
           core_cpus: list[int] | None = None, max_num_seqs: int | None = None,
-          max_num_batched_tokens: int | None = None, require_cache_salt: bool = False) -> int:
+          max_num_batched_tokens: int | None = None, require_cache_salt: bool = False,
+          lora_roots: list[str] | None = None) -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -139,7 +154,9 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     (`--core-cpus`): the CPUs the engine core computes on (several cores: disjoint slices of them); this process,
     the API server, then runs on the CPUs it may use that they were not given (threads.py). `max_num_seqs` /
     `max_num_batched_tokens` (None: the recipe's scheduler section) bound the sequences running at once and the
-    tokens of a step. `require_cache_salt`: requests without a `cache_salt` are refused (OpenAIServer)."""
+    tokens of a step. `require_cache_salt`: requests without a `cache_salt` are refused (OpenAIServer).
+    `lora_roots` (`--enable-lora-loading --lora-roots`): where clients may load adapters from (None: run-time
+    adapter loading is off)."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     check_port(host, port)  # so does a port in use
@@ -150,7 +167,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
                          cpus=core_cpus, num_kv_blocks=num_kv_blocks, prefix_cache=prefix_cache, speculative=speculative, async_scheduling=async_scheduling,
                          kv_reserve=kv_reserve, num_speculative_tokens=num_speculative_tokens,
                          speculative_model=speculative_model, kv_offload_bytes=kv_offload, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens)
+                         max_num_batched_tokens=max_num_batched_tokens, lora_roots=lora_roots)
     with contextlib.ExitStack() as stack:
         if replicas > 1:  # a KV-aware router over several replicas (runtime/disagg/router.py)
             from .disagg.router import start_replicas
@@ -182,6 +199,9 @@ def run_app(engine: AsyncLLMEngine, *, host: str, port: int, log_level: str = "i
     import uvicorn
 
     app = build_app(engine, **app_kw)
+    warning = exposure_warning(host, app_kw.get("api_key"))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     print(startup_line(engine.info, app.state.server.model_name, f"http://{host}:{port}"), flush=True)
     for line in more_lines:
         print(line, flush=True)

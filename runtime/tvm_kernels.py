@@ -28,12 +28,15 @@ spin"); the earlier finding, spinning TVM workers slowing torch's GEMMs 1.4-7.5x
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 RECORD_FILE = "build.json"
 _loaded: dict[tuple[Path, str], Library | None] = {}  # (folder, library digest) -> what loading it gave
 _mapped: dict[str, str] = {}  # library file path -> digest of the library the dynamic loader mapped from it
+_private: list[Path] = []  # this process's directory of library copies (made once, by mkdtemp)
 
 
 @dataclass
@@ -159,15 +163,42 @@ def configure_threads() -> None:
         os.environ["TVM_BIND_THREADS"] = "0"
 
 
+def _private_dir() -> Path:
+    """This process's directory for library copies: made by mkdtemp (mode 0700, a name nobody can plant in
+    advance), removed at exit, and checked to be a directory of this user that nobody else can write."""
+    if not _private:
+        _private.append(Path(tempfile.mkdtemp(prefix="kiln-tvm-")))
+        atexit.register(shutil.rmtree, _private[0], True)
+    folder = _private[0]
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{folder}: not a private directory of this user; TVM library copies are not made there")
+    return folder
+
+
+def library_to_map(library: Path, digest: str) -> Path:
+    """The file the dynamic loader is to map for `library` (build.json's `library_sha256` `digest`), its content
+    checked against the digest first (ValueError: not loaded). The loader maps a path once per process: a
+    different library recompiled at a path already mapped is loaded from a copy of the checked bytes in this
+    process's private directory instead (a copy found there with other content is replaced), so it is never
+    served the earlier one's code, nor a file another user put in a shared temp directory."""
+    data = library.read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"{library} does not match {RECORD_FILE}'s library_sha256 {digest[:16]}...: not loaded")
+    if _mapped.setdefault(str(library), digest) == digest:
+        return library
+    copy = _private_dir() / f"{digest}.so"
+    if not copy.is_file() or hashlib.sha256(copy.read_bytes()).hexdigest() != digest:
+        partial = copy.with_suffix(".partial")
+        partial.write_bytes(data)
+        os.replace(partial, copy)
+    return copy
+
+
 def _load_module(library: Path, digest: str) -> Any:
-    """Loads the library file through tvm-ffi (or the compiler's runtime when it is imported anyway). The dynamic
-    loader maps a path once per process: a different library recompiled at a path already mapped is loaded from
-    a copy named by its digest instead, so it is never served the earlier one's code."""
-    if _mapped.setdefault(str(library), digest) != digest:
-        copy = Path(tempfile.gettempdir()) / f"kiln-tvm-{digest[:32]}.so"
-        if not copy.is_file():
-            shutil.copyfile(library, copy)
-        library = copy
+    """Loads the library file (library_to_map's) through tvm-ffi (or the compiler's runtime when it is imported
+    anyway)."""
+    library = library_to_map(library, digest)
     if "tvm" in sys.modules and sys.modules["tvm"] is not None:  # the compiler is already here (compile + serve)
         return sys.modules["tvm"].runtime.load_module(str(library))
     import tvm_ffi  # first: it loads libtvm_ffi.so, which libtvm_runtime.so links against

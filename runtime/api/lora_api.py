@@ -33,15 +33,15 @@ class LoRAAdapters:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, base_card: dict[str, Any]) -> None:
         self.engine, self.model_name, self.base_card = engine, model_name, base_card
-        self.adapters: dict[str, dict[str, Any]] = {}  # name -> {"name", "path", "rank"}
+        self.adapters: dict[str, dict[str, Any]] = {}  # name -> {"name", "rank"}
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
             reply = await self.engine.call_utility(method, *args)
         except KilnRuntimeError as e:
             raise APIError(503, str(e), type="server_error") from None
-        if "error" in reply:
-            raise APIError(400, reply["error"], param="lora_name")
+        if "error" in reply:  # the core's refusal: its status (403: loading off, a path outside the roots)
+            raise APIError(reply.get("status", 400), reply["error"], param=reply.get("param", "lora_name"))
         return reply["result"]
 
     async def refresh(self) -> None:
@@ -58,7 +58,8 @@ class LoRAAdapters:
         return None if model == self.model_name else model
 
     def cards(self) -> list[dict[str, Any]]:
-        return [{**self.base_card, "id": name, "root": a["path"], "parent": self.model_name}
+        # `root` is the adapter's name, never a path on the server (vLLM shows the path it was loaded from)
+        return [{**self.base_card, "id": name, "root": name, "parent": self.model_name}
                 for name, a in self.adapters.items()]
 
 

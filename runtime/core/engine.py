@@ -48,6 +48,7 @@ class EngineCore(EngineLoRA):
     artifact `speculative_model`) drafts `num_speculative_tokens` a step (speculative/). `async_scheduling` (default: the manifest's, else on for CUDA, off for CPU) launches
     step N+1 before step N's tokens reach the host (overlap.py), so `step()` returns the deltas of the step before
     the one it launched. `kv_offload_bytes` (default: the manifest's `kv_cache.offload`): a CPU tier (kv_offload.py).
+    `lora_roots`: the directories a client's `load_lora_adapter` may read from (None: run-time loading is off).
 
     The core ends a completion on a token (stops.py); the front-end on a stop string (`finish_sequences`).
     Failures stay with the request that causes them: `add_request` checks every value a sampler tensor will
@@ -65,7 +66,8 @@ class EngineCore(EngineLoRA):
                  speculative: str | None | object = _UNSET, num_speculative_tokens: int | None = None,
                  speculative_model: str | None = None, async_scheduling: bool | None = None,
                  executor: str | None = None, grammar_max_whitespace: int | None = 8,
-                 grammar_compile_timeout: float = 10.0, kv_offload_bytes: int | None = None) -> None:
+                 grammar_compile_timeout: float = 10.0, kv_offload_bytes: int | None = None,
+                 lora_roots: list[str] | None = None) -> None:
         self.artifact = artifact if isinstance(artifact, LoadedArtifact) else load_artifact(artifact, device)
         self.model_config = cfg = self.artifact.model_config
         self.tokenizer = self.artifact.tokenizer
@@ -90,7 +92,7 @@ class EngineCore(EngineLoRA):
             self.block_manager = BlockManager(num_blocks, kv.block_size, make_prefix_cache(sched.prefix_cache))
             self.offload = attach_offload(self, kv.offload_bytes if kv_offload_bytes is None else kv_offload_bytes)
             self.scheduler = Scheduler(sched, self.block_manager, SwapSpace(self.runner.num_swap_blocks))
-            self.attach_lora()  # an artifact compiled with `lora { }`: its adapters and slots (lora.py)
+            self.attach_lora(lora_roots)  # `lora { }`: its adapters and slots; where clients may load more (lora.py)
             self.sampler = Sampler(seed, device)
             self.speculator = make_speculator(self.speculative, self.runner, self.sampler, self.artifact)
             eos = set(cfg.eos_token_ids)

@@ -329,12 +329,25 @@ class ReplicaRouter:
             r.engine.abort(request_ids)
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
-        """Runs a core utility on every live replica (LoRA adapters are loaded on all); returns the first's."""
+        """Runs a core utility on every live replica (LoRA adapters are loaded on all); returns the first's, or the
+        first refusal ({"error": ...}) or failure of any replica: a replica that refused is never hidden behind
+        another's success. A `load_lora_adapter` some replica refused is unloaded from those that took it, so
+        the replicas keep serving the same adapters."""
         live = [r.engine for r in self.replicas if r.engine.is_running]
         if not live:
             raise EngineOverloadedError(f"no replica is running ({self.dead or 'none started'})")
-        results = await asyncio.gather(*(e.call_utility(method, *args, timeout=timeout) for e in live))
-        return results[0]
+        results = await asyncio.gather(*(e.call_utility(method, *args, timeout=timeout) for e in live),
+                                       return_exceptions=True)
+        failed = [x for x in results if isinstance(x, BaseException) or (isinstance(x, dict) and "error" in x)]
+        if not failed:
+            return results[0]
+        if method == "load_lora_adapter":
+            took = [e for e, x in zip(live, results) if isinstance(x, dict) and "error" not in x]
+            await asyncio.gather(*(e.call_utility("unload_lora_adapter", args[0], timeout=timeout) for e in took),
+                                 return_exceptions=True)
+        if isinstance(failed[0], BaseException):
+            raise failed[0]
+        return failed[0]
 
     # Following the replicas ----------------------------------------------------------------------------------
     async def _follow(self, r: Replica) -> None:

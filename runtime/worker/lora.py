@@ -33,8 +33,16 @@ from typing import Any
 import torch
 
 from ..errors import KilnRuntimeError, RequestError
+from .lora_files import (
+    CONFIG_FILE,
+    CONFIG_MAX_BYTES,
+    WEIGHTS_FILE,
+    AdapterFileError,
+    confine,
+    read_bounded,
+    resolve_roots,
+)
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -163,9 +171,11 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     """The adapter's `adapter_config.json`, refused (LoRAError) where kiln would compute something else."""
     file = path / CONFIG_FILE
     try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
+        cfg = json.loads(read_bounded(file, CONFIG_MAX_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise LoRAError(f"{path}: not a PEFT adapter (no {CONFIG_FILE})") from None
+    except AdapterFileError as e:
+        raise LoRAError(str(e)) from None
     except (OSError, ValueError) as e:
         raise LoRAError(f"{file}: cannot read it: {e}") from None
     kind = cfg.get("peft_type", "LORA")
@@ -185,9 +195,18 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     for key in ("lora_bias", "use_qalora"):
         if cfg.get(key):
             raise LoRAError(f"{file}: {key} is not supported")
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"{file}: not a JSON object")
     if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
         raise LoRAError(f"{file}: r must be a positive int, got {cfg.get('r')!r}")
     return cfg
+
+
+def max_adapter_bytes(targets: Sequence[LoRATarget], max_rank: int) -> int:
+    """The most bytes a safetensors adapter that fits `targets` can take: every module of every target at
+    `max_rank` in float64, plus 16 MiB of header."""
+    elements = sum(t.num_layers * max_rank * (len(t.modules) * t.in_features + sum(t.rows)) for t in targets)
+    return 8 * elements + (16 << 20)
 
 
 def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int, dtype: torch.dtype,
@@ -197,15 +216,19 @@ def read_adapter(path: str | Path, targets: Sequence[LoRATarget], max_rank: int,
     something this artifact has no branch for: refused, naming it); ranks above `max_rank` are refused; the
     scaling (lora_alpha / r, or / sqrt(r) with use_rslora; rank_pattern / alpha_pattern per module) is folded
     into B."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     path = Path(path)
     cfg = read_adapter_config(path)
     file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise LoRAError(f"{path}: no {WEIGHTS_FILE} (kiln reads safetensors adapters)")
     try:
-        tensors = load_file(str(file))
+        data = read_bounded(file, max_adapter_bytes(targets, max_rank))
+    except FileNotFoundError:
+        raise LoRAError(f"{path}: no {WEIGHTS_FILE} (kiln reads safetensors adapters)") from None
+    except (AdapterFileError, OSError) as e:
+        raise LoRAError(str(e) if isinstance(e, AdapterFileError) else f"{file}: cannot read it: {e}") from None
+    try:
+        tensors = load(data)
     except Exception as e:  # noqa: BLE001 - a corrupt file, whatever safetensors says about it
         raise LoRAError(f"{file}: cannot read it: {e}") from None
     adaptable = sorted({mod.rsplit(".", 1)[-1] for t in targets for mod in t.modules})
@@ -467,15 +490,26 @@ def lora_request_id(manager: LoRAManager | None, name: str | None) -> int | None
         raise RequestError(f"no LoRA adapter named {name!r} (loaded: {', '.join(manager.names()) or 'none'})") from None
 
 
-def load_adapter(manager: LoRAManager | None, name: str, path: str) -> None:
+class AdapterRefused(RequestError):
+    """A refused adapter load, with the request field it is about and the HTTP status the API answers."""
+
+    def __init__(self, message: str, param: str = "lora_path", status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def load_adapter(manager: LoRAManager | None, name: str, path: str | Path, shown: str | None = None) -> None:
+    """Serves the adapter at `path` as `name` (AdapterRefused); `shown` stands for `path` in what it says."""
     if manager is None:
-        raise RequestError("this artifact was compiled without `lora { }`: it has no adapter slots")
+        raise AdapterRefused("this artifact was compiled without `lora { }`: it has no adapter slots", "lora_name")
     if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise RequestError(f"adapter name {name!r} must be letters, digits, '.', '_' or '-'")
+        raise AdapterRefused(f"adapter name {name!r} must be letters, digits, '.', '_' or '-'", "lora_name")
+    if name in manager.adapters:
+        raise AdapterRefused(f"adapter {name!r} is already loaded (unload it first)", "lora_name")
     try:
         manager.load(name, path)
     except LoRAError as e:
-        raise RequestError(str(e)) from None
+        raise AdapterRefused(str(e) if shown is None else str(e).replace(str(path), shown)) from None
 
 
 def unload_adapter(manager: LoRAManager | None, name: str, seqs) -> None:
@@ -494,10 +528,16 @@ class EngineLoRA:
     (None without), the adapter id a request names, and loading/unloading adapters between steps."""
 
     lora: LoRAManager | None = None
+    lora_roots: tuple[Path, ...] | None = None  # where clients may load adapters from (None: they may not)
 
-    def attach_lora(self) -> None:
+    def attach_lora(self, lora_roots: Sequence[str | Path] | None = None) -> None:
         """The artifact's adapters, paged into the model runner's slots; the scheduler keeps the running
-        sequences' adapters within them."""
+        sequences' adapters within them. `lora_roots` (`kiln serve --enable-lora-loading --lora-roots`): the
+        directories the `load_lora_adapter` utility may read adapters from (None: it refuses every load)."""
+        try:
+            self.lora_roots = None if lora_roots is None else resolve_roots(lora_roots)
+        except AdapterFileError as e:
+            raise RequestError(str(e)) from None
         art = self.artifact
         self.lora = lora_manager(art.manifest, art.path, art.device)
         if self.lora is not None:
@@ -514,6 +554,22 @@ class EngineLoRA:
         """Serves the PEFT adapter at `path` as `name` from the next request on (RequestError: refused)."""
         load_adapter(self.lora, name, path)
 
+    def load_client_adapter(self, name: str, path: str) -> None:
+        """`load_lora_adapter` for a client of the server: only with run-time loading on and `path` under
+        `lora_roots` (AdapterRefused, 403, otherwise); what it says names `path` as the client gave it."""
+        self.check_client_updates("lora_path")
+        try:
+            resolved = confine(path, self.lora_roots)
+        except AdapterFileError as e:
+            raise AdapterRefused(str(e), "lora_path", 403) from None
+        load_adapter(self.lora, name, resolved, shown=path)
+
+    def check_client_updates(self, param: str) -> None:
+        """AdapterRefused (403) unless clients may load and unload adapters (`lora_roots` set)."""
+        if self.lora_roots is None:
+            raise AdapterRefused("run-time LoRA adapter loading and unloading is off on this server (start it with "
+                                 "--enable-lora-loading --lora-roots DIR)", param, 403)
+
     def unload_lora_adapter(self, name: str) -> None:
         """Stops serving `name`; refused (RequestError) while a request still decodes with it."""
         unload_adapter(self.lora, name, (s for r in self.requests.values() for s in r.seqs))
@@ -524,6 +580,8 @@ def _refusal(fn):
     def call(engine, *args):
         try:
             return {"result": fn(engine, *args)}
+        except AdapterRefused as e:
+            return {"error": str(e), "param": e.param, "status": e.status}
         except RequestError as e:
             return {"error": str(e)}
     return call
@@ -531,8 +589,9 @@ def _refusal(fn):
 
 # The engine core's utilities (core_process.EngineCoreProc), what the API server's adapter endpoints call.
 LORA_UTILITIES = {
-    "list_lora_adapters": _refusal(lambda e: [{"name": a.name, "path": a.path, "rank": a.rank}
+    # no paths: a client learns nothing of the server's file system
+    "list_lora_adapters": _refusal(lambda e: [{"name": a.name, "rank": a.rank}
                                               for a in (e.lora.adapters.values() if e.lora else ())]),
-    "load_lora_adapter": _refusal(lambda e, name, path: e.load_lora_adapter(name, path)),
-    "unload_lora_adapter": _refusal(lambda e, name: e.unload_lora_adapter(name)),
+    "load_lora_adapter": _refusal(lambda e, name, path: e.load_client_adapter(name, path)),
+    "unload_lora_adapter": _refusal(lambda e, name: e.check_client_updates("lora_name") or e.unload_lora_adapter(name)),
 }

@@ -2,7 +2,12 @@
 loaded and unloaded at run time through POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,8 +25,10 @@ PROMPT = [5, 17, 33, 101, 7, 250, 9, 11]
 
 @pytest.fixture(scope="module")
 def served(adapter, compile_lora):
-    art = compile_lora("max_loras = 2; max_rank = 8", {"a": adapter(ATTENTION, seed=21)})
-    server = LiveServer(art, {"num_kv_blocks": 64})
+    """The server with run-time loading on, confined to the directory the adapters fixture writes into."""
+    path = adapter(ATTENTION, seed=21)
+    art = compile_lora("max_loras = 2; max_rank = 8", {"a": path})
+    server = LiveServer(art, {"num_kv_blocks": 64, "lora_roots": [str(path.parent)]})
     try:
         yield art, server
     finally:
@@ -64,9 +71,12 @@ def test_load_and_unload_at_run_time(served, adapter, tmp_path):
     again = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(path)},
                        timeout=30)
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
-    bad = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path)},
+    empty = path.parent / "empty"
+    empty.mkdir(exist_ok=True)
+    bad = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(empty)},
                      timeout=30)
     assert bad.status_code == 400 and "not a PEFT adapter" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "lora_path"
     assert httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "c"}, timeout=30).status_code == 400
     r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=30)
     assert r.status_code == 200, r.text
@@ -74,3 +84,81 @@ def test_load_and_unload_at_run_time(served, adapter, tmp_path):
     gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=30)
     assert gone.status_code == 404
     assert _complete(server.url, "a").status_code == 200  # the others are unaffected
+
+
+def _load(url: str, name: str, path) -> httpx.Response:
+    return httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+
+
+def test_models_show_no_server_paths(served):
+    _, server = served
+    text = httpx.get(f"{server.url}/v1/models", timeout=10).text
+    card = next(m for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"] if m["id"] == "a")
+    assert card["root"] == "a"
+    assert str(Path(tempfile.gettempdir())) not in text and "adapter-" not in text
+
+
+def test_loads_outside_the_roots_are_refused(served, adapter, tmp_path):
+    """A path outside --lora-roots, a symlink inside them leading out, and an adapter whose files link out:
+    403, nothing loaded, and the refusal does not show where the links lead."""
+    _, server = served
+    root = adapter(ATTENTION, seed=21).parent
+    outside = tmp_path / "outside"
+    shutil.copytree(adapter(ATTENTION_MLP, seed=22), outside)
+    (root / "escape").unlink(missing_ok=True)
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    linked = root / "linked-files"
+    linked.mkdir(exist_ok=True)
+    for f in outside.iterdir():
+        (linked / f.name).unlink(missing_ok=True)
+        (linked / f.name).symlink_to(f)
+    for path in (outside, root / "escape", linked, root / ".." / outside.name, "../" * 20 + "etc"):
+        r = _load(server.url, "x", path)
+        assert r.status_code == 403, (path, r.text)
+        assert "--lora-roots" in r.json()["error"]["message"] and r.json()["error"]["param"] == "lora_path"
+        if path != outside:  # the path as given, never where its links lead
+            assert str(outside) not in r.json()["error"]["message"]
+    assert "x" not in [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]]
+
+
+def test_fifo_and_dev_zero_adapters_are_refused_at_once(served, adapter):
+    """A FIFO adapter_config.json would block the core's loop for ever, a /dev/zero weights file fill its memory;
+    both are refused within seconds and the completions beside them are served."""
+    _, server = served
+    root = adapter(ATTENTION, seed=21).parent
+    fifo_dir, zero_dir = root / "fifo", root / "zero"
+    for d in (fifo_dir, zero_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(adapter(ATTENTION_MLP, seed=22), fifo_dir)
+    (fifo_dir / "adapter_config.json").unlink()
+    os.mkfifo(fifo_dir / "adapter_config.json")
+    shutil.copytree(adapter(ATTENTION_MLP, seed=22), zero_dir)
+    (zero_dir / "adapter_model.safetensors").unlink()
+    (zero_dir / "adapter_model.safetensors").symlink_to("/dev/zero")
+    before = time.monotonic()
+    base = server.server_state.model_name
+    with ThreadPoolExecutor(3) as pool:
+        fifo = pool.submit(_load, server.url, "fifo", fifo_dir)
+        zero = pool.submit(_load, server.url, "zero", zero_dir)
+        done = pool.submit(_complete, server.url, base)
+        fifo, zero, done = fifo.result(), zero.result(), done.result()
+    assert time.monotonic() - before < 10
+    assert fifo.status_code == 400 and "not a regular file" in fifo.json()["error"]["message"], fifo.text
+    assert fifo.json()["error"]["param"] == "lora_path"
+    assert zero.status_code == 403 and "links outside" in zero.json()["error"]["message"], zero.text
+    assert done.status_code == 200 and _complete(server.url, "a").status_code == 200
+
+
+def test_run_time_loading_is_off_by_default(adapter, compile_lora):
+    path = adapter(ATTENTION, seed=21)
+    art = compile_lora("max_loras = 2; max_rank = 8", {"a": path})
+    server = LiveServer(art, {"num_kv_blocks": 64})
+    try:
+        r = _load(server.url, "b", adapter(ATTENTION_MLP, seed=22))
+        assert r.status_code == 403 and "--enable-lora-loading" in r.json()["error"]["message"], r.text
+        assert [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]][1:] == ["a"]
+        gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=30)
+        assert gone.status_code == 403 and "--enable-lora-loading" in gone.json()["error"]["message"], gone.text
+        assert _complete(server.url, "a").status_code == 200  # compiled-in adapters are served as before
+    finally:
+        server.stop()

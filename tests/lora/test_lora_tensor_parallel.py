@@ -143,7 +143,7 @@ def test_server_loads_and_unloads_adapters_on_gloo_ranks_while_serving(adapters,
     from live_server import LiveServer
 
     art = compile_tp("tp = 2")  # no compiled-in adapters
-    server = LiveServer(art, {"num_kv_blocks": 64})
+    server = LiveServer(art, {"num_kv_blocks": 64, "lora_roots": [str(adapters["a"].parent)]})
     try:
         base = server.server_state.model_name
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,9 @@ from ..batch import cdiv
 
 EAGLE_DIR = "eagle"  # the head's checkpoint inside an artifact (config.json, model.safetensors)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# pytorch_model.bin is a pickle: read only with torch.load(weights_only=True), which before torch 2.6 could still
+# run code from a crafted file (CVE-2025-32434); the package floor is lower, so older torches refuse the file
+PICKLE_SAFE_TORCH = (2, 6)
 _LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
           "mlp.up_proj", "mlp.down_proj")
 
@@ -63,10 +67,21 @@ def head_shape(path: str | Path) -> EagleShape:
                       float(cfg.get("rope_theta") or rope_cfg.get("rope_theta") or 10000.0))
 
 
+def pickle_safe_torch(version: str) -> bool:
+    """Whether torch `version`'s torch.load(weights_only=True) is safe on an untrusted file (>= 2.6)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= PICKLE_SAFE_TORCH
+
+
 def weights_file(path: Path) -> Path:
+    """The checkpoint's weights file (ValueError: none, or a pickle this torch cannot read safely)."""
     file = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
     if file is None:
         raise ValueError(f"EAGLE checkpoint {path}: no weights ({' or '.join(WEIGHT_FILES)})")
+    if file.suffix == ".bin" and not pickle_safe_torch(torch.__version__):
+        raise ValueError(f"EAGLE checkpoint {path}: {file.name} is a pickle, and torch {torch.__version__}'s "
+                         "torch.load(weights_only=True) can run code from a crafted one (CVE-2025-32434, fixed in "
+                         "torch 2.6); upgrade torch to >= 2.6 or convert the head to model.safetensors")
     return file
 
 
