@@ -46,6 +46,7 @@ from .responses import ResponsesRequest, ResponseStore, as_responses_error, new_
 from .streaming import SSEResponse, respond, until_disconnect
 
 _LONG_PROMPT_CHARS = 8192  # tokenized (chat templates: rendered) off the event loop beyond this
+MAX_MESSAGES = 4096  # a chat (a response's history and input) longer than this is refused before rendering
 GRAMMAR_CHECK_TIMEOUT_S = 5.0  # validating a response_format (off the loop) may take this long, else a 400
 _Req = TypeVar("_Req", bound=BaseModel)
 _T = TypeVar("_T")
@@ -126,6 +127,14 @@ class OpenAIServer:
                            param="model", code="model_not_found")
         parsed.check_supported()
         return parsed
+
+    @staticmethod
+    def check_num_messages(num_messages: int, param: str = "messages") -> None:
+        """400 for more than MAX_MESSAGES messages, before anything is converted or rendered (a template's
+        work grows with the messages, even empty ones)."""
+        if num_messages > MAX_MESSAGES:
+            raise APIError(400, f"the conversation has {num_messages} messages; at most {MAX_MESSAGES} are "
+                           "accepted", param=param, code="too_many_messages")
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
@@ -255,6 +264,7 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
                            "token ids", param=param)
+        self.check_num_messages(len(chat), param)
         messages = [m.for_template(i) for i, m in enumerate(chat)]
         num_chars = sum(len(m["content"]) for m in messages)  # a template adds to the text, never cuts it
         self.check_prompt_chars(num_chars, param)
@@ -297,6 +307,7 @@ class OpenAIServer:
                 raise APIError(404, f"Previous response with id {rreq.previous_response_id!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = previous.messages
+        self.check_num_messages(len(history) + (len(rreq.input) if isinstance(rreq.input, list) else 1))
         req = rreq.chat_request(history)
         params = self.engine_params(req)
         self.check_admissible(1, params, req)
