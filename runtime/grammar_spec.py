@@ -14,6 +14,10 @@ from typing import Any
 from .errors import RequestError
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
+# The longest spec (schema JSON, pattern, EBNF) a request may carry. xgrammar's conversion grows faster than
+# the text (a 260 KB nested schema converts in about 1 s, an 820 KB one in 36 s), so a larger one could not
+# compile within the core's compile_timeout: it is refused before any work.
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 class GrammarError(RequestError):
@@ -34,6 +38,9 @@ class GrammarSpec:
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise GrammarError(f"unknown grammar kind {self.kind!r} (known: {', '.join(GRAMMAR_KINDS)})")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"the {self.kind} is {len(self.spec)} characters long, over the limit of "
+                               f"{MAX_GRAMMAR_CHARS}; simplify it")
 
     @property
     def key(self) -> tuple[str, str, bool]:

@@ -39,6 +39,7 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
         finally:
             await server.async_engine.shutdown()
             server.text_pool.shutdown(wait=False, cancel_futures=True)
+            server.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

@@ -35,14 +35,29 @@ def resolve_parsers(tokenizer: Any, tool_parser: str | None = None,
             get_reasoning_parser(reasoning_name) if reasoning_name not in (None, "none") else None)
 
 
-def validated_grammar(response_format: dict | None) -> GrammarSpec | None:
-    """`response_format` as a GrammarSpec that xgrammar can convert (PlanError otherwise)."""
+def requested_grammar(response_format: dict | None) -> GrammarSpec | None:
+    """`response_format` as a GrammarSpec, not yet validated: cheap (GrammarSpec bounds its size); PlanError for a
+    malformed or oversized one."""
     try:
-        spec = grammar_spec_from_response_format(response_format)
-        if spec is not None:
-            validate(spec)
+        return grammar_spec_from_response_format(response_format)
     except GrammarError as e:
         raise PlanError(str(e), "response_format") from None
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """PlanError unless xgrammar can convert `spec`: the costly part (seconds for a big schema), which the
+    server runs off its event loop (serving.OpenAIServer.grammar)."""
+    try:
+        validate(spec)
+    except GrammarError as e:
+        raise PlanError(str(e), "response_format") from None
+
+
+def validated_grammar(response_format: dict | None) -> GrammarSpec | None:
+    """`response_format` as a GrammarSpec that xgrammar can convert (PlanError otherwise)."""
+    spec = requested_grammar(response_format)
+    if spec is not None:
+        check_grammar(spec)
     return spec
 
 
@@ -78,11 +93,12 @@ class RequestPlan:
 
 
 def plan_chat(req: Any, prompt: str, tokenizer: Any, tool_parser: ToolParser | None,
-              reasoning_parser: ReasoningParser | None, efforts: dict[str, int] | None = None) -> RequestPlan:
+              reasoning_parser: ReasoningParser | None, efforts: dict[str, int] | None = None,
+              grammar: GrammarSpec | None = None) -> RequestPlan:
     """The plan of a ChatCompletionRequest whose rendered prompt is `prompt`; `efforts` maps reasoning_effort to
     a thinking budget (the server's table: thinking.EFFORT_BUDGETS with the recipe's and the flag's
-    overrides)."""
-    plan = RequestPlan(grammar=validated_grammar(req.response_format))
+    overrides); `grammar`: the request's response_format as the caller validated it (validated_grammar)."""
+    plan = RequestPlan(grammar=grammar)
     tools = req.tools or None
     choice = req.tool_choice
     if tools and choice != "none":

@@ -21,12 +21,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from ..errors import KilnRuntimeError, RequestError
+from ..grammar_spec import GrammarSpec
 from ..ipc.protocol import CoreInfo
 from ..sampling_params import SamplingParams
 from ..thinking import effort_budgets
 from ..tokenizer import token_text
 from .async_engine import AsyncLLMEngine, PromptInput, RequestGroup
-from .chat_plan import PlanError, RequestPlan, plan_chat, resolve_parsers, validated_grammar
+from .chat_plan import PlanError, RequestPlan, check_grammar, plan_chat, requested_grammar, resolve_parsers
 from .chat_template import render_chat as render_template
 from .formatters import ChatFormatter, CompletionFormatter, ResponsesFormatter
 from .lora_api import LoRAAdapters
@@ -45,6 +46,8 @@ from .responses import ResponsesRequest, ResponseStore, as_responses_error, new_
 from .streaming import SSEResponse, respond, until_disconnect
 
 _LONG_PROMPT_CHARS = 8192  # tokenized (chat templates: rendered) off the event loop beyond this
+MAX_MESSAGES = 4096  # a chat (a response's history and input) longer than this is refused before rendering
+GRAMMAR_CHECK_TIMEOUT_S = 5.0  # validating a response_format (off the loop) may take this long, else a 400
 _Req = TypeVar("_Req", bound=BaseModel)
 _T = TypeVar("_T")
 
@@ -88,6 +91,7 @@ class OpenAIServer:
         engine.observer = self.metrics
         self.created = int(time.time())
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-tokenize")
+        self.grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-grammar-check")
         self.lora = LoRAAdapters(engine, model_name, self.model_card())  # `model` naming an adapter (lora_api.py)
         self.tool_parser, self.reasoning_parser = resolve_parsers(engine.tokenizer, tool_parser, reasoning_parser)
         self.reasoning_efforts = effort_budgets(reasoning_efforts)
@@ -126,6 +130,14 @@ class OpenAIServer:
                            param="model", code="model_not_found")
         parsed.check_supported()
         return parsed
+
+    @staticmethod
+    def check_num_messages(num_messages: int, param: str = "messages") -> None:
+        """400 for more than MAX_MESSAGES messages, before anything is converted or rendered (a template's
+        work grows with the messages, even empty ones)."""
+        if num_messages > MAX_MESSAGES:
+            raise APIError(400, f"the conversation has {num_messages} messages; at most {MAX_MESSAGES} are "
+                           "accepted", param=param, code="too_many_messages")
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
@@ -200,11 +212,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         req = await self.parse(request, CompletionRequest)
         params = self.engine_params(req)
-        try:
-            plan = RequestPlan(grammar=validated_grammar(req.response_format))
-        except PlanError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        params = self.planned(params, plan)
+        params = self.planned(params, RequestPlan(grammar=await self.grammar(req.response_format)))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = req.prompts()
         self.check_admissible(len(prompts), params, req)
@@ -222,18 +230,34 @@ class OpenAIServer:
         self.check_admissible(1, params, req)
         text = await self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
                                       tools=req.tools)
-        params, plan = self.plan_chat_request(req, text, params)
+        params, plan = self.plan_chat_request(req, text, params, await self.grammar(req.response_format))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [ids] = await self.encode([text], add_special_tokens=False, param="messages")
         group = await self.submit([PromptInput(request_id, ids, text)], params, req)
         return await respond(request, ChatFormatter(self, req, request_id, group, plan))
 
-    def plan_chat_request(self, req: ChatCompletionRequest, text: str,
-                          params: SamplingParams) -> tuple[SamplingParams, RequestPlan]:
-        """response_format, tools and thinking (chat_plan.py) as the request's grammar and thinking budget."""
+    async def grammar(self, response_format: dict | None) -> GrammarSpec | None:
+        """`response_format`'s grammar, validated on `grammar_pool` (seconds for a big schema: never on the event
+        loop) within GRAMMAR_CHECK_TIMEOUT_S; an oversized, invalid or too slow one is a 400."""
+        try:
+            spec = requested_grammar(response_format)
+            if spec is not None:
+                work = asyncio.get_running_loop().run_in_executor(self.grammar_pool, check_grammar, spec)
+                await asyncio.wait_for(work, GRAMMAR_CHECK_TIMEOUT_S)
+        except PlanError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except TimeoutError:
+            raise APIError(400, f"validating response_format took longer than {GRAMMAR_CHECK_TIMEOUT_S:g} s; "
+                           "simplify the schema", param="response_format") from None
+        return spec
+
+    def plan_chat_request(self, req: ChatCompletionRequest, text: str, params: SamplingParams,
+                          grammar: GrammarSpec | None) -> tuple[SamplingParams, RequestPlan]:
+        """response_format (`grammar`, validated), tools and thinking (chat_plan.py) as the request's grammar
+        and thinking budget."""
         try:
             plan = plan_chat(req, text, self.tokenizer, self.tool_parser, self.reasoning_parser,
-                             self.reasoning_efforts)
+                             self.reasoning_efforts, grammar=grammar)
         except PlanError as e:
             raise APIError(400, str(e), param=e.param) from None
         return self.planned(params, plan), plan
@@ -247,6 +271,7 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions with "
                            "token ids", param=param)
+        self.check_num_messages(len(chat), param)
         messages = [m.for_template(i) for i, m in enumerate(chat)]
         num_chars = sum(len(m["content"]) for m in messages)  # a template adds to the text, never cuts it
         self.check_prompt_chars(num_chars, param)
@@ -289,11 +314,12 @@ class OpenAIServer:
                 raise APIError(404, f"Previous response with id {rreq.previous_response_id!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = previous.messages
+        self.check_num_messages(len(history) + (len(rreq.input) if isinstance(rreq.input, list) else 1))
         req = rreq.chat_request(history)
         params = self.engine_params(req)
         self.check_admissible(1, params, req)
         text = await self.render_chat(req.messages, True, None)
-        params, plan = self.plan_chat_request(req, text, params)  # text.format is chat's response_format
+        params, plan = self.plan_chat_request(req, text, params, await self.grammar(req.response_format))
         response_id = new_response_id()
         [ids] = await self.encode([text], add_special_tokens=False, param="messages")
         group = await self.submit([PromptInput(response_id, ids, text)], params, req)

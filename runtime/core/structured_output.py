@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,14 +93,18 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Seq[int]) ->
 
 class GrammarBackend:
     """One per served model: xgrammar's compiler over the model's vocabulary, a bounded LRU of compiled
-    grammars (and of failures, so a bad schema fails fast the next time), and a thread pool that compiles off
-    the engine's step loop (xgrammar releases the GIL while compiling). A compile that exceeds
-    `compile_timeout` fails its request with a GrammarError; the thread cannot be cancelled and finishes in
-    the background, its result cached (vLLM #14151 is this trap: keep `max_workers` small)."""
+    grammars (and of failures, so a bad schema fails fast the next time), and compile threads off the engine's
+    step loop (xgrammar releases the GIL while compiling). A compile that exceeds `compile_timeout` fails its
+    request with a GrammarError; the thread cannot be cancelled and finishes in the background, its result
+    cached (vLLM #14151 is this trap: keep `max_workers` small).
+
+    At most `max_workers` compiles run within their time; one that overruns `compile_timeout` gives its slot
+    back to the queue (up to `max_overdue` overrunning at once), so slow grammars — one client's 1.7 MB
+    schemas — cannot hold every slot while quick ones wait behind them past their own timeout."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Seq[int], *, cache_size: int = 128,
                  max_whitespace: int | None = 8, compile_timeout: float = 10.0, max_workers: int = 2,
-                 compile_threads: int = 2) -> None:
+                 compile_threads: int = 2, max_overdue: int | None = None) -> None:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
@@ -114,7 +118,12 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple, Any] = OrderedDict()  # key -> CompiledGrammar | GrammarError
         self._inflight: dict[tuple, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kiln-grammar")
+        self.max_workers = max_workers
+        self.max_overdue = max_workers if max_overdue is None else max_overdue
+        self._compile_queue: deque[tuple[GrammarSpec, Future]] = deque()  # waiting for a slot
+        self._running = 0  # compiles holding a slot (within their time)
+        self._overdue = 0  # compiles past compile_timeout that gave their slot back
+        self._closed = False
 
     # Compilation ---------------------------------------------------------------------------------------------
     def _compile_now(self, spec: GrammarSpec) -> Any:
@@ -171,8 +180,51 @@ class GrammarBackend:
                 return done
             future = self._inflight.get(key)
             if future is None:
-                future = self._inflight[key] = self._pool.submit(self._run, spec)
+                future = self._inflight[key] = Future()
+                self._compile_queue.append((spec, future))
+                self._dispatch()
             return future
+
+    # Compile slots (called with self._lock held) --------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while self._compile_queue and self._running < self.max_workers and not self._closed:
+            spec, future = self._compile_queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                self._inflight.pop(spec.key, None)
+                continue
+            self._running += 1
+            threading.Thread(target=self._work, args=(spec, future), name="kiln-grammar", daemon=True).start()
+
+    def _work(self, spec: GrammarSpec, future: Future) -> None:
+        state = {"done": False, "overdue": False}
+        timer = threading.Timer(self.compile_timeout, self._overrun, args=(state,))
+        timer.daemon = True
+        timer.start()
+        try:
+            future.set_result(self._run(spec))
+        except Exception as e:  # the waiting requests get it; a GrammarError is cached by _run, others are not
+            with self._lock:
+                self._inflight.pop(spec.key, None)
+            future.set_exception(e)
+        finally:
+            timer.cancel()
+            with self._lock:
+                state["done"] = True
+                if state["overdue"]:
+                    self._overdue -= 1
+                else:
+                    self._running -= 1
+                self._dispatch()
+
+    def _overrun(self, state: dict[str, bool]) -> None:
+        """The compile ran past compile_timeout: its slot goes to the next queued grammar."""
+        with self._lock:
+            if state["done"] or self._overdue >= self.max_overdue:
+                return
+            state["overdue"] = True
+            self._overdue += 1
+            self._running -= 1
+            self._dispatch()
 
     def result(self, future: Future, timeout: float | None = None) -> Any:
         """Waits for `compile_async`'s future at most `timeout` (default `compile_timeout`) seconds."""
@@ -188,7 +240,11 @@ class GrammarBackend:
         return self.result(self.compile_async(spec), timeout)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            queued, self._compile_queue = self._compile_queue, deque()
+        for _, future in queued:
+            future.cancel()
 
     # Per-sequence state --------------------------------------------------------------------------------------
     def matcher(self, compiled: Any) -> Any:

@@ -332,3 +332,32 @@ def test_a_request_larger_than_the_kv_pool_is_a_400_not_a_503(make_server):
     ok = httpx.post(server.url + COMPLETIONS, json={"model": "small-pool", "prompt": [1, 2, 3], "max_tokens": 4})
     assert ok.status_code == 200
     server.wait_idle()
+
+
+def test_a_huge_message_array_is_refused_before_it_is_rendered(live_server):
+    """Issue 29 item 11: 200k-500k empty messages were rendered by the chat template (seconds on the event loop)
+    before anything refused them. More than serving.MAX_MESSAGES messages are a 400 before any rendering, on
+    chat, /v1/responses (its input plus the stored history) and /tokenize; as many as the limit are rendered."""
+    from kiln.runtime.api.serving import MAX_MESSAGES
+
+    many = [{"role": "user", "content": ""}] * 100_000
+    cases = [("/v1/chat/completions", {"model": "standin", "messages": many, "max_tokens": 1}, "messages"),
+             ("/v1/responses", {"model": "standin", "input": many, "max_output_tokens": 1}, "input"),
+             ("/tokenize", {"model": "standin", "messages": many}, "messages")]
+    for path, body, param in cases:
+        content = json.dumps(body).encode()
+        start = time.monotonic()
+        r = httpx.post(live_server.url + path, content=content, headers={"content-type": "application/json"},
+                       timeout=60)
+        took = time.monotonic() - start
+        assert r.status_code == 400, (path, r.text[:300])
+        error = r.json()["error"]
+        assert error["code"] == "too_many_messages" and error["param"] == param, (path, error)
+        assert "has 100000" in error["message"] and took < 3, (path, took, error)
+    at_limit = [{"role": "user", "content": ""}] * MAX_MESSAGES
+    r = httpx.post(live_server.url + "/tokenize", json={"model": "standin", "messages": at_limit}, timeout=60)
+    # rendered, and then too long for the stand-in's 256-token context: the count let it through
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    r = httpx.post(live_server.url + "/tokenize", json={"model": "standin", "messages": at_limit + at_limit[:1]},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages", r.text[:300]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -393,4 +394,66 @@ def test_a_grammar_compile_timeout_is_a_500_and_an_invalid_schema_a_400(server):
     ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": MESSAGES, "max_tokens": 8, "response_format": {"type": "regex", "regex": "ok[0-9]"}})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].startswith("ok")
+    server.wait_idle()
+
+
+def _nested_schema(width: int, depth: int, inner: dict) -> dict:
+    """`depth` nested objects of `width` integer properties each, `inner` at the bottom: xgrammar's conversion
+    of it takes seconds and fails only when it reaches an invalid `inner`."""
+    schema = inner
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {**{f"p{i}": {"type": "integer"} for i in range(width)},
+                                                   "child": schema}, "required": ["child"]}
+    return schema
+
+
+def test_huge_schemas_beside_a_stream_leave_it_flowing_and_an_oversized_one_is_a_400_at_once(server):
+    """Issue 29 item 10: response_format was validated on the API server's event loop, so four big schemas
+    (seconds of xgrammar work each) froze every stream. They are validated on a pool of their own now, and a
+    schema over grammar_spec.MAX_GRAMMAR_CHARS is refused before any work."""
+    from kiln.runtime.grammar_spec import MAX_GRAMMAR_CHARS
+
+    url = server.url + "/v1/chat/completions"
+    big = _schema_format(_nested_schema(300, 25, {"type": "wizard"}))  # about 216 KB: under the limit
+    assert len(json.dumps(big)) < MAX_GRAMMAR_CHARS
+    oversized = _schema_format(_nested_schema(300, 95, {"type": "string"}))  # about 820 KB: 36 s to convert
+    def huge(fmt: dict) -> tuple[int, dict, float]:
+        body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "response_format": fmt})
+        start = time.monotonic()
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=120)
+        return r.status_code, r.json(), time.monotonic() - start
+
+    status, body, took = huge(oversized)
+    assert status == 400 and body["error"]["param"] == "response_format", body
+    assert "over the limit" in body["error"]["message"] and took < 1.0, (took, body)
+    gaps: list[float] = []
+    ended: list[float] = []
+    with server.slow_steps(0.03):
+        def stream() -> None:
+            body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                last = None
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.monotonic()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+            ended.append(time.monotonic())
+
+        with ThreadPoolExecutor(6) as pool:
+            streaming = pool.submit(stream)
+            time.sleep(0.5)  # the stream is under way
+            bigs = [pool.submit(huge, big) for _ in range(4)]
+            status, body, _ = pool.submit(huge, oversized).result()
+            assert status == 400 and "over the limit" in body["error"]["message"], body
+            for f in bigs:
+                status, body, _ = f.result()
+                assert status == 400 and body["error"]["param"] == "response_format", body
+                assert any(w in body["error"]["message"] for w in ("wizard", "took longer")), body
+            validated = time.monotonic()
+            streaming.result()
+    assert ended[0] > validated, "the stream ended before the schemas were validated: nothing was measured"
+    assert len(gaps) >= 50, len(gaps)
+    assert max(gaps) < 1.0, sorted(gaps)[-5:]
     server.wait_idle()

@@ -157,6 +157,32 @@ def test_concurrent_requests_share_one_compile_and_a_slow_one_times_out(tok, mon
         b.close()
 
 
+def test_slow_grammars_give_their_compile_slots_back_after_the_timeout(tok, monkeypatch):
+    """Issue 29 item 10: two slow grammars (one client's huge schemas) held both compile workers, and a quick
+    grammar queued behind them timed out without starting. Past compile_timeout a slow compile gives its slot
+    back, so the quick one compiles within its own time; the slow ones still finish (and are cached)."""
+    b = GrammarBackend(tok, V, [1, 4], compile_timeout=0.3, max_workers=2)
+    try:
+        release = threading.Event()
+        real = b._compile_now
+        monkeypatch.setattr(b, "_compile_now",
+                            lambda spec: (spec.kind == "json_schema" and release.wait(10), real(spec))[1])
+        slow = [b.compile_async(GrammarSpec.json_schema({**SCHEMA, "title": f"s{i}"})) for i in range(2)]
+        start = time.monotonic()
+        quick = b.compile_async(GrammarSpec.regex("a+"))
+        b.result(quick, timeout=3)
+        assert time.monotonic() - start < 1.5, "the quick grammar waited for the slow ones"
+        assert not any(f.done() for f in slow)
+        # a third slow grammar once the overrun ones fill max_overdue: it waits for a slot, it is not lost
+        third = b.compile_async(GrammarSpec.json_schema({**SCHEMA, "title": "s2"}))
+        release.set()
+        for f in [*slow, third]:
+            b.result(f, timeout=10)
+        assert b._running == 0 and b._overdue == 0
+    finally:
+        b.close()
+
+
 # Per-sequence state ----------------------------------------------------------------------------------------------
 
 def _json_tokens(tok, text: str) -> list[int]:

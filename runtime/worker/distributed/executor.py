@@ -388,15 +388,16 @@ class ProcessMeshExecutor(MeshExecutor):
                 raise KilnRuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} RANK={os.environ['RANK']}: this "
                                        f"artifact has {world} ranks and the engine runs rank 0")
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-        else:
-            host, port = "127.0.0.1", 0
+            listen_fd = None
+        else:  # TCPStore's server listens on every interface whatever `host` says: the local ranks' store gets
+            host, (listen_fd, port) = "127.0.0.1", _loopback_listener()  # a socket bound to loopback instead
         startup = _env_float("KILN_DIST_STARTUP_TIMEOUT", STARTUP_TIMEOUT_S)
         import datetime
 
         # torchrun's agent may host the store itself (TORCHELASTIC_USE_AGENT_STORE): then every rank is its client
         agent_store = external and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         self.store = dist.TCPStore(host, port, world, not agent_store, datetime.timedelta(seconds=startup),
-                                   wait_for_workers=False)
+                                   wait_for_workers=False, master_listen_fd=listen_fd)
         if not external:
             for rank in range(1, world):
                 self.procs[rank] = self._spawn(rank, self.store.port)
@@ -580,3 +581,14 @@ def _shutdown_quietly(stop) -> None:
         stop()
     except Exception:  # at interpreter exit, best effort
         pass
+
+
+def _loopback_listener() -> tuple[int, int]:
+    """(file descriptor, port) of a TCP socket listening on 127.0.0.1, the descriptor the caller's from now on."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return sock.detach(), port
