@@ -150,7 +150,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     replicas (cores, each with its own ranks for a parallel artifact, or pairs) behind a KV-aware router
     (runtime/disagg/router.py; `router_policy` "round_robin" for A/B measurements). `kv_offload`: bytes of the CPU
     offload tier (None: the recipe's; 0: none; runtime/core/kv_offload.py). `stream_interval`: a stream's tokens are
-    sent every that many (its first and last at once; core_process.StreamCoalescer). `core_cpus`
+    sent every that many (its first and last at once; core/process.py: StreamCoalescer). `core_cpus`
     (`--core-cpus`): the CPUs the engine core computes on (several cores: disjoint slices of them); this process,
     the API server, then runs on the CPUs it may use that they were not given (threads.py). `max_num_seqs` /
     `max_num_batched_tokens` (None: the recipe's scheduler section) bound the sequences running at once and the

@@ -188,7 +188,7 @@ class AsyncLLMEngine:
         return self.client is not None and self.dead is None and not self._closing
 
     async def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
-        """Runs a named core utility (core_process.EngineCoreProc.register_utility) between two steps."""
+        """Runs a named core utility (core/process.py: EngineCoreProc.register_utility) between two steps."""
         reply = await self._call(UtilityCall(next(self._call_ids), method, list(args)), timeout)
         if reply.error is not None:
             raise KilnRuntimeError(f"utility {method!r} failed in the engine core: {reply.error}")

@@ -1,6 +1,6 @@
 """The front-end half of a request: detokenizing, stop strings and decoded logprobs over the core's token deltas.
 
-The engine core sends token ids (core_protocol.SeqDelta); this turns them into text, cuts the text at the
+The engine core sends token ids (ipc/protocol.py: SeqDelta); this turns them into text, cuts the text at the
 first stop string (and tells the caller which completions that ended, so the core stops computing them), and
 keeps each completion's state so that either a snapshot (`RequestOutput`, what `LLMEngine.step()` and
 `LLM.generate` return) or the new part since the previous call (`RequestDelta`, what the server streams) can

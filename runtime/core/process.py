@@ -1,6 +1,6 @@
 """The engine-core process: an EngineCore served over the engine-core protocol (ipc/protocol.py) on pyzmq.
 
-`python -m kiln.runtime.core.process --config JSON --ready-fd N` (started by core_client.CoreProcess): loads
+`python -m kiln.runtime.core.process --config JSON --ready-fd N` (started by ipc/client.py: CoreProcess): loads
 the artifact, writes `Ready` (or `StartupFailed`) to the pipe `N`, then loops: take every message waiting
 (blocking only while idle), step the engine, send each client the step's deltas for its requests. Request ids
 are namespaced per client (`client␟id`), so several API servers can share one core; each client's outputs go

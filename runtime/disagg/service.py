@@ -29,7 +29,7 @@ from .transport import TRANSFER_BUCKETS
 
 logger = logging.getLogger(__name__)
 
-SEP = "\x1f"  # core_process.SEP (not imported: that module binds sockets at import time of its users)
+SEP = "\x1f"  # core/process.py: SEP (not imported: that module binds sockets at import time of its users)
 REMOTE_PREFILL = ("always", "never", "auto")
 # the cores' plugins (plugins.py), by spec: this process never imports them (they load torch)
 DECODE_PLUGIN = "kiln.runtime.disagg.plugins:decode_plugin"

@@ -36,12 +36,12 @@ class RequestLimits(msgspec.Struct, frozen=True):
 
 
 class CoreConfig(msgspec.Struct, kw_only=True):
-    """How a launcher starts a core (core_process.main). `engine` holds EngineCore keyword arguments;
+    """How a launcher starts a core (core/process.py: main). `engine` holds EngineCore keyword arguments;
     `num_threads` the core's intra-op threads (threads.py: None = every core this process may run on); `cpus`
     the CPUs the core pins itself to before it loads anything (None: the mask it inherits);
     `max_waiting` the sequences queued or preempted before an add is refused as overloaded; `stream_interval`
     how many new tokens of a completion the core holds back before it sends them (its first token and its end
-    are sent at once; 1: every step's, see core_process.StreamCoalescer); `plugins`
+    are sent at once; 1: every step's, see core/process.py: StreamCoalescer); `plugins`
     "module:function" or "/path/file.py:function" callables run with the EngineCoreProc before it serves
     (extensions, test hooks); `plugin_options` their settings, by plugin (e.g. runtime/disagg's "disagg": the KV
     transport and the address its receiver binds, for a core serving one role on the network)."""

@@ -587,7 +587,7 @@ def _refusal(fn):
     return call
 
 
-# The engine core's utilities (core_process.EngineCoreProc), what the API server's adapter endpoints call.
+# The engine core's utilities (core/process.py: EngineCoreProc), what the API server's adapter endpoints call.
 LORA_UTILITIES = {
     # no paths: a client learns nothing of the server's file system
     "list_lora_adapters": _refusal(lambda e: [{"name": a.name, "rank": a.rank}
