@@ -8,7 +8,9 @@ to its own PUSH socket. A heartbeat thread tells every client the core is alive 
 `heartbeat_interval`; a client silent for `client_timeout` is dropped and its requests aborted. A message that
 is malformed (not two frames, a client without a name of its own, a payload that does not decode, a `Hello` whose
 output address is no endpoint) or from a client that did not say `Hello` is dropped and logged (DropLog: once per
-kind, then at most once a minute); nothing a client sends stops the loop. The input socket refuses a second
+kind, then at most once a minute; droplog.py); nothing a client sends stops the loop. A utility whose work would hold
+the loop (an adapter's file reads) returns a `Deferred` (deferred.py): the loop goes on stepping and answers the
+call once that work, on a thread, is done. The input socket refuses a second
 connection under a name in use (no ROUTER_HANDOVER), so no one takes a live client's name. The process
 dies with its parent (PR_SET_PDEATHSIG, and a parent check on every heartbeat) and ignores SIGINT: the API
 server that owns it decides when it stops.
@@ -32,6 +34,8 @@ import msgspec
 import zmq
 
 from .. import threads
+from ..deferred import Deferred
+from ..droplog import DropLog
 from ..errors import KilnRuntimeError, RequestError
 from ..ipc import curve
 from ..ipc.protocol import (
@@ -57,7 +61,7 @@ from ..ipc.protocol import (
     encode,
 )
 from ..worker.interface import ExecutorError
-from ..worker.lora import LORA_UTILITIES
+from ..worker.lora_loads import LORA_UTILITIES
 from .sequence import SequenceStatus
 from .stats import KV_BLOCK_FIELDS
 
@@ -118,27 +122,6 @@ class StreamCoalescer:
             del self.streams[request_id]
 
 
-class DropLog:
-    """Logs the messages the core drops: the first of each kind at once, then at most one line a kind every `every`
-    seconds, saying how many were dropped since; `counts` holds every kind's total (a flood of them costs a counter,
-    not a log line each)."""
-
-    def __init__(self, every: float = 60.0) -> None:
-        self.every = every
-        self.counts: dict[str, int] = {}
-        self._logged: dict[str, tuple[float, int]] = {}  # kind -> (when its last line was written, its count then)
-
-    def __call__(self, kind: str, message: str, *args: Any) -> None:
-        count = self.counts[kind] = self.counts.get(kind, 0) + 1
-        now = time.monotonic()
-        when, then = self._logged.get(kind, (None, 0))
-        if when is not None and now - when < self.every:
-            return
-        since = f" ({count - then - 1} more of this kind since the last)" if count - then > 1 else ""
-        logger.warning("dropped %s" + since, message % args if args else message)
-        self._logged[kind] = (now, count)
-
-
 def client_name(frames: list[bytes]) -> tuple[str, str] | str:
     """(kind, why) for a message that is not [identity, payload] from a client that named itself (a DEALER with a
     UTF-8 identity without SEP), else the client's name. A REQ socket adds an empty frame; a DEALER without an
@@ -188,7 +171,8 @@ class EngineCoreProc:
         self._unscheduled: dict[str, float] = {}  # engine request id -> when it was added
         self.coalescer = StreamCoalescer(config.stream_interval)
         self.num_step_errors = 0
-        self.dropped = DropLog()
+        self.dropped = DropLog(logger=logger)
+        self.deferred: list[tuple[str, int, Deferred]] = []  # (client, call id, its answer to come): utilities' answers
         self.executor_failure: str | None = None  # set by a mesh executor's watcher thread (a rank died)
         self.latest = (0, CoreStats())  # (version, stats): one tuple, read by the heartbeat thread
         art = engine.artifact
@@ -208,7 +192,7 @@ class EngineCoreProc:
 
     def register_utility(self, name: str, fn: Callable[..., Any]) -> None:
         """`fn(engine, *args)`, run between two steps for a client's `UtilityCall(name, args)`; its result must
-        be msgpack-encodable."""
+        be msgpack-encodable, or a `Deferred` (deferred.py: work on a thread, answered when it is done)."""
         self.utilities[name] = fn
 
     # The loop ---------------------------------------------------------------------------------------------
@@ -218,10 +202,13 @@ class EngineCoreProc:
         watch = getattr(engine.runner, "on_failure", None)  # a mesh executor reports a rank dying while idle too
         if watch is not None:
             watch(lambda reason: setattr(self, "executor_failure", reason))
-        while True:
-            received = self._receive(0 if engine.has_unfinished_requests() else idle_ms)
+        while True:  # idle with a deferred answer to come: look for it every 5 ms
+            received = self._receive(0 if engine.has_unfinished_requests() else min(idle_ms, 5) if self.deferred
+                                     else idle_ms)
             for poll in self.pollers:
                 poll()
+            if self.deferred:
+                self._answer_deferred()
             self._expire_clients()
             if self.executor_failure is not None:
                 self._executor_died(ExecutorError(f"the model's ranks cannot run: {self.executor_failure}"))
@@ -348,7 +335,11 @@ class EngineCoreProc:
             if msg.seqs:
                 engine.finish_sequences([(name + SEP + request_id, index) for request_id, index in msg.seqs])
         elif isinstance(msg, UtilityCall):
-            self._send(client, self._utility(msg))
+            result = self._utility(msg)
+            if isinstance(result, Deferred):
+                self.deferred.append((name, msg.call_id, result))
+            else:
+                self._send(client, result)
         elif isinstance(msg, Goodbye):
             self._drop(name)
 
@@ -411,15 +402,30 @@ class EngineCoreProc:
             return AddResult(msg.call_id, str(e) if isinstance(e, RequestError) else f"cannot add the request: {e}")
         return AddResult(msg.call_id)
 
-    def _utility(self, msg: UtilityCall) -> UtilityResult:
+    def _utility(self, msg: UtilityCall) -> UtilityResult | Deferred:
         fn = self.utilities.get(msg.method)
         if fn is None:
             return UtilityResult(msg.call_id, error=f"unknown utility {msg.method!r} (known: "
                                                     f"{', '.join(sorted(self.utilities))})")
         try:
-            return UtilityResult(msg.call_id, fn(self.engine, *msg.args))
+            result = fn(self.engine, *msg.args)
         except Exception as e:
             return UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
+        return result if isinstance(result, Deferred) else UtilityResult(msg.call_id, result)
+
+    def _answer_deferred(self) -> None:
+        """Answers the deferred utility calls whose work is done: `finish` runs here, between two steps; a client
+        gone since gets nothing."""
+        for item in [d for d in self.deferred if d[2].future.done()]:
+            self.deferred.remove(item)
+            name, call_id, deferred = item
+            try:
+                result = UtilityResult(call_id, deferred.finish(deferred.future))
+            except Exception as e:
+                result = UtilityResult(call_id, error=f"{type(e).__name__}: {e}")
+            client = self.clients.get(name)
+            if client is not None:
+                self._send(client, result)
 
     def _send(self, client: _Client, msg: Any) -> None:
         try:

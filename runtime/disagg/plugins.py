@@ -23,11 +23,12 @@ def make_receiver(kind: str, block_bytes: int, bind: str = "tcp://127.0.0.1", ma
     """The decode side's receiving end of a `kind` transport; its `endpoint` goes to the prefill side. A NIXL
     slot holds the largest frame: a block's (the payload and < 200 header bytes) or the `Done` of a transfer of
     `max_blocks` blocks (18 bytes a digest)."""
+    largest = max(block_bytes, 24 * max_blocks) + 1024
     if kind == "tcp":
-        return ZmqTransport.bind(bind)
+        return ZmqTransport.bind(bind, max_frame_bytes=largest)
     if kind == "nixl":
         from .nixl_transport import NixlReceiver
-        return NixlReceiver(slot_bytes=max(block_bytes, 24 * max_blocks) + 1024)
+        return NixlReceiver(slot_bytes=largest)
     raise KilnRuntimeError(f"unknown KV transport {kind!r} (known: {', '.join(TRANSPORTS)})")
 
 
@@ -89,6 +90,7 @@ def decode_plugin(proc) -> None:
 def _decode_stats(role: DecodeRole) -> dict[str, Any]:
     return {"decisions": dict(role.decisions), "transfers": dict(role.ledger.counts), "blocks": role.check(),
             "leases": len(role.ledger.leases), "pending": len(role.pending), "bad_frames": role.num_bad_frames,
+            "dropped": dict(role.dropped.counts),
             "bytes_received": role.bytes_received,
             "transfer_seconds": {"counts": role.transfer_counts, "sum": role.transfer_seconds}}
 

@@ -5,7 +5,9 @@
   returns their descriptor (`RemotePrefill`) for the prefill core, or None when the request is better prefilled
   here (the reason is counted). `poll()` takes the frames that arrived, writes those that check out, commits
   complete transfers (the sequence then computes token L-1 itself and samples, like any prefill's last chunk)
-  and sends a request whose transfer failed, was refused or outlived its lease back to a local prefill.
+  and sends a request whose transfer failed, was refused or outlived its lease back to a local prefill. What is
+  not a frame (garbage, several parts), or is one for a transfer never leased here, is dropped, counted
+  (`num_bad_frames`, `dropped` by kind) and logged; no frame stops the core.
 * `PrefillRole`: `add(request_id, prompt, descriptor)` prefills `prompt[:L-1]` (its own prefix cache may cover
   the front), snapshots the K/V of the leased range the moment that prefill is done and pushes it (one frame per
   block with its digest, then `Done`) from a sender thread; its blocks are free again at once. A request that
@@ -28,6 +30,7 @@ import torch
 from ..core.batch import cdiv
 from ..core.lease import LeaseState, TransferLedger
 from ..core.sequence import Sequence, SequenceStatus
+from ..droplog import DropLog
 from ..sampling_params import SamplingParams
 from .transport import (
     TRANSFER_BUCKETS,
@@ -68,6 +71,8 @@ class DecodeRole:
         self._transfer_of: dict[int, str] = {}  # seq id -> transfer id
         self.decisions: Counter[str] = Counter()  # "remote", "local:<reason>", "fallback:<state>"
         self.num_bad_frames = 0
+        # what the receiver drops (logged once a kind, then once a minute): not a frame, or one for no transfer leased
+        self.dropped = receiver.dropped = DropLog(logger=logger)
         self.bytes_received = 0
         self.uncached = 0  # prompt tokens past the prefix-cache hit of the latest add_request
         self.last_decision = ""  # and its decision: "remote" or "local:<reason>"
@@ -136,7 +141,12 @@ class DecodeRole:
         finished transfers. Returns the number of frames."""
         frames = self.receiver.recv(timeout) if self.pending or timeout else self.receiver.recv(0.0)
         for raw in frames:
-            self._on_frame(raw)
+            try:
+                self._on_frame(raw)
+            except Exception as e:  # a frame nothing in _on_frame foresaw: dropped, the core keeps serving
+                logger.debug("a KV frame failed", exc_info=True)
+                self.num_bad_frames += 1
+                self.dropped("failed", "a KV frame that failed: %s: %s", type(e).__name__, e)
         self.ledger.expire()
         self._settle()
         return len(frames)
@@ -145,8 +155,14 @@ class DecodeRole:
         frame = decode(raw)
         if frame is None:
             self.num_bad_frames += 1
+            self.dropped("decode", "a KV frame of %d bytes that does not decode", len(raw))
             return
         tid = frame.transfer_id
+        if self.ledger.state(tid) is None:  # never leased here (not a late frame of an ended transfer)
+            self.num_bad_frames += 1
+            self.dropped("unknown", "a %s frame for transfer %.80r, which this core did not lease",
+                         type(frame).__name__, tid)
+            return
         if isinstance(frame, BlockFrame):
             if len(frame.payload) != self.layout.block_bytes or \
                     block_digest(tid, frame.index, frame.generation, frame.payload) != frame.digest:

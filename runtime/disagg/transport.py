@@ -6,7 +6,8 @@ off by a closed connection, and the decode side's checks (lease, generation, dig
 fault either harmless or a failed transfer, never KV written where it does not belong.
 
 * `InProcTransport`: a queue, for one process; with a `FaultInjector` (seeded) for tests.
-* `ZmqTransport`: TCP through pyzmq (PUSH -> PULL), already a runtime dependency; CURVE with keys (curve.py).
+* `ZmqTransport`: TCP through pyzmq (PUSH -> PULL), already a runtime dependency; CURVE with keys (curve.py). Its
+  receiving end drops a message of several parts, and one above `max_frame_bytes` closes its sender's connection.
 * NIXL: nixl_transport.py.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ..droplog import DropLog
 from ..errors import KilnRuntimeError
 
 if TYPE_CHECKING:
@@ -162,7 +164,10 @@ class TransportClosed(ConnectionError):
 
 class Transport:
     """One direction of frames. `send` never blocks longer than the transport's timeout; `recv` returns what
-    arrived within `timeout` seconds (possibly nothing)."""
+    arrived within `timeout` seconds (possibly nothing). `dropped` (the receiving end's owner sets it: DecodeRole)
+    counts and logs what a receiving end drops before it is a frame (a message of several parts)."""
+
+    dropped: DropLog | None = None
 
     def send(self, frame: bytes) -> None:
         raise NotImplementedError
@@ -278,7 +283,9 @@ class ZmqTransport(Transport):
     endpoint is CURVE (curve.py): the receiver admits only authorized senders, every frame is encrypted and
     authenticated on the wire."""
 
-    def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0, keys=None) -> None:
+    def __init__(self, endpoint: str, *, bind: bool, send_timeout_s: float = 5.0, keys=None,
+                 max_frame_bytes: int | None = None) -> None:
+        """`max_frame_bytes` (the receiving end): a longer message closes its sender's connection unread."""
         import zmq
 
         from ..ipc import curve
@@ -289,6 +296,8 @@ class ZmqTransport(Transport):
         self.sock.setsockopt(zmq.LINGER, 0)
         self._handshakes = None
         if bind:
+            if max_frame_bytes is not None:
+                self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
             curve.secure_server(self.sock, endpoint, keys)
             port = self.sock.bind_to_random_port(endpoint) if endpoint.count(":") == 1 else None
             self.endpoint = f"{endpoint}:{port}" if port is not None else endpoint
@@ -305,8 +314,8 @@ class ZmqTransport(Transport):
         self._lock = threading.Lock()
 
     @classmethod
-    def bind(cls, host: str = "tcp://127.0.0.1", keys=None) -> ZmqTransport:
-        return cls(host, bind=True, keys=keys)
+    def bind(cls, host: str = "tcp://127.0.0.1", keys=None, max_frame_bytes: int | None = None) -> ZmqTransport:
+        return cls(host, bind=True, keys=keys, max_frame_bytes=max_frame_bytes)
 
     def send(self, frame: bytes) -> None:
         with self._lock:
@@ -343,11 +352,16 @@ class ZmqTransport(Transport):
         self._handshakes = None
 
     def recv(self, timeout: float = 0.0) -> list[bytes]:
+        """The frames that arrived; a message of more than one part (a frame is one) is dropped whole."""
         out = []
         if self.sock.poll(int(timeout * 1000)):
             deadline = time.monotonic() + 0.05
             while self.sock.poll(0) and time.monotonic() < deadline:
-                out.append(self.sock.recv())
+                parts = self.sock.recv_multipart(copy=True)
+                if len(parts) == 1:
+                    out.append(parts[0])
+                elif self.dropped is not None:
+                    self.dropped("frames", "a KV message of %d parts (a frame is one)", len(parts))
         return out
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -336,14 +336,18 @@ class LoRAManager:
             self.load(name, (artifact_dir / rel) if artifact_dir is not None else Path(rel))
 
     # Adapters -------------------------------------------------------------------------------------------
-    def load(self, name: str, path: str | Path, lora_id: int | None = None) -> Adapter:
-        """Reads the adapter at `path` (this rank's slice) and serves it as `name`, with id `lora_id` (a rank
-        mirroring rank 0) or the next one (LoRAError: nothing changes)."""
+    def read(self, path: str | Path, name: str = "", lora_id: int = 0) -> Adapter:
+        """This rank's slice of the adapter at `path` (LoRAError); changes nothing, so any thread may call it."""
+        adapter = read_adapter(path, self.targets, self.max_rank, self.dtype, name=name, lora_id=lora_id)
+        return shard_adapter(adapter, self.targets, self.rank)
+
+    def load(self, name: str, path: str | Path, lora_id: int | None = None, adapter: Adapter | None = None) -> Adapter:
+        """Reads the adapter at `path` (this rank's slice; `adapter`: `read` already did, off the loop) and serves
+        it as `name`, with id `lora_id` (a rank mirroring rank 0) or the next one (LoRAError: nothing changes)."""
         if name in self.adapters:
             raise LoRAError(f"adapter {name!r} is already loaded (unload it first)")
         lora_id = self._next_id if lora_id is None else lora_id
-        adapter = shard_adapter(read_adapter(path, self.targets, self.max_rank, self.dtype, name=name,
-                                             lora_id=lora_id), self.targets, self.rank)
+        adapter = self.read(path, name, lora_id) if adapter is None else replace(adapter, name=name, lora_id=lora_id)
         self._next_id = max(self._next_id, lora_id + 1)
         self.adapters[name] = adapter
         self._by_id[adapter.lora_id] = adapter
@@ -498,18 +502,25 @@ class AdapterRefused(RequestError):
         self.param, self.status = param, status
 
 
-def load_adapter(manager: LoRAManager | None, name: str, path: str | Path, shown: str | None = None) -> None:
-    """Serves the adapter at `path` as `name` (AdapterRefused); `shown` stands for `path` in what it says."""
+def load_adapter(manager: LoRAManager | None, name: str, path: str | Path, shown: str | None = None,
+                 adapter: Adapter | None = None) -> None:
+    """Serves the adapter at `path` (`adapter`: read from there already) as `name` (AdapterRefused); `shown`
+    stands for `path` in what it says."""
+    check_load(manager, name)
+    try:
+        manager.load(name, path, adapter=adapter)
+    except LoRAError as e:
+        raise AdapterRefused(str(e) if shown is None else str(e).replace(str(path), shown)) from None
+
+
+def check_load(manager: LoRAManager | None, name: str) -> None:
+    """AdapterRefused unless `manager` can serve another adapter as `name`."""
     if manager is None:
         raise AdapterRefused("this artifact was compiled without `lora { }`: it has no adapter slots", "lora_name")
     if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise AdapterRefused(f"adapter name {name!r} must be letters, digits, '.', '_' or '-'", "lora_name")
     if name in manager.adapters:
         raise AdapterRefused(f"adapter {name!r} is already loaded (unload it first)", "lora_name")
-    try:
-        manager.load(name, path)
-    except LoRAError as e:
-        raise AdapterRefused(str(e) if shown is None else str(e).replace(str(path), shown)) from None
 
 
 def unload_adapter(manager: LoRAManager | None, name: str, seqs) -> None:
@@ -554,15 +565,14 @@ class EngineLoRA:
         """Serves the PEFT adapter at `path` as `name` from the next request on (RequestError: refused)."""
         load_adapter(self.lora, name, path)
 
-    def load_client_adapter(self, name: str, path: str) -> None:
-        """`load_lora_adapter` for a client of the server: only with run-time loading on and `path` under
-        `lora_roots` (AdapterRefused, 403, otherwise); what it says names `path` as the client gave it."""
+    def client_adapter_path(self, path: str) -> Path:
+        """Where a client's `load_lora_adapter` reads (lora_loads.py): only with run-time loading on and `path`
+        under `lora_roots` (AdapterRefused, 403, otherwise)."""
         self.check_client_updates("lora_path")
         try:
-            resolved = confine(path, self.lora_roots)
+            return confine(path, self.lora_roots)
         except AdapterFileError as e:
             raise AdapterRefused(str(e), "lora_path", 403) from None
-        load_adapter(self.lora, name, resolved, shown=path)
 
     def check_client_updates(self, param: str) -> None:
         """AdapterRefused (403) unless clients may load and unload adapters (`lora_roots` set)."""
@@ -573,25 +583,3 @@ class EngineLoRA:
     def unload_lora_adapter(self, name: str) -> None:
         """Stops serving `name`; refused (RequestError) while a request still decodes with it."""
         unload_adapter(self.lora, name, (s for r in self.requests.values() for s in r.seqs))
-
-
-def _refusal(fn):
-    """A utility whose RequestError is its result ({"error": why}) rather than a failure of the core's."""
-    def call(engine, *args):
-        try:
-            return {"result": fn(engine, *args)}
-        except AdapterRefused as e:
-            return {"error": str(e), "param": e.param, "status": e.status}
-        except RequestError as e:
-            return {"error": str(e)}
-    return call
-
-
-# The engine core's utilities (core/process.py: EngineCoreProc), what the API server's adapter endpoints call.
-LORA_UTILITIES = {
-    # no paths: a client learns nothing of the server's file system
-    "list_lora_adapters": _refusal(lambda e: [{"name": a.name, "rank": a.rank}
-                                              for a in (e.lora.adapters.values() if e.lora else ())]),
-    "load_lora_adapter": _refusal(lambda e, name, path: e.load_client_adapter(name, path)),
-    "unload_lora_adapter": _refusal(lambda e, name: e.check_client_updates("lora_name") or e.unload_lora_adapter(name)),
-}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kiln.runtime.worker import lora as lora_module
 from lora_testlib import ATTENTION, ATTENTION_MLP
 
 import kiln
@@ -147,6 +148,63 @@ def test_fifo_and_dev_zero_adapters_are_refused_at_once(served, adapter):
     assert fifo.json()["error"]["param"] == "lora_path"
     assert zero.status_code == 403 and "links outside" in zero.json()["error"]["message"], zero.text
     assert done.status_code == 200 and _complete(server.url, "a").status_code == 200
+
+
+def _slow_weight_reads(engine, seconds):
+    """Every adapter_model.safetensors read in the core takes `seconds` more (a large adapter on a slow disk)."""
+    original = lora_module.read_bounded
+
+    def slow(file, max_bytes):
+        if file.name == "adapter_model.safetensors":
+            time.sleep(seconds)
+        return original(file, max_bytes)
+
+    slow.original = original
+    lora_module.read_bounded = slow
+
+
+def _fast_reads(engine):
+    lora_module.read_bounded = getattr(lora_module.read_bounded, "original", lora_module.read_bounded)
+
+
+def _token_times(url: str, model: str, times: list[float]) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 80, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+
+
+def test_a_slow_adapter_read_does_not_stall_the_streams(served, adapter):
+    """The adapter's files are read off the core's step loop: while a load whose weights take 3 s to read is in
+    progress, a concurrent stream's tokens keep coming (before: one gap of the whole read)."""
+    _, server = served
+    path = adapter(ATTENTION_MLP, seed=23)
+    base = server.server_state.model_name
+    times: list[float] = []
+    server.in_engine(_slow_weight_reads, 3.0)
+    try:
+        with server.slow_steps(0.06), ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_token_times, server.url, base, times)
+            deadline = time.monotonic() + 30
+            while len(times) < 3:
+                assert time.monotonic() < deadline and not stream.done(), "the stream did not start"
+                time.sleep(0.01)
+            start = time.monotonic()
+            r = _load(server.url, "slow", path)
+            end = time.monotonic()
+            stream.result()
+    finally:
+        server.in_engine(_fast_reads)
+    assert r.status_code == 200, r.text
+    assert end - start >= 3.0  # the read did take its time
+    during = [t for t in times if start <= t <= end]
+    assert len(during) >= 10, f"{len(during)} tokens streamed during a {end - start:.1f} s load"
+    gaps = [b - a for a, b in zip([start, *during], [*during, end])]
+    assert max(gaps) < 1.0, f"the stream stalled {max(gaps):.2f} s during the load"
+    assert _complete(server.url, "slow").status_code == 200  # installed: served from the next request on
+    assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "slow"}, timeout=30).status_code == 200
 
 
 def test_run_time_loading_is_off_by_default(adapter, compile_lora):

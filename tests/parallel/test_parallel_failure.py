@@ -21,7 +21,7 @@ def test_an_idle_executor_failure_stops_the_core_loop():
     engine = types.SimpleNamespace(runner=runner, has_unfinished_requests=lambda: False)
     proc = EngineCoreProc.__new__(EngineCoreProc)  # the loop alone: no sockets, no heartbeat thread
     proc.engine, proc.config = engine, types.SimpleNamespace(heartbeat_interval=0.01)
-    proc.executor_failure, proc.pollers = None, []
+    proc.executor_failure, proc.pollers, proc.deferred = None, [], []
     polls: list[int] = []
 
     def receive(timeout_ms: int) -> bool:

@@ -10,6 +10,11 @@ attention), each carrying every rank's token and logits-row counts. A step with 
 EXECUTE's two ints, each sequence's adapter id and the slot rank 0 chose for each adapter (`lora_step_ints`);
 LORA loads or unloads an adapter on every rank between steps (`lora_command_ints`). KV_OFFLOAD copies blocks of
 the CPU offload tier between each rank's KV pool and its host slots (worker/distributed/kv_offload.py).
+
+Commands travel only between the mesh's ranks (a broadcast of the gloo control group; an outsider reaches at
+most the rendezvous store). A command that does not decode is CommandError (a CommError): the worker exits
+(worker_loop) rather than guess which collectives the step joins, and rank 0's executor fails the mesh with
+that exit at once, not at the collectives' timeout.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from ...core.batch import ScheduledBatch
 from ..interface import DraftInput, HostBatch
 from ..lora import LoRAError, LoRAManager, lora_manager
 from ..model_runner import ModelRunner
+from .comm import CommError
 
 logger = logging.getLogger(__name__)
 
@@ -96,21 +102,36 @@ def encode(cmd: Cmd, ints: list[int] = (), batches: list[HostBatch] = ()) -> tor
     return torch.tensor(out, dtype=torch.int64)
 
 
-def decode(t: torch.Tensor) -> tuple[Cmd, list[int], list[HostBatch]]:
-    v = t.tolist()
-    cmd, n = Cmd(v[0]), v[1]
-    ints, k = v[2:2 + n], 2 + n
-    batches = []
-    num_batches = v[k]
-    k += 1
-    for _ in range(num_batches):
-        num_seqs, tokens, width, rows, num_decodes, dp = v[k:k + 6]
-        k += 6
+class CommandError(CommError):
+    """A step command that does not decode: this rank cannot know which collectives the step joins, so the mesh
+    cannot run another step (a worker exits, and rank 0's executor fails with it)."""
 
-        def take(m: int) -> list[int]:
-            nonlocal k
-            k += m
-            return v[k - m:k]
+
+def decode(t: torch.Tensor) -> tuple[Cmd, list[int], list[HostBatch]]:
+    """The command `encode` made; CommandError for anything else (an unknown command, a count that is negative
+    or runs past the end, ints left over), never a partly read one."""
+    v = t.tolist()
+    k = 0
+
+    def take(m: int) -> list[int]:
+        nonlocal k
+        if m < 0 or k + m > len(v):
+            raise CommandError(f"a malformed step command ({len(v)} ints): {m} ints wanted at {k}")
+        k += m
+        return v[k - m:k]
+
+    head, = take(1)
+    try:
+        cmd = Cmd(head)
+    except ValueError:
+        raise CommandError(f"a malformed step command ({len(v)} ints): unknown command {head}") from None
+    ints = take(take(1)[0])
+    batches = []
+    num_batches, = take(1)
+    if num_batches < 0:
+        raise CommandError(f"a malformed step command ({len(v)} ints): {num_batches} batches")
+    for _ in range(num_batches):
+        num_seqs, tokens, width, rows, num_decodes, dp = take(6)
 
         input_ids, positions = take(tokens), take(tokens)
         qsl, seq_lens = take(num_seqs + 1), take(num_seqs)
@@ -119,6 +140,8 @@ def decode(t: torch.Tensor) -> tuple[Cmd, list[int], list[HostBatch]]:
         dp_tokens, dp_rows = take(dp), take(dp)
         batches.append(HostBatch(input_ids, positions, qsl, seq_lens, tables, slots, logits_indices, num_decodes,
                                  dp_tokens or None, dp_rows or None))
+    if k != len(v):
+        raise CommandError(f"a malformed step command ({len(v)} ints): {len(v) - k} ints past its end")
     return cmd, ints, batches
 
 
@@ -211,18 +234,18 @@ class RankState:
         mesh and returned; where it is not 0 every rank drops the adapter again (rank 0's manager undoes its
         own load when its executor sees the count)."""
         op, lora_id = ints[0], ints[1]
-        name, k = _ints_text(ints, 2)
-        path, _ = _ints_text(ints, k)
         if op == LORA_UNLOAD:
             if self.comm.rank > 0:
                 self.lora.unload_id(lora_id)
             return None
         failed = 0
         if self.comm.rank > 0:  # rank 0 read it already (LoRAManager.load, which told its executor)
-            try:
+            try:  # texts that do not decode fail the load here, and this rank still joins the count below
+                name, k = _ints_text(ints, 2)
+                path, _ = _ints_text(ints, k)
                 self.lora.load(name, path, lora_id=lora_id)
-            except (LoRAError, OSError) as e:
-                logger.warning("rank %d: cannot load LoRA adapter %r: %s", self.comm.rank, name, e)
+            except (LoRAError, OSError, ValueError, IndexError) as e:
+                logger.warning("rank %d: cannot load LoRA adapter %d: %s", self.comm.rank, lora_id, e)
                 failed = 1
         flag = torch.tensor([float(failed)], device=self.artifact.device)
         total = int(self.comm.all_reduce(flag).item())
@@ -249,7 +272,7 @@ def swap_ints(batch: ScheduledBatch) -> list[int]:
     return out
 
 
-__all__ = ["LORA_LOAD", "LORA_UNLOAD", "Cmd", "RankState", "decode", "empty_batch", "encode", "lora_command_ints",
+__all__ = ["LORA_LOAD", "LORA_UNLOAD", "Cmd", "CommandError", "RankState", "decode", "empty_batch", "encode", "lora_command_ints",
            "lora_step_ints", "swap_ints"]
 
 
