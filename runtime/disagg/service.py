@@ -267,7 +267,8 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         self._refresh_soon()
 
     def _must_hold(self, msg) -> bool:
-        return any(d.finish_reason is not None and d.request_id in self._unsettled for d in msg.deltas)
+        return any((d.finish_reason is not None or d.error is not None) and d.request_id in self._unsettled
+                   for d in msg.deltas)
 
     def _release_held(self) -> None:
         while self._held and not self._must_hold(self._held[0]):
