@@ -88,7 +88,8 @@ def decode_plugin(proc) -> None:
 
 
 def _decode_stats(role: DecodeRole) -> dict[str, Any]:
-    return {"decisions": dict(role.decisions), "transfers": dict(role.ledger.counts), "blocks": role.check(),
+    return {"decisions": dict(role.decisions), "fallbacks": dict(role.fallbacks), "transfers": dict(role.ledger.counts),
+            "blocks": role.check(),
             "leases": len(role.ledger.leases), "pending": len(role.pending), "bad_frames": role.num_bad_frames,
             "dropped": dict(role.dropped.counts),
             "bytes_received": role.bytes_received,

@@ -3,11 +3,12 @@
 * `DecodeRole`: `add_request(..., transfer_id)` queues a request whose prompt K/V (all but the last token) is
   to come from a prefill core. It matches the prefix cache, leases the blocks of `[prefix_hit, L-1)` and
   returns their descriptor (`RemotePrefill`) for the prefill core, or None when the request is better prefilled
-  here (the reason is counted). `poll()` takes the frames that arrived, writes those that check out, commits
+  here (the reason is counted: one decision per request). `poll()` takes the frames that arrived, writes those that check out, commits
   complete transfers (the sequence then computes token L-1 itself and samples, like any prefill's last chunk)
-  and sends a request whose transfer failed, was refused or outlived its lease back to a local prefill. What is
-  not a frame (garbage, several parts), or is one for a transfer never leased here, is dropped, counted
-  (`num_bad_frames`, `dropped` by kind) and logged; no frame stops the core.
+  and sends a request whose transfer failed, was refused or outlived its lease back to a local prefill (counted in
+  `fallbacks`, by the lease's state; the request's decision stays "remote"). What is not a frame (garbage, several
+  parts), or is one for a transfer never leased here, is dropped, counted (`num_bad_frames`, `dropped` by kind)
+  and logged; no frame stops the core.
 * `PrefillRole`: `add(request_id, prompt, descriptor)` prefills `prompt[:L-1]` (its own prefix cache may cover
   the front), snapshots the K/V of the leased range the moment that prefill is done and pushes it (one frame per
   block with its digest, then `Done`) from a sender thread; its blocks are free again at once. A request that
@@ -69,7 +70,8 @@ class DecodeRole:
         self.ledger = TransferLedger(engine.block_manager, lease_s, clock)
         self.pending: dict[str, Sequence] = {}  # transfer id -> its sequence (status REMOTE)
         self._transfer_of: dict[int, str] = {}  # seq id -> transfer id
-        self.decisions: Counter[str] = Counter()  # "remote", "local:<reason>", "fallback:<state>"
+        self.decisions: Counter[str] = Counter()  # one per request: "remote" or "local:<reason>"
+        self.fallbacks: Counter[str] = Counter()  # "remote" ones prefilled here after all, by lease state
         self.num_bad_frames = 0
         # what the receiver drops (logged once a kind, then once a minute): not a frame, or one for no transfer leased
         self.dropped = receiver.dropped = DropLog(logger=logger)
@@ -208,7 +210,7 @@ class DecodeRole:
                 state = self.ledger.state(tid)
                 if state is LeaseState.RESERVED:
                     continue
-                self.decisions[f"fallback:{state.value if state else 'unknown'}"] += 1
+                self.fallbacks[state.value if state else "unknown"] += 1
             del self.pending[tid]
             del self._transfer_of[seq.seq_id]
             engine.scheduler.add(seq)  # with its blocks: one token left to compute; without: a local prefill

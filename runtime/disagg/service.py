@@ -80,8 +80,18 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         # request id -> [decision, added at, uncached tokens, first token at, seconds in the decode core's queue],
         # until its first token was timed
         self._first_token: dict[str, list] = {}
-        # decisions made here, without asking the decode core (which counts the others): every prefill core is gone
-        self.local_decisions: Counter[str] = Counter()
+        # one per request, counted here the moment it is made (the decode core's answer to `disagg_add`, or the
+        # router's own: `never`, every prefill core gone), so /metrics is exact once the request is admitted
+        self.decisions: Counter[str] = Counter()
+        # The transfer counters come from the decode core (`disagg_stats`): a request whose transfer ended but whose
+        # end the snapshot may not show yet is `unsettled`; its finishing output is held until a snapshot taken
+        # after the transfer ended arrived, so that started == succeeded + failed + expired + aborted once every
+        # request finished. A transfer has ended on the decode core when its request's first output comes (the
+        # request is scheduled only then) or the router aborted it.
+        self._unsettled: set[str] = set()  # request ids
+        self._ended: set[str] = set()  # unsettled ones whose transfer has ended: the next snapshot shows them
+        self._held: list = []  # step outputs, in order, waiting for that snapshot
+        self._refreshing: asyncio.Task | None = None
         self.ttft = {path: _histogram(f"kiln:{path}_prefill_ttft_seconds", f"Time to first token of requests "
                                       f"prefilled {where}.") for path, where in
                      (("remote", "on the prefill core"), ("local", "on the decode core"))}
@@ -135,12 +145,11 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         if lora_name is not None:  # the prefill core would compute the base model's K/V
             raise RequestError("LoRA adapters are not served by a disaggregated server yet; serve the artifact "
                                "without --disaggregate")
-        if self.remote_prefill == "never":
-            return await super()._queue(inputs, params)
-        if not any(core.is_running for core in self.prefills):
+        if self.remote_prefill == "never" or not any(core.is_running for core in self.prefills):
             result = await super()._queue(inputs, params)
             if result.error is None:
-                self.local_decisions["local:no_prefill_core"] += len(inputs)
+                why = "remote_prefill_never" if self.remote_prefill == "never" else "no_prefill_core"
+                self.decisions["local:" + why] += len(inputs)
             return result
         raw = bytes(encode_params(params))
         added: list[str] = []
@@ -161,6 +170,9 @@ class DisaggAsyncEngine(AsyncLLMEngine):
             added.append(p.request_id)
             desc = reply["desc"]
             timing[0], timing[2] = reply["decision"], reply["uncached"]
+            self.decisions[reply["decision"]] += 1
+            if desc is not None:  # a transfer started: its end is to be in the snapshot before the request ends
+                self._unsettled.add(p.request_id)
             if timing[3] is not None:  # its first token came before this coroutine resumed
                 self._observe_first_token(p.request_id)
             core = self._pick_prefill()
@@ -229,6 +241,11 @@ class DisaggAsyncEngine(AsyncLLMEngine):
         super().abort(request_ids)
         for r in request_ids:
             self._first_token.pop(r, None)
+            if r in self._unsettled:  # the decode core ends its lease with the abort, sent before the refresh
+                self._unsettled.discard(r)
+                self._ended.add(r)
+        self._release_held()
+        self._refresh_soon()
         per_core: dict[int, tuple[AsyncLLMEngine, list[str]]] = {}
         for r in request_ids:
             tid = self.transfers.pop(r, None)
@@ -240,6 +257,39 @@ class DisaggAsyncEngine(AsyncLLMEngine):
                 core.abort(tids)  # ids of the prefill core's own requests
 
     def _on_step(self, msg) -> None:
+        for d in msg.deltas:
+            if d.request_id in self._unsettled:
+                self._ended.add(d.request_id)
+        if self._held or self._must_hold(msg):
+            self._held.append(msg)
+        else:
+            self._deliver(msg)
+        self._refresh_soon()
+
+    def _must_hold(self, msg) -> bool:
+        return any((d.finish_reason is not None or d.error is not None) and d.request_id in self._unsettled
+                   for d in msg.deltas)
+
+    def _release_held(self) -> None:
+        while self._held and not self._must_hold(self._held[0]):
+            self._deliver(self._held.pop(0))
+
+    def _refresh_soon(self) -> None:
+        if self._ended and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = self.loop.create_task(self._refresh_stats())
+
+    async def _refresh_stats(self) -> None:
+        """Takes a snapshot that shows every ended transfer, then passes on the outputs held for it (also when the
+        decode core does not answer: it is gone, and the outputs say so)."""
+        while self._ended:
+            covered, self._ended = self._ended, set()
+            if self.is_running:
+                with contextlib.suppress(Exception):
+                    self.disagg_stats = await self.call_utility("disagg_stats", timeout=5.0)
+            self._unsettled -= covered
+            self._release_held()
+
+    def _deliver(self, msg) -> None:
         super()._on_step(msg)
         for d in msg.deltas:  # decode has started: its prefill is over (or never came)
             tid = self.transfers.pop(d.request_id, None)
@@ -269,7 +319,8 @@ class DisaggAsyncEngine(AsyncLLMEngine):
 
 class _DisaggCollector:
     """kiln:kv_transfer_{started,succeeded,failed,expired,aborted}_total, kiln:kv_transfer_bytes_total,
-    kiln:prefill_decisions_total{decision} (remote, local:<reason>, fallback:<state>). The decode core's
+    kiln:prefill_decisions_total{decision} (remote, local:<reason>: one per request, counted by the router),
+    kiln:prefill_fallbacks_total{state} (remote ones prefilled on the decode core after all). The decode core's
     kiln:kv_blocks{state} comes with its core stats (metrics.py)."""
 
     def __init__(self, engine: DisaggAsyncEngine) -> None:
@@ -289,8 +340,13 @@ class _DisaggCollector:
         yield family
         family = CounterMetricFamily("kiln:prefill_decisions", "Where prompts were prefilled, and why.",
                                      labels=["decision"])
-        for decision, n in (Counter(s.get("decisions", {})) + self.engine.local_decisions).items():
+        for decision, n in self.engine.decisions.items():
             family.add_metric([decision], n)
+        yield family
+        family = CounterMetricFamily("kiln:prefill_fallbacks", "Remote prefills done on the decode core after all, "
+                                     "by how their transfer ended.", labels=["state"])
+        for state, n in s.get("fallbacks", {}).items():
+            family.add_metric([state], n)
         yield family
         buckets = s.get("transfer_seconds")
         if buckets:  # the decode core's: lease reserved -> committed
