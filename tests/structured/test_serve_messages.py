@@ -210,7 +210,7 @@ def thinking_server(embedded_artifact, tmp_path_factory):
         s.stop()
 
 
-@pytest.mark.parametrize("budget", [6, 12])
+@pytest.mark.parametrize("budget", [8, 20])
 def test_thinking_blocks_are_the_chat_paths_reasoning_whole_and_streamed(thinking_server, budget):
     client = anthropic.Anthropic(base_url=thinking_server.url, api_key="unused", max_retries=0, timeout=120)
     prompt = [{"role": "user", "content": "Tell me a fortune."}]
