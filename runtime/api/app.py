@@ -13,6 +13,8 @@ from starlette.requests import ClientDisconnect
 
 from .async_engine import AsyncLLMEngine
 from .lora_api import add_lora_routes
+from .messages import count_tokens, create_message
+from .messages_format import anthropic_error, is_messages_path
 from .metrics import CONTENT_TYPE
 from .middleware import BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyLimit
 from .protocol import APIError
@@ -45,9 +47,15 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
     app.state.server = server
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout=body_timeout)
 
+    def error_response(request: Request, e: APIError, headers: dict | None = None) -> JSONResponse:
+        if is_messages_path(request.url.path):  # Anthropic's routes answer in Anthropic's error shape
+            status, body = anthropic_error(e)
+            return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(request, e)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(_: Request, e: ClientDisconnect) -> Response:
@@ -57,14 +65,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404:
             message = f"Unknown request URL: {request.method} {request.url.path}"
-            return JSONResponse(APIError(404, message, code="unknown_url").body(), status_code=404)
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
+            return error_response(request, APIError(404, message, code="unknown_url"))
+        return error_response(request, APIError(e.status_code, str(e.detail)), getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        body = APIError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error").body()
-        return JSONResponse(body, status_code=500)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return error_response(request, APIError(500, f"internal server error: {type(e).__name__}: {e}",
+                                                type="server_error"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -97,6 +104,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
     app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/messages", create_message, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", server.tokenizer_info, methods=["GET"])

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .messages_format import anthropic_error, is_messages_path
 from .protocol import APIError
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -41,7 +42,8 @@ class BodyLimit:
 
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             error = self.too_large(int(declared))
-            await JSONResponse(error.body(), status_code=error.status)(scope, receive, closing_send)
+            status, body = anthropic_error(error) if is_messages_path(scope["path"]) else (error.status, error.body())
+            await JSONResponse(body, status_code=status)(scope, receive, closing_send)
             return
         deadline = asyncio.get_running_loop().time() + self.timeout
 
