@@ -324,7 +324,7 @@ async def create_message(request: Request) -> Response:
         params = server.engine_params(chat)
         server.check_admissible(1, params, chat)
         text, ids = await render(server, chat)
-        params, plan = server.plan_chat_request(chat, text, params)
+        params, plan = server.plan_chat_request(chat, text, params, await server.grammar(chat.response_format))
         message_id = f"msg_{uuid.uuid4().hex}"
         group = await server.submit([PromptInput(message_id, ids, text)], params, chat)
     except APIError as e:
