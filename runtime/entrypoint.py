@@ -104,6 +104,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "host work with the device (default: the recipe's, else on for CUDA, off for CPU)")
     p.add_argument("--tool-parser", help="how the model writes tool calls: hermes, llama3_json, mistral, "
                    "deepseek_v3, ... or none (default: what the chat template implies)")
+    p.add_argument("--json-whitespace", choices=["compact", "bounded", "any"], default="compact",
+                   help="whitespace JSON grammars (json_object, json_schema, tool calls without a parser) allow "
+                   "between tokens: compact (none, separators ',' and ':'; default), bounded (at most 2 in a row) "
+                   "or any (up to the engine's grammar_max_whitespace, 8)")
     p.add_argument("--reasoning-parser", help="the model's thinking block: think (<think>), mistral ([THINK]) or none "
                    "(default: what the chat template implies)")
     p.add_argument("--reasoning-effort", type=effort_table, metavar="EFFORT=TOKENS,...",
@@ -215,7 +219,8 @@ def run_serve(args: argparse.Namespace) -> int:
                  num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
                  kv_offload=args.kv_offload, stream_interval=args.stream_interval, core_cpus=args.core_cpus,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 require_cache_salt=args.require_cache_salt, lora_roots=lora_roots(args))
+                 require_cache_salt=args.require_cache_salt, lora_roots=lora_roots(args),
+                 json_whitespace=args.json_whitespace)
 
 
 def _token_ids(text: str) -> list[int]:

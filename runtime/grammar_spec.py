@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import RequestError
@@ -18,6 +18,14 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "st
 # the text (a 260 KB nested schema converts in about 1 s, an 820 KB one in 36 s), so a larger one could not
 # compile within the core's compile_timeout: it is refused before any work.
 MAX_GRAMMAR_CHARS = 256 * 1024
+# How much whitespace a JSON grammar (json_object, json_schema) allows between tokens (`kiln serve
+# --json-whitespace`, vLLM's disable_any_whitespace): "compact" none, separators "," and ":" (OpenAI's strict
+# output); "bounded" at most BOUNDED_WHITESPACE characters in a row; "any" what the engine core allows
+# (GrammarBackend.max_whitespace: 8 by default). A small or unsure model sampled at temperature 1 spends its
+# max_tokens on whitespace wherever a grammar allows it.
+JSON_WHITESPACE = ("compact", "bounded", "any")
+BOUNDED_WHITESPACE = 2
+JSON_KINDS = ("json_object", "json_schema")
 
 
 class GrammarError(RequestError):
@@ -29,29 +37,38 @@ class GrammarError(RequestError):
 class GrammarSpec:
     """What to constrain one request to. `spec` is text (compact JSON for schemas and structural tags, in
     the request's key order — property order is part of a schema's meaning to xgrammar —, the pattern, the
-    EBNF), so equal requests share one compiled grammar: the cache key is (kind, spec, strict)."""
+    EBNF), so equal requests share one compiled grammar: the cache key is (kind, spec, strict, whitespace).
+    `whitespace` (JSON_WHITESPACE) matters to the JSON kinds only."""
 
     kind: str
     spec: str = ""
     strict: bool = True  # json_schema: properties not in the schema are rejected (xgrammar strict_mode)
+    whitespace: str = "compact"
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise GrammarError(f"unknown grammar kind {self.kind!r} (known: {', '.join(GRAMMAR_KINDS)})")
+        if self.whitespace not in JSON_WHITESPACE:
+            raise GrammarError(f"unknown JSON whitespace policy {self.whitespace!r} (known: "
+                               f"{', '.join(JSON_WHITESPACE)})")
         if len(self.spec) > MAX_GRAMMAR_CHARS:
             raise GrammarError(f"the {self.kind} is {len(self.spec)} characters long, over the limit of "
                                f"{MAX_GRAMMAR_CHARS}; simplify it")
 
     @property
-    def key(self) -> tuple[str, str, bool]:
-        return (self.kind, self.spec, self.strict)
+    def key(self) -> tuple[str, str, bool, str]:
+        return (self.kind, self.spec, self.strict, self.whitespace)
+
+    def with_whitespace(self, whitespace: str) -> GrammarSpec:
+        """This spec under another JSON whitespace policy (itself when it is not a JSON kind)."""
+        return replace(self, whitespace=whitespace) if self.kind in JSON_KINDS else self
 
     @classmethod
-    def json_object(cls) -> GrammarSpec:
-        return cls("json_object")
+    def json_object(cls, whitespace: str = "compact") -> GrammarSpec:
+        return cls("json_object", whitespace=whitespace)
 
     @classmethod
-    def json_schema(cls, schema: dict | str | bool, strict: bool = True) -> GrammarSpec:
+    def json_schema(cls, schema: dict | str | bool, strict: bool = True, whitespace: str = "compact") -> GrammarSpec:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -59,7 +76,7 @@ class GrammarSpec:
                 raise GrammarError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False), bool(strict))
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False), bool(strict), whitespace)
 
     @classmethod
     def regex(cls, pattern: str) -> GrammarSpec:
@@ -94,10 +111,16 @@ class GrammarSpec:
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
-def grammar_spec_from_response_format(response_format: dict | None) -> GrammarSpec | None:
+def grammar_spec_from_response_format(response_format: dict | None,
+                                      whitespace: str = "compact") -> GrammarSpec | None:
     """OpenAI's `response_format` (`text`, `json_object`, `json_schema`) plus kiln's `regex`, `choice`,
-    `grammar` and `structural_tag` types; None when the output is free text. Raises GrammarError on a
-    malformed value (a 400)."""
+    `grammar` and `structural_tag` types; None when the output is free text. `whitespace`: the JSON kinds'
+    policy (the server's). Raises GrammarError on a malformed value (a 400)."""
+    spec = _response_format_spec(response_format)
+    return spec.with_whitespace(whitespace) if spec is not None else None
+
+
+def _response_format_spec(response_format: dict | None) -> GrammarSpec | None:
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -145,6 +168,29 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# xgrammar 0.2.8 writes the comma of free-form arrays and objects (a value the schema leaves open: json_object,
+# {"type": "object"}) as ", " even with separators=(",", ":"); under "compact" it becomes ",". tests/structured
+# checks that xgrammar still needs this.
+_ANY_VALUE_COMMA = ('(", " basic_any)', '(", " basic_string ":" basic_any)')
+
+
+def json_grammar(spec: GrammarSpec, max_whitespace: int | None = 8) -> Any:
+    """The xgrammar Grammar of a JSON kind under its whitespace policy; `max_whitespace`: what "any" allows in
+    a row (None: unbounded). Raises what xgrammar raises."""
+    import xgrammar as xgr
+
+    schema = spec.spec if spec.kind == "json_schema" else '{"type": "object"}'  # OpenAI: json_object's root
+    if spec.whitespace == "compact":  # is an object (xgrammar's builtin JSON grammar allows arrays)
+        grammar = xgr.Grammar.from_json_schema(schema, strict_mode=spec.strict, any_whitespace=False,
+                                               separators=(",", ":"))
+        text = fixed = str(grammar)
+        for rule in _ANY_VALUE_COMMA:
+            fixed = fixed.replace(rule, rule.replace('", "', '","'))
+        return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+    ws = BOUNDED_WHITESPACE if spec.whitespace == "bounded" else max_whitespace
+    return xgr.Grammar.from_json_schema(schema, strict_mode=spec.strict, max_whitespace_cnt=ws)
+
+
 def validate(spec: GrammarSpec, max_whitespace: int | None = 8) -> None:
     """Converts `spec` to an xgrammar Grammar without a tokenizer (cheap: no token-mask precomputation), so the
     API server rejects what the engine could not compile, with xgrammar's reason. Raises GrammarError."""
@@ -154,7 +200,7 @@ def validate(spec: GrammarSpec, max_whitespace: int | None = 8) -> None:
         if spec.kind == "json_object":
             return
         if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(spec.spec, strict_mode=spec.strict, max_whitespace_cnt=max_whitespace)
+            json_grammar(spec, max_whitespace)
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.spec)
         elif spec.kind == "choice":

@@ -136,7 +136,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
           speculative_model: str | None = None, kv_offload: int | None = None, stream_interval: int = 1,
           core_cpus: list[int] | None = None, max_num_seqs: int | None = None,
           max_num_batched_tokens: int | None = None, require_cache_salt: bool = False,
-          lora_roots: list[str] | None = None) -> int:
+          lora_roots: list[str] | None = None, json_whitespace: str = "compact") -> int:
     """`kiln serve`: starts the engine core, then serves until interrupted (exit status 0) or until the core
     dies (every request in flight gets an error, then exit status 1). `prefix_cache=False` turns the
     artifact's prefix cache off (for A/B measurements); `speculative` ("mtp", "ngram", "draft" with
@@ -156,7 +156,8 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
     `max_num_batched_tokens` (None: the recipe's scheduler section) bound the sequences running at once and the
     tokens of a step. `require_cache_salt`: requests without a `cache_salt` are refused (OpenAIServer).
     `lora_roots` (`--enable-lora-loading --lora-roots`): where clients may load adapters from (None: run-time
-    adapter loading is off)."""
+    adapter loading is off). `json_whitespace` (`--json-whitespace`): the whitespace JSON grammars allow
+    between tokens, "compact" (none), "bounded" or "any" (grammar_spec.JSON_WHITESPACE)."""
 
     resolve_parsers(None, tool_parser, reasoning_parser)  # an unknown name fails before the core is started
     check_port(host, port)  # so does a port in use
@@ -188,7 +189,7 @@ def serve(artifact: str | Path, *, host: str = "127.0.0.1", port: int = 8000, ap
         return run_app(engine, host=host, port=port, log_level=log_level, more_lines=more,
                        served_model_name=served_model_name, api_key=api_key, metrics_public=metrics_public,
                        tool_parser=tool_parser, reasoning_parser=reasoning_parser, reasoning_efforts=reasoning_efforts,
-                       require_cache_salt=require_cache_salt)
+                       require_cache_salt=require_cache_salt, json_whitespace=json_whitespace)
 
 
 def run_app(engine: AsyncLLMEngine, *, host: str, port: int, log_level: str = "info", more_lines: list[str] = (),

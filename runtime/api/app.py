@@ -25,13 +25,13 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
               metrics_public: bool = False, max_body_bytes: int = MAX_BODY_BYTES,
               body_timeout: float = BODY_TIMEOUT_S, tool_parser: str | None = None,
               reasoning_parser: str | None = None, reasoning_efforts: dict[str, int] | None = None,
-              require_cache_salt: bool = False) -> FastAPI:
+              require_cache_salt: bool = False, json_whitespace: str = "compact") -> FastAPI:
     """The app over `engine` (connected to its core when the app starts). `api_key` covers every route but
     `/health` (and `/metrics` when `metrics_public`). `/health` answers 503 once the engine core is gone."""
     server = OpenAIServer(engine, model_name=resolve_served_name(engine.info, served_model_name),
                           api_key=api_key, metrics_public=metrics_public, tool_parser=tool_parser,
                           reasoning_parser=reasoning_parser, reasoning_efforts=reasoning_efforts,
-                          require_cache_salt=require_cache_salt)
+                          require_cache_salt=require_cache_salt, json_whitespace=json_whitespace)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -15,7 +15,14 @@ from ..errors import RequestError
 from ..grammar_spec import GrammarError, GrammarSpec, grammar_spec_from_response_format, validate
 from ..thinking import ThinkingConfig, ThinkPhase, count_reasoning_tokens, thinking_budget
 from .reasoning_parsers import ReasoningParser, get_reasoning_parser, reasoning_parser_for
-from .tool_parsers import ToolParser, get_tool_parser, tool_choice_grammar, tool_parser_for
+from .tool_parsers import (
+    ToolParser,
+    check_tools,
+    get_tool_parser,
+    json_tool_choice,
+    tool_choice_grammar,
+    tool_parser_for,
+)
 
 
 class PlanError(RequestError):
@@ -35,11 +42,11 @@ def resolve_parsers(tokenizer: Any, tool_parser: str | None = None,
             get_reasoning_parser(reasoning_name) if reasoning_name not in (None, "none") else None)
 
 
-def requested_grammar(response_format: dict | None) -> GrammarSpec | None:
+def requested_grammar(response_format: dict | None, whitespace: str = "compact") -> GrammarSpec | None:
     """`response_format` as a GrammarSpec, not yet validated: cheap (GrammarSpec bounds its size); PlanError for a
-    malformed or oversized one."""
+    malformed or oversized one. `whitespace`: the JSON kinds' policy (`kiln serve --json-whitespace`)."""
     try:
-        return grammar_spec_from_response_format(response_format)
+        return grammar_spec_from_response_format(response_format, whitespace)
     except GrammarError as e:
         raise PlanError(str(e), "response_format") from None
 
@@ -53,9 +60,9 @@ def check_grammar(spec: GrammarSpec) -> None:
         raise PlanError(str(e), "response_format") from None
 
 
-def validated_grammar(response_format: dict | None) -> GrammarSpec | None:
+def validated_grammar(response_format: dict | None, whitespace: str = "compact") -> GrammarSpec | None:
     """`response_format` as a GrammarSpec that xgrammar can convert (PlanError otherwise)."""
-    spec = requested_grammar(response_format)
+    spec = requested_grammar(response_format, whitespace)
     if spec is not None:
         check_grammar(spec)
     return spec
@@ -70,6 +77,7 @@ class RequestPlan:
     grammar: GrammarSpec | None = None
     tool_parser: ToolParser | None = None  # the output's calls are parsed (tools given, tool_choice not "none")
     reasoning: ReasoningParser | None = None
+    single_call: bool = False  # parallel_tool_calls false: calls after the first are dropped (every mode)
     prompt_in_thinking: bool = False
     thinking: ThinkingConfig | None = None
     send_thinking: bool = False
@@ -94,20 +102,35 @@ class RequestPlan:
 
 def plan_chat(req: Any, prompt: str, tokenizer: Any, tool_parser: ToolParser | None,
               reasoning_parser: ReasoningParser | None, efforts: dict[str, int] | None = None,
-              grammar: GrammarSpec | None = None) -> RequestPlan:
+              grammar: GrammarSpec | None = None, json_whitespace: str = "compact") -> RequestPlan:
     """The plan of a ChatCompletionRequest whose rendered prompt is `prompt`; `efforts` maps reasoning_effort to
     a thinking budget (the server's table: thinking.EFFORT_BUDGETS with the recipe's and the flag's
-    overrides); `grammar`: the request's response_format as the caller validated it (validated_grammar)."""
+    overrides); `grammar`: the request's response_format as the caller validated it (validated_grammar);
+    `json_whitespace`: the server's JSON whitespace policy (tool calls constrained to their JSON).
+
+    tool_choice "required" or a named function without a family format (no tool parser, or one without a
+    grammar) is constrained to the calls' JSON (tool_parsers/json_choice.py); "auto" needs a family format."""
     plan = RequestPlan(grammar=grammar)
     tools = req.tools or None
     choice = req.tool_choice
     if tools and choice != "none":
-        if tool_parser is None:
-            raise PlanError("tools need a tool-call format, and this model's chat template has none kiln knows; "
-                            "start kiln serve with --tool-parser NAME", "tools")
+        parallel = req.parallel_tool_calls is not False
+        plan.single_call = not parallel
+        forced = choice not in (None, "auto")
+        no_format = tool_parser is None or getattr(tool_parser, "constrained_only", False)
+        if no_format and not forced:
+            raise PlanError("tool_choice 'auto' needs a tool-call format, and this model's chat template has none "
+                            "kiln knows; start kiln serve with --tool-parser NAME, or send tool_choice 'required' "
+                            "or a named function (constrained to the calls' JSON without one)",
+                            "tool_choice" if choice else "tools")
         try:
-            tool_grammar = tool_choice_grammar(tool_parser, tools, choice if choice is not None else "auto",
-                                               parallel_tool_calls=req.parallel_tool_calls is not False)
+            if no_format or (forced and not tool_parser.has_structural_tag):
+                check_tools(tools, choice)
+                tool_grammar, tool_parser = json_tool_choice(tools, choice, parallel_tool_calls=parallel,
+                                                             whitespace=json_whitespace)
+            else:
+                tool_grammar = tool_choice_grammar(tool_parser, tools, choice if choice is not None else "auto",
+                                                   parallel_tool_calls=parallel)
         except RequestError as e:
             raise PlanError(str(e), "tool_choice" if "tool_choice" in str(e) and choice else "tools") from None
         if tool_grammar is not None:
@@ -178,6 +201,8 @@ class ChoiceParser:
                 m = self._tools.finish()
                 content += m.content
                 calls += [c.to_openai() for c in m.tool_calls]
+            if self.plan.single_call:
+                calls = [c for c in calls if c["index"] == 0]
         return ChoiceOutput(reasoning or None, content or None, calls)
 
     def parse(self, text: str) -> ChoiceOutput:
@@ -189,4 +214,5 @@ class ChoiceParser:
         if plan.tool_parser is None:
             return ChoiceOutput(reasoning, content or None)
         result = plan.tool_parser.parse(content)
-        return ChoiceOutput(reasoning, result.content, [c.to_openai() for c in result.tool_calls])
+        calls = result.tool_calls[:1] if plan.single_call else result.tool_calls
+        return ChoiceOutput(reasoning, result.content, [c.to_openai() for c in calls])

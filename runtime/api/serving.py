@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from ..errors import KilnRuntimeError, RequestError
-from ..grammar_spec import GrammarSpec
+from ..grammar_spec import JSON_WHITESPACE, GrammarSpec
 from ..ipc.protocol import CoreInfo
 from ..sampling_params import SamplingParams
 from ..thinking import effort_budgets
@@ -70,12 +70,16 @@ class OpenAIServer:
     (chat_plan.resolve_parsers); they turn `tools` into `tool_calls` and thinking into `reasoning_content`.
     `reasoning_efforts`: reasoning_effort -> thinking budget entries over reasoning_parsers.EFFORT_BUDGETS.
     `require_cache_salt`: a completion, chat or response request without a `cache_salt` is refused (400).
+    `json_whitespace`: the whitespace JSON grammars allow (grammar_spec.JSON_WHITESPACE; `--json-whitespace`).
     """
 
     def __init__(self, engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
                  metrics_public: bool = False, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, reasoning_efforts: dict[str, int] | None = None,
-                 require_cache_salt: bool = False) -> None:
+                 require_cache_salt: bool = False, json_whitespace: str = "compact") -> None:
+        if json_whitespace not in JSON_WHITESPACE:
+            raise ValueError(f"json_whitespace must be one of {', '.join(JSON_WHITESPACE)}, got {json_whitespace!r}")
+        self.json_whitespace = json_whitespace
         self.model_name = model_name
         self.require_cache_salt = require_cache_salt  # `kiln serve --require-cache-salt`: multi-tenant
         self.api_key = api_key
@@ -240,7 +244,7 @@ class OpenAIServer:
         """`response_format`'s grammar, validated on `grammar_pool` (seconds for a big schema: never on the event
         loop) within GRAMMAR_CHECK_TIMEOUT_S; an oversized, invalid or too slow one is a 400."""
         try:
-            spec = requested_grammar(response_format)
+            spec = requested_grammar(response_format, self.json_whitespace)
             if spec is not None:
                 work = asyncio.get_running_loop().run_in_executor(self.grammar_pool, check_grammar, spec)
                 await asyncio.wait_for(work, GRAMMAR_CHECK_TIMEOUT_S)
@@ -257,7 +261,7 @@ class OpenAIServer:
         and thinking budget."""
         try:
             plan = plan_chat(req, text, self.tokenizer, self.tool_parser, self.reasoning_parser,
-                             self.reasoning_efforts, grammar=grammar)
+                             self.reasoning_efforts, grammar=grammar, json_whitespace=self.json_whitespace)
         except PlanError as e:
             raise APIError(400, str(e), param=e.param) from None
         return self.planned(params, plan), plan

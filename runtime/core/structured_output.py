@@ -29,6 +29,7 @@ from ..grammar_spec import (  # noqa: F401
     GrammarSpec,
     choice_ebnf,
     grammar_spec_from_response_format,
+    json_grammar,
     validate,
     xgrammar_message,
 )
@@ -131,10 +132,8 @@ class GrammarBackend:
 
         c, ws = self._compiler, self.max_whitespace
         try:
-            if spec.kind == "json_object":  # OpenAI: the root is an object (xgrammar's builtin allows arrays)
-                grammar = xgr.Grammar.from_json_schema('{"type": "object"}', max_whitespace_cnt=ws)
-            elif spec.kind == "json_schema":
-                grammar = xgr.Grammar.from_json_schema(spec.spec, strict_mode=spec.strict, max_whitespace_cnt=ws)
+            if spec.kind in ("json_object", "json_schema"):  # spec.whitespace; "any": up to ws in a row
+                grammar = json_grammar(spec, ws)
             elif spec.kind == "structural_tag":
                 grammar = xgr.Grammar.from_structural_tag(spec.spec)
             elif spec.kind == "regex":

@@ -17,10 +17,10 @@ import msgspec
 
 from ..sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 7  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
+PROTOCOL_VERSION = 8  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
 # 4: CoreStats.spec_num_drafts; 5: CoreStats' KV offload tier counters; 6: CoreInfo's scheduler bounds
 # (cores on other machines may differ); 7: SamplingParams.cache_salt, and prefix-cache keys (kv_events) are
-# 16-byte digests (block_hash.py)
+# 16-byte digests (block_hash.py); 8: GrammarSpec.whitespace
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]

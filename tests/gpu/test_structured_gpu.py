@@ -27,8 +27,8 @@ def test_cuda_mask_equals_cpu_mask(dtype):
     backend = GrammarBackend(tok, V, [1, 4])
     try:
         compiled = backend.compile(GrammarSpec.json_schema(
-            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
-        prefix = tok.encode('{"a": 1', add_special_tokens=False)
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, whitespace="any"))
+        prefix = tok.encode('{"a": 1', add_special_tokens=False)  # a space: allowed under "any"
         think = ThinkingConfig(start_ids=(5,), end_ids=(6,), force_ids=(6,), budget=0)
         masks = {}
         for device in ("cpu", "cuda"):

@@ -190,7 +190,7 @@ def _json_tokens(tok, text: str) -> list[int]:
 
 
 def test_accept_rollback_and_drafts_match_fresh_matchers(backend, tok):
-    compiled = backend.compile(GrammarSpec.json_schema(SCHEMA))
+    compiled = backend.compile(GrammarSpec.json_schema(SCHEMA, whitespace="any"))  # the text below has spaces
     p = StructuredOutputProcessor(backend, V)
     p.add_request("r", grammar=compiled)
     c = p.constraint("r")
@@ -225,7 +225,7 @@ def test_a_rejected_token_is_an_error_not_silence(backend, tok):
 # The batch mask --------------------------------------------------------------------------------------------------
 
 def test_constrained_rows_get_their_grammar_and_the_others_are_untouched(backend, tok):
-    json_g = backend.compile(GrammarSpec.json_schema(SCHEMA))
+    json_g = backend.compile(GrammarSpec.json_schema(SCHEMA, whitespace="any"))
     choice_g = backend.compile(GrammarSpec.choice(["yes", "no"]))
     p = StructuredOutputProcessor(backend, V, max_rows=2)  # grows when the batch is larger
     p.add_request("json", grammar=json_g)
@@ -346,7 +346,7 @@ def test_json_strings_stay_strict_json(backend, tok):
                                                "t": {"type": "string"}}, "required": ["s", "t"]}
     raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     assert accepts(raw, '{"s": "a\tb", "t": ""}'), "xgrammar fixed bounded strings: drop _json_strings_fixed"
-    compiled = backend.compile(GrammarSpec.json_schema(schema))
+    compiled = backend.compile(GrammarSpec.json_schema(schema, whitespace="any"))
     for text, ok in [('{"s": "a\tb"', False), ('{"s": "a\x0cb"', False), ('{"s": "abcd", "t": "x\ty"', False),
                      ('{"s": "abcd", "t": "\u00e9\\n ok"}', True), ('{"s": "abcde"', False), ('{"s": ""', False),
                      ('{"s": "ü", "t": "日本"}', True)]:

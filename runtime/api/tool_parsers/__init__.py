@@ -1,7 +1,7 @@
 """Tool calling, one module per model family behind a registry (as vLLM's tool_parsers/): a family's parser turns
 model output into OpenAI `tool_calls`, whole or as streamed deltas (base.py: what the families share;
 json_scan.py: the JSON prefix scanner streaming needs); `tool_choice` becomes a grammar in the family's format
-(grammar.py). A family's module is imported the first time its parser is asked for (`get_tool_parser`), not
+(grammar.py), or, without one, the calls' JSON itself (json_choice.py, the "json" parser). A family's module is imported the first time its parser is asked for (`get_tool_parser`), not
 when this package is. Chat-template rendering is api/chat_template.py."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .json_scan import COMPLETE, INVALID, PARTIAL, scan_json, scan_members
 
 __all__ = ["COMPLETE", "INVALID", "PARTIAL", "TOOL_ARGS_MAX_WHITESPACE", "TOOL_PARSERS", "DeltaMessage", "ToolCall",
            "ToolCallDelta", "ToolCallStream", "ToolParseResult", "ToolParser", "check_tools", "get_tool_parser",
-           "register_tool_parser", "scan_json", "scan_members", "tool_choice_grammar",
+           "json_tool_choice", "register_tool_parser", "scan_json", "scan_members", "tool_choice_grammar",
            "tool_parser_for", "tool_parser_names"]
 
 TOOL_PARSERS = ParserRegistry("tool parser")
@@ -22,6 +22,16 @@ TOOL_PARSERS.register_lazy(("hermes", "qwen", "qwen2_5", "qwen3"), f"{__name__}.
 TOOL_PARSERS.register_lazy(("llama3_json", "llama"), f"{__name__}.llama3_json", "Llama3JsonToolParser")
 TOOL_PARSERS.register_lazy(("mistral",), f"{__name__}.mistral", "MistralToolParser")
 TOOL_PARSERS.register_lazy(("deepseek_v3", "deepseek_r1"), f"{__name__}.deepseek_v3", "DeepSeekV3ToolParser")
+# no family format: tool_choice "required" / a named function constrained to the calls' JSON (json_choice.py)
+TOOL_PARSERS.register_lazy(("json",), f"{__name__}.json_choice", "JsonToolParser")
+
+
+def json_tool_choice(tools: list[dict], tool_choice: object, *, parallel_tool_calls: bool = True,
+                     whitespace: str = "compact") -> tuple:
+    """(GrammarSpec, ToolParser) constraining a forced `tool_choice` to the calls' JSON, for a model without a
+    tool format (json_choice.JsonToolParser.for_choice)."""
+    return TOOL_PARSERS.get_class("json").for_choice(tools, tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                                     whitespace=whitespace)
 
 
 def tool_parser_names() -> list[str]:
