@@ -135,9 +135,16 @@ def test_streamed_and_whole_answers_agree(client):
 
 
 def test_other_response_formats_on_both_endpoints(client):
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=1.0, seed=1,
-                                       response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # json_object leaves a string's length open: at temperature 1 the embedded model may write one past max_tokens
+    # (a `length` finish, cut mid-string). Every answer that stopped is one JSON object, and most stop.
+    finished = 0
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=160, temperature=1.0,
+                                           seed=seed, response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+            finished += 1
+    assert finished >= 2, finished
     r = client.completions.create(model=MODEL, prompt="The date is", max_tokens=20, temperature=1.0, seed=2,
                                   extra_body={"response_format": {"type": "regex", "regex": "20[0-9]{2}-[01][0-9]"}})
     assert r.choices[0].text[:4].startswith("20") and len(r.choices[0].text) == 7
