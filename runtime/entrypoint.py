@@ -22,7 +22,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="let clients load LoRA adapters at run time (POST /v1/load_lora_adapter), from --lora-roots "
                    "only (default: off, the endpoint answers 403)")
     p.add_argument("--lora-roots", metavar="DIR[,DIR]", help="with --enable-lora-loading: the directories run-time "
-                   "adapters may be read from (symlinks resolved; nothing outside them is read)")
+                   "adapters may be read from (symlinks resolved; nothing outside them is read; default: none)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper on a trusted network)")
     p.add_argument("--require-cache-salt", action="store_true",
