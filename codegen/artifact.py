@@ -40,6 +40,7 @@ from kiln.dsl.errors import KilnError
 
 from .emitters import KERNEL_MODULES
 from .errors import CodegenError, TokenizerError
+from .pooling import embedding_section
 from .render import kernels_used, render_model, template_env, vocab_size
 from .tvm_build import build_library
 from .weights import TORCH_DTYPE_NAMES, WEIGHTS_DIR, convert_weights, rank_weights_dir, total_weight_bytes
@@ -250,7 +251,8 @@ def _parallel_section(program: Program, ranks: list[dict[str, Any]] | None) -> d
 def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max_model_len: int,
                    hf_config: dict, gen_config: dict, weight_files: list[str], has_tokenizer: bool,
                    pass_log: list[dict], weights: dict[str, Any] | None = None,
-                   rank_weights: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                   rank_weights: list[dict[str, Any]] | None = None,
+                   embedding: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of `program` (runtime/manifest.py is its schema). `weights`: `weights_index` of the written
     files, and `aliases` when some tensors are stored once under another name. A parallel program: `weights`
     is rank 0's, `rank_weights` every rank's (the `parallel` section)."""
@@ -266,6 +268,8 @@ def build_manifest(program: Program, *, kiln_version: str, recipe_hash: str, max
         "dtype": TORCH_DTYPE_NAMES[program.dtype],
         "model": {"name": program.name, "config": _jsonable(program.config)},
         "runtime": _runtime_section(program, hf_config, gen_config, max_model_len),
+        # task = embed: the model returns hidden rows, pooled as this says (codegen/pooling.py); absent otherwise
+        **({"task": "embed", "embedding": embedding} if embedding is not None else {}),
         "kv_cache": _kv_cache_section(program),
         "scheduler": _scheduler_section(options),
         "serve": _serve_section(options),
@@ -432,11 +436,15 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
     gen_config = _read_json(ckpt / "generation_config.json") if ckpt else {}
     recipe_hash = hashlib.sha256(recipe_text.encode("utf-8")).hexdigest()
     max_len = resolve_max_model_len(program, max_model_len, hf_config)
+    embedding = None
+    if _options(program).task == "embed":  # the entry's output is hidden_rows (passes/embed_output.py)
+        out_type = program.entry.node(program.entry.outputs[0]).out
+        embedding = embedding_section(ckpt, out_type.shape[-1], hf_config)
     model_py = render_model(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                             recipe_file=recipe_file)
     probe = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                            hf_config=hf_config, gen_config=gen_config, weight_files=[], has_tokenizer=False,
-                           pass_log=pass_log)  # fails before the (slow) weight conversion if it cannot be made
+                           pass_log=pass_log, embedding=embedding)  # fails before the (slow) weight conversion if it cannot be made
     tok_files = tokenizer_files(tok_dir, probe["runtime"]["vocab_size"]) if tok_dir is not None else []
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -478,7 +486,7 @@ def write_artifact(program: Program, out_dir: str | Path, *, checkpoint_dir: str
         manifest = build_manifest(program, kiln_version=kiln_version, recipe_hash=recipe_hash, max_model_len=max_len,
                                   hf_config=hf_config, gen_config=gen_config, weight_files=files,
                                   has_tokenizer=bool(tok_files), pass_log=pass_log,
-                                  weights={**index, "aliases": aliases}, rank_weights=ranks)
+                                  weights={**index, "aliases": aliases}, rank_weights=ranks, embedding=embedding)
         _write(tmp / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it 0700; an artifact is an ordinary directory
         _install(tmp, out)

@@ -37,6 +37,7 @@ EMITTERS: dict[str, str] = {
     "cpu.paged_attention": ("K.paged_attention({0}, {1}, {2}, {kv_cache}, batch, scale={scale}, "
                             "sliding_window={sliding_window}{kv_scales}{fused_rope}{attn_softcap}{attn_sinks})"),
     "cpu.logits": "K.logits({0}, {1}, batch.logits_indices)",
+    "cpu.hidden_rows": "{0}.index_select(0, batch.logits_indices).float()",  # task = embed (embed_output.py)
     "cpu.deinterleave": "K.deinterleave({0})",
     "cpu.dequant_fp8": "K.dequant_fp8({0}, {1}, granularity={granularity}, block={block}, dtype={dtype})",
     "cpu.linear_fp8": "K.linear_fp8({args}, granularity={granularity}, block={block}, act={act})",

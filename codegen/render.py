@@ -647,7 +647,8 @@ def expert_placement(program: Program) -> dict[str, list[list[int]]]:
 
 def vocab_size(program: Program) -> int:
     """The width of the logits: the entry graph's first output's last dimension, else the config's vocab."""
-    out = program.entry.node(program.entry.outputs[0]).out
+    node = program.entry.node(program.entry.outputs[0])
+    out = node.out if node.op != "hidden_rows" else None  # an embedding model's output is [rows, hidden]
     vocab = out.shape[-1] if isinstance(out, TensorType) and isinstance(out.shape[-1], int) else None
     vocab = vocab or program.config.get("vocab") or program.config.get("vocab_size")
     if not isinstance(vocab, int):

@@ -579,6 +579,17 @@ register_op(OpDef("logits", 2, 2, infer=_infer_logits,
                   doc="fp32 logits of the rows the runtime asks for (all rows in the reference)."))
 
 
+def _infer_hidden_rows(ins: list[TensorType], a: Attrs) -> TensorType:
+    (x,) = ins
+    _check(x.rank == 2, f"hidden_rows needs [tokens, hidden], got {x}")
+    return TensorType((x.shape[0], x.shape[1]), "f32")
+
+
+register_op(OpDef("hidden_rows", 1, 1, infer=_infer_hidden_rows, reference=lambda ctx, x: x.float(),
+                  cost=_io_bytes, doc="fp32 hidden states of the rows the runtime asks for (an embedding "
+                  "model's output in place of logits; all rows in the reference)."))
+
+
 # ---------------------------------------------------------------- multi-head latent attention (DeepSeek-V2/V3)
 
 

@@ -574,6 +574,8 @@ class RecipeOptions:
 
     target: str = opt("cpu", _symbol)  # the registry (compiler/targets.py) knows the names
     dtype: str = opt("fp32", _choice("fp32", "bf16", "fp16"))
+    # generate: an LLM (logits, sampling); embed: a pooling model (passes/embed_output.py, docs/embeddings.md)
+    task: str = opt("generate", _choice("generate", "embed"))
     random_weights: bool = False  # weights = random(seed=N)
     kv_cache: KVCacheOptions = field(default_factory=KVCacheOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
@@ -724,7 +726,7 @@ def _from_values(values: dict[str, Any], locs: Mapping[str, Loc]) -> RecipeOptio
     sections["scheduler"] = _target_defaults(sections["scheduler"], target)
     written = frozenset(n for n in SECTIONS if values.get(n))
     weights = values.get("weights")
-    return RecipeOptions(target=target, dtype=str(values.get("dtype", "fp32")),
+    return RecipeOptions(target=target, dtype=str(values.get("dtype", "fp32")), task=str(values.get("task", "generate")),
                          random_weights=isinstance(weights, Mapping) and weights.get("kind") == "random",
                          **sections, set_sections=written, locs=dict(locs))
 

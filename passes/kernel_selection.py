@@ -96,6 +96,7 @@ _CPU_TORCH: dict[str, Entry] = {
     "mul": "cpu.mul",
     "concat": "cpu.concat",
     "logits": "cpu.logits",
+    "hidden_rows": "cpu.hidden_rows",
     "deinterleave": "cpu.deinterleave",
     "mla_attention": "cpu.mla_attention",
     "dequant_fp8": "cpu.dequant_fp8",

@@ -8,6 +8,7 @@ from kiln.compiler.options import RecipeOptions
 from kiln.compiler.targets import Target
 from kiln.passes.cuda_graph_plan import CUDAGraphPlan
 from kiln.passes.dead_code_elimination import DeadCodeElimination
+from kiln.passes.embed_output import EmbedOutput
 from kiln.passes.fuse_add_rms_norm import FuseAddRMSNorm
 from kiln.passes.fuse_all_reduce_add_rms_norm import FuseAllReduceAddRMSNorm
 from kiln.passes.fuse_dequant_linear import FuseDequantLinear
@@ -72,6 +73,12 @@ def add_recipe_passes(pm: PassManager, options: RecipeOptions) -> None:
             pm.insert_after(pm.names[-1], LoRAInjection())
         else:
             pm.insert_before(anchor, LoRAInjection())
+    if options.task == "embed":  # the entry returns the normed hidden rows instead of logits
+        anchor = next((a for a in ("dead_code_elimination", "kernel_selection") if a in pm.names), None)
+        if anchor is None:
+            pm.insert_after(pm.names[-1], EmbedOutput())
+        else:
+            pm.insert_before(anchor, EmbedOutput())
 
 
 def build_pipeline(target: str, disable: Iterable[str] = ()) -> list[Pass]:

@@ -6,6 +6,8 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+from .core.engine import EngineCore
+from .embedding import check_dimensions, embedding_section, shape
 from .errors import RequestError
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -49,6 +51,8 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  lora: str | Seq[str | None] | None = None) -> list[RequestOutput]:
         """`lora`: the LoRA adapter every prompt decodes with, or one per prompt (None: the base model)."""
+        if self.engine.pooler is not None:
+            raise RequestError("this artifact is an embedding model (task = embed): use LLM.embed, not generate")
         prompt_list = _as_prompt_list(prompts)
         loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
         if len(loras) != len(prompt_list):
@@ -62,6 +66,32 @@ class LLM:
         requests = [(str(next(self._request_ids)), *self._tokenize(p), sp, name)
                     for p, sp, name in zip(prompt_list, params_list, loras)]
         return self._run(requests)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], *, dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per prompt, in order, from an embedding artifact (`task = embed`, docs/embeddings.md):
+        the pooled final hidden state, normalized as the checkpoint's sentence-transformers config says;
+        `dimensions` (Matryoshka models): the first d values, normalized again."""
+        section = embedding_section(self.engine.artifact.manifest)
+        if section is None:
+            raise RequestError("this artifact generates text (no task = embed): it has no embeddings")
+        check_dimensions(section, dimensions)
+        engine, params = self.engine, SamplingParams(max_tokens=1)
+        prompt_list = _as_prompt_list(prompts)
+        ids = [str(next(self._request_ids)) for _ in prompt_list]
+        results: dict[str, list[float]] = {}
+        try:
+            for request_id, prompt in zip(ids, prompt_list):
+                EngineCore.add_request(engine, request_id, self._tokenize(prompt)[1], params)
+            while len(results) < len(ids):
+                for delta in EngineCore.step(engine):
+                    if delta.error is not None:
+                        raise RequestError(delta.error)
+                    if delta.embedding is not None:
+                        results[delta.request_id] = shape(delta.embedding, section, dimensions)
+        finally:
+            for request_id in ids:
+                EngineCore.end_request(engine, request_id, "abort")
+        return [results[request_id] for request_id in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:

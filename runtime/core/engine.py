@@ -18,7 +18,7 @@ from ..validation import check_request
 from ..worker.executor import apply_swaps, create_executor, shutdown_on_error
 from ..worker.interface import ExecutorError
 from ..worker.lora import EngineLoRA
-from . import overlap
+from . import overlap, pooling
 from .batch import ScheduledBatch
 from .constrained import ConstraintManager
 from .kv_cache import BlockManager, SwapSpace
@@ -80,6 +80,7 @@ class EngineCore(EngineLoRA):
         if prefix_cache is not _UNSET:
             sched = replace(sched, prefix_cache=None if prefix_cache in (None, "none") else prefix_cache)
         device = self.artifact.device
+        sched, speculative, async_scheduling = pooling.overrides(manifest, sched, speculative, async_scheduling)
         method = (manifest.get("speculative") or {}).get("method") if speculative is _UNSET else speculative
         self.speculative = speculative_config(manifest, method, num_speculative_tokens, speculative_model)
         # what runs the model (executor.py): a ModelRunner here, or a parallel artifact's ranks; it sizes its KV pool
@@ -108,6 +109,7 @@ class EngineCore(EngineLoRA):
             self._inflight: overlap.InFlight | None = None
             self.constraints = ConstraintManager(self, max_whitespace=grammar_max_whitespace,
                                                  compile_timeout=grammar_compile_timeout)
+            self.pooler = pooling.make_pooler(self)  # an embedding artifact's (None: a generation artifact)
 
     # Requests ---------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -171,6 +173,8 @@ class EngineCore(EngineLoRA):
         """Runs one forward pass; returns the deltas of every completion that progressed or ended (with async
         scheduling: in the previous forward pass, whose results this call reads back). Steps are synchronous
         while a constrained request runs (its next token's mask needs its last one)."""
+        if self.pooler is not None:  # an embedding artifact: prefill-only requests, pooled (pooling.py)
+            return self.pooler.step()
         self.constraints.admit()
         constrained = self.constraints.active
         if constrained and self._inflight is not None:  # read the step in flight back first

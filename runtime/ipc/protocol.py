@@ -17,10 +17,10 @@ import msgspec
 
 from ..sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 8  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
+PROTOCOL_VERSION = 9  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
 # 4: CoreStats.spec_num_drafts; 5: CoreStats' KV offload tier counters; 6: CoreInfo's scheduler bounds
 # (cores on other machines may differ); 7: SamplingParams.cache_salt, and prefix-cache keys (kv_events) are
-# 16-byte digests (block_hash.py); 8: GrammarSpec.whitespace
+# 16-byte digests (block_hash.py); 8: GrammarSpec.whitespace; 9: SeqDelta.embedding
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
@@ -115,7 +115,8 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one completion (`index` of a request's n) gained in one step: its new token ids, their logprobs
     (one entry per token) and new prompt logprobs (completion 0 only). `finish_reason` is set when the core
     ended it: "stop" (eos or a stop token, whose id is `stop_reason`; its text is never shown), "length",
-    or "error" (then `error` says why, and every completion of the request ends)."""
+    or "error" (then `error` says why, and every completion of the request ends). An embedding artifact's
+    request ends with its `embedding` (core/pooling.py) and no token."""
 
     request_id: str
     index: int
@@ -125,6 +126,7 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     finish_reason: str | None = None
     stop_reason: int | None = None
     error: str | None = None
+    embedding: list[float] | None = None
 
 
 # Client -> core --------------------------------------------------------------------------------------------

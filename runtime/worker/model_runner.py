@@ -38,6 +38,7 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.cpu_caches = [torch.zeros((num_swap_blocks, *kv.shape), dtype=kv.dtype, pin_memory=pin)
                            for _ in range(kv.num_layers)] if num_swap_blocks else []
+        self.all_rows = False  # an embedding artifact pooling the mean: every prompt row comes back (prompt_rows)
         self.lora = None  # lora.LoRAManager, set by the engine for an artifact with adapter slots
         self.graph_runner = None
         if cuda_graphs is not None:
@@ -116,7 +117,10 @@ class ModelRunner:
                 logits_indices.extend(range(base, base + n))
                 continue
             rows = None
-            if seq.needs_prompt_logprobs():
+            if self.all_rows:  # every row of the chunk (then the last one again as the sample row)
+                rows = (len(logits_indices), n, start)
+                logits_indices.extend(range(base, base + n))
+            elif seq.needs_prompt_logprobs():
                 lo = max(start, seq.num_prompt_logprobs - 1)
                 hi = min(end, seq.num_prompt_tokens - 1)
                 if hi > lo:

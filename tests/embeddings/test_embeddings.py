@@ -1,0 +1,71 @@
+"""Embedding artifacts (task = embed) equal transformers + the sentence-transformers pooling config, by hand."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kiln.runtime.errors import RequestError  # noqa: E402
+
+import kiln  # noqa: E402
+from kiln.cli import main  # noqa: E402
+
+PROMPTS = [[1, 2, 3], list(range(5, 40)), [7] * 17, list(range(100, 130)), [9]]
+
+
+def _build(tmp_path, lib, pooling: str, normalize: bool, chunk: int = 512):
+    ckpt = lib.build_tiny_checkpoint(tmp_path / "ckpt", "qwen3")
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (ckpt / "modules.json").write_text(json.dumps(modules))
+    (ckpt / "1_Pooling").mkdir()
+    (ckpt / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 64, "pooling_mode_lasttoken": pooling == "last",
+        "pooling_mode_mean_tokens": pooling == "mean"}))
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
+    text = recipe.read_text().replace("  dtype   = fp32\n", "  dtype   = fp32\n  task    = embed\n", 1)
+    text = text.replace("chunked_prefill = 512", f"chunked_prefill = {chunk}", 1)
+    assert "task    = embed" in text and f"chunked_prefill = {chunk}" in text
+    recipe.write_text(text)
+    kiln.compile(recipe, tmp_path / "art", progress=False)
+    return ckpt, tmp_path / "art"
+
+
+def _reference(ckpt, pooling: str, normalize: bool) -> list[torch.Tensor]:
+    model = transformers.AutoModel.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            h = model(torch.tensor([p])).last_hidden_state[0]
+            v = h[-1] if pooling == "last" else h.mean(dim=0)
+            out.append(torch.nn.functional.normalize(v, dim=-1) if normalize else v)
+    return out
+
+
+@pytest.mark.parametrize("pooling,normalize,chunk", [("last", True, 512), ("mean", True, 512), ("mean", False, 8),
+                                                     ("last", False, 8)])
+def test_llm_embed_equals_transformers(tmp_path, tiny_checkpoint_lib, pooling, normalize, chunk):
+    ckpt, art = _build(tmp_path, tiny_checkpoint_lib, pooling, normalize, chunk)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["task"] == "embed"
+    assert manifest["embedding"] == {"pooling": pooling, "normalize": normalize, "hidden": 64, "matryoshka": None}
+    with kiln.LLM(str(art), max_num_batched_tokens=16 if chunk == 8 else None) as llm:
+        ours = llm.embed(PROMPTS)
+        with pytest.raises(RequestError, match="Matryoshka"):
+            llm.embed(PROMPTS[:1], dimensions=8)
+        with pytest.raises(RequestError, match="embedding model"):
+            llm.generate([PROMPTS[0]])
+    for o, ref in zip(ours, _reference(ckpt, pooling, normalize), strict=True):
+        o = torch.tensor(o)
+        assert torch.nn.functional.cosine_similarity(o, ref, dim=0).item() >= 0.99999
+        torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_generation_artifact_has_no_embeddings(compile_hf):
+    _, art, _ = compile_hf("llama")
+    with kiln.LLM(str(art)) as llm, pytest.raises(RequestError, match="no embeddings"):
+        llm.embed([[1, 2, 3]])
