@@ -45,6 +45,14 @@ def check_supported(target: Target, options: RecipeOptions) -> None:
                "have to move it to the rank the returning sequence is placed on (tp meshes are served)",
                "kv_cache.offload")
     _supports_mesh(target, options, refuse)
+    if options.task == "embed":
+        par = options.parallel
+        if max(par.tp, par.dp, par.ep) > 1:
+            refuse("task = embed on a parallel mesh is not implemented yet (the pooled hidden rows have no placement "
+                   "rule): compile it for one device", "task")
+        if "speculative" in options.set_sections or "lora" in options.set_sections:
+            refuse("task = embed serves no speculative decoding or LoRA adapters (an embedding model generates "
+                   "nothing)", "task")
     q = options.quantize
     if q.weights is not None:
         if q.weights.kind not in target.weight_schemes:

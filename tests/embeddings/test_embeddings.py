@@ -69,3 +69,17 @@ def test_generation_artifact_has_no_embeddings(compile_hf):
     _, art, _ = compile_hf("llama")
     with kiln.LLM(str(art)) as llm, pytest.raises(RequestError, match="no embeddings"):
         llm.embed([[1, 2, 3]])
+
+
+def test_embed_on_a_mesh_is_refused_at_its_place(tmp_path, tiny_checkpoint_lib):
+    from kiln.dsl.errors import SourceError
+
+    ckpt = tiny_checkpoint_lib.build_tiny_checkpoint(tmp_path / "ckpt", "qwen3")
+    recipe = tmp_path / "r.dsl"
+    assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
+    text = recipe.read_text().replace("  dtype   = fp32\n", "  dtype   = fp32\n  task    = embed\n"
+                                      "  parallel { tp = 2 }\n", 1)
+    recipe.write_text(text)
+    with pytest.raises(SourceError, match="task = embed on a parallel mesh") as e:
+        kiln.compile(recipe, tmp_path / "art", progress=False)
+    assert "r.dsl:" in e.value.format()
