@@ -8,10 +8,15 @@ copied the frame out). The receiver hands the frame to the same checks as every 
 digest): NIXL never writes into the KV pool itself, so a late write from an aborted or dead sender can land only in
 a staging slot, where the digest check refuses it. The cost is one host copy each side; writing straight into
 leased KV blocks (zero copy) is not done.
+
+UCX listens on every network device it may use. A receiver for a loopback deployment (`loopback`, the default: a
+one-machine `kiln serve --disaggregate`, or `--kv-host 127.0.0.1`) restricts its agent to the loopback device
+(UCX_NET_DEVICES, unless the environment sets it), and says so in its endpoint, so its sender does the same.
 """
 from __future__ import annotations
 
 import base64
+import os
 import struct
 import time
 import uuid
@@ -38,21 +43,41 @@ class _Endpoint(msgspec.Struct):
     address: int
     num_slots: int
     slot_bytes: int
+    loopback: bool = False
 
 
-def _agent(prefix: str):
+def _loopback_devices() -> str:
+    """The loopback network devices (Linux: type 772, ARPHRD_LOOPBACK), comma separated; `lo` if none is seen."""
+    try:
+        names = sorted(n for n in os.listdir("/sys/class/net")
+                       if open(f"/sys/class/net/{n}/type").read().strip() == "772")
+    except OSError:
+        names = []
+    return ",".join(names) or "lo"
+
+
+def _agent(prefix: str, loopback: bool):
+    """A NIXL agent with its UCX backend; `loopback`: on the loopback device only (UCX reads UCX_NET_DEVICES when
+    the backend is made; the backend's own `ucx_devices` parameter does not keep its TCP off other devices)."""
     nixl_agent, nixl_agent_config = _nixl()
     name = f"kiln-{prefix}-{uuid.uuid4().hex[:12]}"
-    return name, nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    if not loopback or "UCX_NET_DEVICES" in os.environ:
+        return name, nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    os.environ["UCX_NET_DEVICES"] = _loopback_devices()
+    try:
+        return name, nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    finally:
+        del os.environ["UCX_NET_DEVICES"]
 
 
 class NixlReceiver(Transport):
-    def __init__(self, slot_bytes: int, num_slots: int = 64) -> None:
-        self.name, self.agent = _agent("kv-recv")
+    def __init__(self, slot_bytes: int, num_slots: int = 64, loopback: bool = True) -> None:
+        self.name, self.agent = _agent("kv-recv", loopback)
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         self.staging = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8)
         self._reg = self.agent.register_memory(self.staging)
-        info = _Endpoint(self.name, self.agent.get_agent_metadata(), self.staging.data_ptr(), num_slots, slot_bytes)
+        info = _Endpoint(self.name, self.agent.get_agent_metadata(), self.staging.data_ptr(), num_slots, slot_bytes,
+                         loopback)
         self.endpoint = "nixl:" + base64.b64encode(msgspec.msgpack.encode(info)).decode()
         self._senders: set[str] = set()
 
@@ -95,7 +120,7 @@ class NixlSender(Transport):
             raise TransportClosed(f"not a NIXL endpoint: {endpoint[:40]!r}")
         info = msgspec.msgpack.decode(base64.b64decode(endpoint[5:]), type=_Endpoint)
         self.info, self.timeout_s = info, timeout_s
-        self.name, self.agent = _agent("kv-send")
+        self.name, self.agent = _agent("kv-send", info.loopback)
         self.peer = self.agent.add_remote_agent(info.metadata)
         if isinstance(self.peer, bytes):
             self.peer = self.peer.decode()

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from ..errors import KilnRuntimeError, RequestError
+from ..ipc.curve import is_loopback
 from ..ipc.protocol import decode_params
 from .roles import DecodeRole, PrefillRole
 from .transport import TRANSPORTS, KVLayout, RemotePrefill, Transport, ZmqTransport
@@ -22,13 +23,16 @@ from .transport import TRANSPORTS, KVLayout, RemotePrefill, Transport, ZmqTransp
 def make_receiver(kind: str, block_bytes: int, bind: str = "tcp://127.0.0.1", max_blocks: int = 0) -> Transport:
     """The decode side's receiving end of a `kind` transport; its `endpoint` goes to the prefill side. A NIXL
     slot holds the largest frame: a block's (the payload and < 200 header bytes) or the `Done` of a transfer of
-    `max_blocks` blocks (18 bytes a digest)."""
+    `max_blocks` blocks (18 bytes a digest). NIXL has no address to bind: a loopback `bind` keeps its UCX on the
+    loopback device."""
     largest = max(block_bytes, 24 * max_blocks) + 1024
     if kind == "tcp":
         return ZmqTransport.bind(bind, max_frame_bytes=largest)
     if kind == "nixl":
         from .nixl_transport import NixlReceiver
-        return NixlReceiver(slot_bytes=largest)
+        host = bind.removeprefix("tcp://")
+        host = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0]
+        return NixlReceiver(slot_bytes=largest, loopback=is_loopback(host))
     raise KilnRuntimeError(f"unknown KV transport {kind!r} (known: {', '.join(TRANSPORTS)})")
 
 

@@ -3,32 +3,13 @@ rank-0 core listened on every interface, IPv4 and IPv6)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import kiln
 
-_LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net/tcp{,6} write them
-
-
-def listening_sockets(pids: list[int]) -> list[tuple[str, int]]:
-    """(address in /proc/net hex, port) of every TCP socket in LISTEN state that one of `pids` holds."""
-    inodes = set()
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                addr, port = fields[1].split(":")
-                found.append((addr, int(port, 16)))
-    return found
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from listeners import LOOPBACK, listening_sockets
 
 
 def test_a_tp2_engine_listens_on_loopback_only(compile_parallel):
@@ -38,4 +19,4 @@ def test_a_tp2_engine_listens_on_loopback_only(compile_parallel):
         store_port = llm.engine.runner.store.port
         sockets = listening_sockets(pids)
         assert store_port in {port for _, port in sockets}, sockets  # the rendezvous store is seen
-        assert all(addr in _LOOPBACK for addr, _ in sockets), sockets
+        assert all(addr in LOOPBACK for addr, _ in sockets), sockets
