@@ -29,12 +29,17 @@ def sentence_transformers_config() -> Callable[[Path, str, bool], None]:
 
 @pytest.fixture(scope="session")
 def build_embed(tiny_checkpoint_lib) -> Callable[..., tuple[Path, Path]]:
-    """`build_embed(root, pooling, normalize, chunk=512) -> (checkpoint, artifact)`."""
+    """`build_embed(root, pooling, normalize, chunk=512, matryoshka=None) -> (checkpoint, artifact)`; `matryoshka`:
+    the config.json's `matryoshka_dimensions`."""
     import kiln
     from kiln.cli import main
 
-    def build(root: Path, pooling: str, normalize: bool, chunk: int = 512) -> tuple[Path, Path]:
+    def build(root: Path, pooling: str, normalize: bool, chunk: int = 512,
+              matryoshka: list[int] | None = None) -> tuple[Path, Path]:
         ckpt = tiny_checkpoint_lib.build_tiny_checkpoint(root / "ckpt", "qwen3")
+        if matryoshka is not None:
+            config = json.loads((ckpt / "config.json").read_text())
+            (ckpt / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": matryoshka}))
         write_sentence_transformers(ckpt, pooling, normalize)
         recipe = root / "r.dsl"
         assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0

@@ -142,6 +142,8 @@ def test_embedding_model_refuses_generation(embed_model):
         _client(server).completions.create(model=name, prompt="hi", max_tokens=2)
     models = _client(server).models.list()
     assert [m.id for m in models.data] == [name]
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"})
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
 
 
 def test_generation_model_refuses_embeddings(generation_server):
@@ -153,3 +155,35 @@ def test_generation_model_refuses_embeddings(generation_server):
     assert [m.id for m in client.models.list().data] == [name]
     out = client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=2)
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_matryoshka_dimensions(build_embed, tmp_path_factory):
+    ckpt, art = build_embed(tmp_path_factory.mktemp("embed-mrl"), "last", True, matryoshka=[16, 32, 64])
+    model = transformers.AutoModel.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = [model(torch.tensor([p])).last_hidden_state[0, -1] for p in TOKEN_PROMPTS]
+    with kiln.LLM(str(art)) as llm:
+        offline = llm.embed(TOKEN_PROMPTS, dimensions=16)
+    server = LiveServer(art)
+    try:
+        client = _client(server)
+        out = client.embeddings.create(model=_name(server), input=TOKEN_PROMPTS, dimensions=16,
+                                       encoding_format="float")
+        cut = [d.embedding for d in out.data]
+        assert [len(v) for v in cut] == [16] * len(TOKEN_PROMPTS)
+        refs = [torch.nn.functional.normalize(v[:16], dim=-1) for v in full]  # cut, then normalized again
+        for ours, ref, off in zip(cut, refs, offline, strict=True):
+            ours = torch.tensor(ours)
+            assert torch.nn.functional.cosine_similarity(ours, ref, dim=0).item() >= 0.99999
+            assert abs(ours.norm().item() - 1.0) < 1e-5
+            assert ours.tolist() == pytest.approx(off, abs=1e-6)
+        b64 = client.embeddings.create(model=_name(server), input=TOKEN_PROMPTS[:1], dimensions=32,
+                                       encoding_format="base64")
+        assert len(_decode_base64(b64.data[0].embedding)) == 32
+        whole = client.embeddings.create(model=_name(server), input=TOKEN_PROMPTS[:1], encoding_format="float")
+        assert len(whole.data[0].embedding) == 64
+        with pytest.raises(openai.BadRequestError) as e:
+            client.embeddings.create(model=_name(server), input=TOKEN_PROMPTS[:1], dimensions=20)
+        assert e.value.body["param"] == "dimensions" and "16, 32, 64" in e.value.body["message"]
+    finally:
+        server.stop()
