@@ -768,6 +768,7 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
         f"  weights = \"hf:{weights}\"\n"
         f"  target  = {target}\n"
         f"  dtype   = {dtype}\n"
+        f"{_task_lines(ckpt)}"
         f"{quantize}"
         f"  kv_cache  {{ block_size = 16; memory_fraction = 0.9 }}\n"
         f"{_scheduler_line(tgt)}"
@@ -775,6 +776,21 @@ def recipe_from_hf(ckpt_dir: str | Path, *, target: str = "cpu", out_file: str |
         f"  serve     {{ port = 8000; served_name = {json.dumps(served)} }}\n"
         f"}}\n"
     )
+
+
+def _task_lines(ckpt: Path) -> str:
+    """`task = embed` (with a comment saying why) for a sentence-transformers checkpoint: its `modules.json` lists
+    a Pooling module (codegen/pooling.py reads the pooling from it); nothing for a generation checkpoint."""
+    try:
+        modules = json.loads((ckpt / "modules.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(modules, list) or not any(
+            isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling") for m in modules):
+        return ""
+    return ("  # task = embed: modules.json lists a sentence-transformers Pooling module (docs/embeddings.md);\n"
+            "  # the artifact serves /v1/embeddings and LLM.embed, not text generation\n"
+            "  task    = embed\n")
 
 
 def _scheduler_line(tgt: Target) -> str:

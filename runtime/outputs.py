@@ -66,7 +66,8 @@ class CompletionDelta:
 class RequestDelta:
     """The new part of a request's output; `error` is set when it failed (it then finished). `prompt_logprobs`:
     the prompt positions whose logprobs arrived since the previous delta (the first delta's start with None,
-    position 0's), when the request asked for them."""
+    position 0's), when the request asked for them. `embedding`: an embedding artifact's result (task = embed), on
+    the request's final delta."""
 
     request_id: str
     completions: list[CompletionDelta]
@@ -74,3 +75,4 @@ class RequestDelta:
     finished: bool
     error: BaseException | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    embedding: list[float] | None = None

@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .async_engine import AsyncLLMEngine
+from .embeddings import create_embeddings, refuse_generation
 from .lora_api import add_lora_routes
 from .messages import count_tokens, create_message
 from .messages_format import anthropic_error, is_messages_path
@@ -98,13 +99,16 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
             return next(c for c in server.lora.cards() if c["id"] == model)
         return server.model_card()
 
-    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    embeds = engine.info.embedding is not None  # an embedding artifact (task = embed) generates nothing
+    app.add_api_route("/v1/completions", refuse_generation if embeds else server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", refuse_generation if embeds else server.chat_completions,
+                      methods=["POST"])
+    app.add_api_route("/v1/embeddings", create_embeddings, methods=["POST"])
     add_lora_routes(app)
-    app.add_api_route("/v1/responses", server.create_response, methods=["POST"])
+    app.add_api_route("/v1/responses", refuse_generation if embeds else server.create_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
-    app.add_api_route("/v1/messages", create_message, methods=["POST"])
+    app.add_api_route("/v1/messages", refuse_generation if embeds else create_message, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])

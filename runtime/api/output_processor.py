@@ -59,6 +59,7 @@ class RequestState:
     error: str | None = None
     owner: Any = None
     sent_prompt_logprobs: int = 0  # what `take_delta` handed out so far
+    embedding: list[float] | None = None  # an embedding artifact's result (its final delta carries it)
 
     @property
     def finished(self) -> bool:
@@ -139,6 +140,8 @@ class OutputProcessor:
         (the tokens after the one completing it are dropped)."""
         if d.prompt_logprobs:
             state.prompt_logprobs.extend(map(self._decode_logprobs, d.prompt_logprobs))
+        if d.embedding is not None:
+            state.embedding = d.embedding
         ids, lps, detok = d.token_ids, d.logprobs, seq.detokenizer
         stops = state.params.stop_strings
         shown = len(ids) - (d.finish_reason == "stop")  # eos or a stop token: its text is never shown
@@ -216,7 +219,7 @@ class OutputProcessor:
             new_plp = plp[state.sent_prompt_logprobs:]
             state.sent_prompt_logprobs = len(plp)
         return RequestDelta(state.request_id, completions, len(state.prompt_token_ids), state.finished,
-                            prompt_logprobs=new_plp)
+                            prompt_logprobs=new_plp, embedding=state.embedding)
 
 
 def _truncate_at_stop(seq: SeqState, stops: list[str], before: int) -> bool:

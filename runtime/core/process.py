@@ -36,6 +36,7 @@ import zmq
 from .. import threads
 from ..deferred import Deferred
 from ..droplog import DropLog
+from ..embedding import embedding_section
 from ..errors import KilnRuntimeError, RequestError
 from ..ipc import curve
 from ..ipc.protocol import (
@@ -188,7 +189,8 @@ class EngineCoreProc:
             kv_bytes=int(engine.runner.memory_plan["kv_bytes"]), async_scheduling=engine.async_scheduling,
             speculative=engine.speculative.method if engine.speculative else None, num_threads=num_threads,
             cpus=threads.allowed_cpus(), max_seqs=engine.scheduler.config.max_seqs,
-            max_batched_tokens=engine.scheduler.config.max_batched_tokens)
+            max_batched_tokens=engine.scheduler.config.max_batched_tokens,
+            embedding=embedding_section(manifest))
 
     def register_utility(self, name: str, fn: Callable[..., Any]) -> None:
         """`fn(engine, *args)`, run between two steps for a client's `UtilityCall(name, args)`; its result must

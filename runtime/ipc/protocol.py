@@ -17,10 +17,11 @@ import msgspec
 
 from ..sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 9  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
+PROTOCOL_VERSION = 10  # 2: SamplingParams.structured_output and .thinking; 3: NewRequest.lora_name;
 # 4: CoreStats.spec_num_drafts; 5: CoreStats' KV offload tier counters; 6: CoreInfo's scheduler bounds
 # (cores on other machines may differ); 7: SamplingParams.cache_salt, and prefix-cache keys (kv_events) are
-# 16-byte digests (block_hash.py); 8: GrammarSpec.whitespace; 9: SeqDelta.embedding
+# 16-byte digests (block_hash.py); 8: GrammarSpec.whitespace; 9: SeqDelta.embedding;
+# 10: CoreInfo.embedding
 
 # (token ids, logprobs, ranks) of one position: the chosen/actual token first, then the top-N.
 TokenLogprobs = tuple[list[int], list[float], list[int]]
@@ -83,6 +84,7 @@ class CoreInfo(msgspec.Struct, kw_only=True):
     max_seqs: int  # the scheduler's bounds: sequences running at once, tokens a step
     max_batched_tokens: int
     cpus: list[int] | None = None  # the CPUs the core runs on (its affinity mask)
+    embedding: dict[str, Any] | None = None  # an embedding artifact's manifest `embedding` section (task = embed)
 
 
 class CoreStats(msgspec.Struct, array_like=True):

@@ -14,27 +14,6 @@ from kiln.cli import main  # noqa: E402
 PROMPTS = [[1, 2, 3], list(range(5, 40)), [7] * 17, list(range(100, 130)), [9]]
 
 
-def _build(tmp_path, lib, pooling: str, normalize: bool, chunk: int = 512):
-    ckpt = lib.build_tiny_checkpoint(tmp_path / "ckpt", "qwen3")
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-    (ckpt / "modules.json").write_text(json.dumps(modules))
-    (ckpt / "1_Pooling").mkdir()
-    (ckpt / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 64, "pooling_mode_lasttoken": pooling == "last",
-        "pooling_mode_mean_tokens": pooling == "mean"}))
-    recipe = tmp_path / "r.dsl"
-    assert main(["recipe", "from-hf", str(ckpt), "-o", str(recipe)]) == 0
-    text = recipe.read_text().replace("  dtype   = fp32\n", "  dtype   = fp32\n  task    = embed\n", 1)
-    text = text.replace("chunked_prefill = 512", f"chunked_prefill = {chunk}", 1)
-    assert "task    = embed" in text and f"chunked_prefill = {chunk}" in text
-    recipe.write_text(text)
-    kiln.compile(recipe, tmp_path / "art", progress=False)
-    return ckpt, tmp_path / "art"
-
-
 def _reference(ckpt, pooling: str, normalize: bool) -> list[torch.Tensor]:
     model = transformers.AutoModel.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
     out = []
@@ -48,8 +27,8 @@ def _reference(ckpt, pooling: str, normalize: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("pooling,normalize,chunk", [("last", True, 512), ("mean", True, 512), ("mean", False, 8),
                                                      ("last", False, 8)])
-def test_llm_embed_equals_transformers(tmp_path, tiny_checkpoint_lib, pooling, normalize, chunk):
-    ckpt, art = _build(tmp_path, tiny_checkpoint_lib, pooling, normalize, chunk)
+def test_llm_embed_equals_transformers(tmp_path, build_embed, pooling, normalize, chunk):
+    ckpt, art = build_embed(tmp_path, pooling, normalize, chunk)
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["task"] == "embed"
     assert manifest["embedding"] == {"pooling": pooling, "normalize": normalize, "hidden": 64, "matryoshka": None}
@@ -83,3 +62,19 @@ def test_embed_on_a_mesh_is_refused_at_its_place(tmp_path, tiny_checkpoint_lib):
     with pytest.raises(SourceError, match="task = embed on a parallel mesh") as e:
         kiln.compile(recipe, tmp_path / "art", progress=False)
     assert "r.dsl:" in e.value.format()
+
+
+def test_recipe_from_hf_reads_task_from_modules_json(tmp_path, tiny_checkpoint_lib, sentence_transformers_config):
+    from kiln.recipe_from_hf import recipe_from_hf
+
+    ckpt = tiny_checkpoint_lib.build_tiny_checkpoint(tmp_path / "ckpt", "qwen3")
+    assert "task    =" not in recipe_from_hf(ckpt)  # no modules.json: a generation model
+    (ckpt / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]))
+    assert "task    =" not in recipe_from_hf(ckpt)  # no Pooling module
+    (ckpt / "modules.json").write_text("{not json")
+    assert "task    =" not in recipe_from_hf(ckpt)
+    sentence_transformers_config(ckpt, "last", True)
+    text = recipe_from_hf(ckpt)
+    assert text.count("\n  task    = embed\n") == 1
+    assert "  # task = embed: modules.json lists a sentence-transformers Pooling module" in text
