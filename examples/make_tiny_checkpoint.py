@@ -303,6 +303,7 @@ def build_tiny_checkpoint(
     num_shards: int = 1,
     dtype: torch.dtype = torch.float32,
     legacy_config: bool = False,
+    extra_tokens: tuple[str, ...] = (),
     **config_overrides,
 ) -> pathlib.Path:
     """Write a tiny random `arch` checkpoint into `out_dir` and return its path.
@@ -317,6 +318,8 @@ def build_tiny_checkpoint(
     multipliers and a logits divisor) and phi4_mini (Phi-3 with partial rotary 0.75 and LongRoPE, original
     context 32 of 128).
     `config_overrides` go to the transformers config (e.g. num_hidden_layers=1).
+    `extra_tokens`: words added to the tokenizer as whole (non-special) tokens, at the top ids of the vocabulary
+    (the BPE trains on the rest), e.g. ("yes", "no") for a Qwen3-Reranker-style yes/no scorer.
     transformers 5 writes rope settings as `rope_parameters` (rope_theta inside); `legacy_config=True`
     rewrites config.json the way most hub checkpoints still read: top-level `rope_theta` + `rope_scaling`.
     """
@@ -338,7 +341,10 @@ def build_tiny_checkpoint(
     else:
         model.save_pretrained(out)
 
-    tokenizer = build_tokenizer(config.vocab_size, gemma=arch.startswith("gemma"))
+    tokenizer = build_tokenizer(config.vocab_size - len(extra_tokens), gemma=arch.startswith("gemma"))
+    if extra_tokens:
+        assert tokenizer.add_tokens(list(extra_tokens)) == len(extra_tokens)
+        assert all(len(tokenizer.encode(t, add_special_tokens=False)) == 1 for t in extra_tokens)
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json (the classic layout)
     tokenizer.save_pretrained(out, save_jinja_files=False)
     _edit_json(out / "tokenizer_config.json", _portable_tokenizer_config)

@@ -19,6 +19,7 @@ from .messages_format import anthropic_error, is_messages_path
 from .metrics import CONTENT_TYPE
 from .middleware import BODY_TIMEOUT_S, MAX_BODY_BYTES, BodyLimit
 from .protocol import APIError
+from .rerank import create_rerank, create_score
 from .serving import OpenAIServer, resolve_served_name
 
 
@@ -104,6 +105,8 @@ def build_app(engine: AsyncLLMEngine, *, served_model_name: str | None = None, a
     app.add_api_route("/v1/chat/completions", refuse_generation if embeds else server.chat_completions,
                       methods=["POST"])
     app.add_api_route("/v1/embeddings", create_embeddings, methods=["POST"])
+    app.add_api_route("/v1/rerank", refuse_generation if embeds else create_rerank, methods=["POST"])
+    app.add_api_route("/v1/score", refuse_generation if embeds else create_score, methods=["POST"])
     add_lora_routes(app)
     app.add_api_route("/v1/responses", refuse_generation if embeds else server.create_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
