@@ -47,6 +47,11 @@ class LoRAAdapters:
     async def refresh(self) -> None:
         self.adapters = {a["name"]: a for a in await self._call("list_lora_adapters")}
 
+    async def update(self, method: str, *args: Any) -> None:
+        """Runs a load or unload utility on the core, then re-reads what it serves."""
+        await self._call(method, *args)
+        await self.refresh()
+
     async def exists(self, model: str) -> bool:
         if model in self.adapters:
             return True
@@ -72,30 +77,30 @@ async def _body(request: Request, schema: type[BaseModel]) -> Any:
                        param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
+async def _authenticated(request: Request, schema: type[BaseModel]) -> tuple[Any, Any]:
+    """The server `build_app` keeps in `app.state.server` (serving.OpenAIServer), once the caller is authenticated,
+    and the request body as `schema`."""
+    server = request.app.state.server
+    server.check_auth(request)
+    return server, await _body(request, schema)
+
+
 def add_lora_routes(app: FastAPI) -> None:
     """The adapter routes, over the server `build_app` keeps in `app.state.server` (serving.OpenAIServer)."""
 
     @app.post("/v1/load_lora_adapter")
     async def load(request: Request) -> dict[str, Any]:
-        server = request.app.state.server
-        lora = server.lora
-        server.check_auth(request)
-        req = await _body(request, LoadLoRARequest)
+        server, req = await _authenticated(request, LoadLoRARequest)
         if req.lora_name == server.model_name:
             raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
-        await lora._call("load_lora_adapter", req.lora_name, req.lora_path)
-        await lora.refresh()
+        await server.lora.update("load_lora_adapter", req.lora_name, req.lora_path)
         return {"object": "lora_adapter", "id": req.lora_name, "status": "loaded"}
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(request: Request) -> dict[str, Any]:
-        server = request.app.state.server
-        lora = server.lora
-        server.check_auth(request)
-        req = await _body(request, UnloadLoRARequest)
-        if not await lora.exists(req.lora_name):
+        server, req = await _authenticated(request, UnloadLoRARequest)
+        if not await server.lora.exists(req.lora_name):
             raise APIError(404, f"no LoRA adapter named {req.lora_name!r} is loaded", param="lora_name",
                            code="model_not_found")
-        await lora._call("unload_lora_adapter", req.lora_name)
-        await lora.refresh()
+        await server.lora.update("unload_lora_adapter", req.lora_name)
         return {"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"}

@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from .async_engine import PromptInput
 from .messages_format import MessagesFormatter, as_messages_error
-from .middleware import validation_error
 from .protocol import APIError, ChatCompletionRequest, StrictModel, not_supported
 from .streaming import SSEResponse, until_disconnect
 
@@ -287,25 +286,8 @@ def check_auth(server: OpenAIServer, request: Request) -> None:
 
 
 async def parse(server: OpenAIServer, request: Request, schema: type[CountTokensRequest]) -> Any:
-    """As OpenAIServer.parse, with Anthropic's API key header."""
-    check_auth(server, request)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-    try:
-        parsed = schema.model_validate_json(body)
-    except ValidationError as e:
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as u:
-            raise APIError(400, f"the request body is not valid UTF-8 ({u.reason} at byte {u.start})") from None
-        raise validation_error(e) from None
-    if parsed.model != server.model_name and not await server.lora.exists(parsed.model):
-        raise APIError(404, f"model: {parsed.model!r:.100} does not exist; this server serves "
-                       f"{', '.join(repr(m) for m in [server.model_name, *server.lora.adapters])}",
-                       param="model", code="model_not_found")
-    parsed.check_supported()
-    return parsed
+    """OpenAIServer.parse, with Anthropic's API key header."""
+    return await server.parse(request, schema, lambda r: check_auth(server, r))
 
 
 async def render(server: OpenAIServer, chat: ChatCompletionRequest) -> tuple[str, list[int]]:

@@ -111,11 +111,12 @@ class OpenAIServer:
             raise APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    async def parse(self, request: Request, schema: type[_Req]) -> _Req:
-        """Authenticates, then reads the body (`BodyLimit` bounds its size and the time it may take). A big body
-        costs the event loop one pass of JSON parsing in one go, nothing more: it is gathered as it arrives
-        (no join at the end) and checked for UTF-8 only when the parse fails."""
-        self.check_auth(request)
+    async def parse(self, request: Request, schema: type[_Req],
+                    check_auth: Callable[[Request], None] | None = None) -> _Req:
+        """Authenticates (`check_auth`, default the Bearer check), then reads the body (`BodyLimit` bounds its size
+        and the time it may take). A big body costs the event loop one pass of JSON parsing in one go, nothing
+        more: it is gathered as it arrives (no join at the end) and checked for UTF-8 only when the parse fails."""
+        (check_auth or self.check_auth)(request)
         body = bytearray()
         async for chunk in request.stream():
             body += chunk

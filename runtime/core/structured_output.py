@@ -23,21 +23,18 @@ from typing import Any
 
 import torch
 
-from ..grammar_spec import (  # noqa: F401
-    GRAMMAR_KINDS,
+from ..grammar_spec import (
     GrammarError,
     GrammarSpec,
     choice_ebnf,
-    grammar_spec_from_response_format,
     json_grammar,
-    validate,
     xgrammar_message,
 )
 from ..thinking import ReasoningTracker, ThinkingConfig
 from .sequence import PLACEHOLDER_TOKEN
 
 # GrammarSpec, its parsing and validate() are in grammar_spec.py (SamplingParams carries one, the API server
-# validates it); re-exported here.
+# validates it).
 
 # xgrammar 0.2.8 writes JSON string characters as these classes in the grammars it generates (schemas, the
 # builtin JSON grammar, structural tags' JSON arguments). The length-bounded one (minLength / maxLength) lets

@@ -19,9 +19,8 @@ from kiln.runtime.core.structured_output import (
     GrammarSpec,
     StructuredOutputProcessor,
     eos_token_ids,
-    grammar_spec_from_response_format,
-    validate,
 )
+from kiln.runtime.grammar_spec import grammar_spec_from_response_format, validate
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.thinking import ThinkingConfig, ThinkPhase
 from kiln.runtime.tokenizer import Tokenizer
